@@ -1,0 +1,47 @@
+"""Stage `model`: the starting policy and its tokenizer.
+
+For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
+of the prepared datasets, and saves both with `save_pretrained`. For a user's model directory it
+only checks the directory loads safely and records a pointer (no multi-GB copy).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from components.config import PipelineConfig
+from components.data import SPLITS, iter_jsonl, split_path
+from components.modeling import (build_char_tokenizer, build_tiny_model, count_parameters, resolve_model_dir,
+                                 save_model, write_pointer)
+from components.paths import Paths
+from components.stage_cli import stage_main
+
+
+def dataset_texts(paths: Paths):
+    """Every prompt and answer string of the prepared splits (the tokenizer's alphabet)."""
+    for split in SPLITS:
+        for _, record in iter_jsonl(split_path(paths.data, split)):
+            for key in ("prompt", "answer"):
+                if isinstance(record.get(key), str):
+                    yield record[key]
+
+
+def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
+    out = paths.base_model
+    if cfg.model.name_or_path:
+        resolve_model_dir(cfg.model.name_or_path)
+        write_pointer(out, cfg.model.name_or_path)
+        print(f"model: using {cfg.model.name_or_path}")
+        return
+    tokenizer = build_char_tokenizer(dataset_texts(paths))
+    model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
+    save_model(model, tokenizer, out, extra={"source": "tiny", "parameters": count_parameters(model)})
+    print(f"model: tiny Llama, {count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Build or locate the starting model.", build_base_model, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

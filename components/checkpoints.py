@@ -1,0 +1,86 @@
+"""Atomic, resumable training checkpoints (safetensors weights, weights_only state).
+
+A checkpoint is written under a temporary name and renamed when complete, so a kill or a full disk
+mid-write never leaves a corrupt "latest": the previous checkpoint survives intact. Each carries the
+hash of the inputs it was trained from; a checkpoint from other inputs is never resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PREFIX = "step-"
+KEEP = 2
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)),
+                  key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, state: dict[str, Any],
+                    reference=None) -> Path:
+    """Write step `step` atomically and keep only the newest `KEEP` checkpoints."""
+    from safetensors.torch import save_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:07d}"
+    tmp = root / f".tmp-{PREFIX}{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_model(model, str(tmp / "model.safetensors"))
+        if reference is not None:
+            save_model(reference, str(tmp / "reference.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), **state}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in _step_dirs(root)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: Path, run_hash: str) -> Path | None:
+    """The newest complete checkpoint trained from the same inputs, if any."""
+    for path in reversed(_step_dirs(root)):
+        meta = path / "meta.json"
+        if meta.exists() and json.loads(meta.read_text()).get("run_hash") == run_hash:
+            return path
+    return None
+
+
+def discard_foreign(root: Path, run_hash: str) -> list[Path]:
+    """Remove checkpoints (and stray temp dirs) trained from other inputs; they must never be resumed."""
+    removed = []
+    if not root.exists():
+        return removed
+    for path in root.iterdir():
+        meta = path / "meta.json"
+        foreign = not meta.exists() or json.loads(meta.read_text()).get("run_hash") != run_hash
+        if path.is_dir() and foreign:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, Any]:
+    """Restore weights and optimizer in place; return the rest of the saved state."""
+    from safetensors.torch import load_model
+
+    load_model(model, str(path / "model.safetensors"))
+    if reference is not None and (path / "reference.safetensors").exists():
+        load_model(reference, str(path / "reference.safetensors"))
+    state = torch.load(path / "state.pt", weights_only=True)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    return state

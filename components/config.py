@@ -1,0 +1,422 @@
+"""One typed config, built from params.yaml plus overrides and validated before anything runs.
+
+Config flows one way: params.yaml -> `load_config` -> `PipelineConfig` -> stage functions.
+Every failure is a `ConfigError` whose message names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A params key is unknown, mistyped or out of range; the message names the key."""
+
+
+@dataclass
+class TaskConfig:
+    """The embedded procedural task (used when no user data is given)."""
+
+    name: Literal["addition"] = "addition"
+    """Built-in task generator. `addition`: "37+45=" -> "82"."""
+    min_operand: int = 0
+    """Smallest operand (inclusive)."""
+    max_operand: int = 99
+    """Largest operand (inclusive)."""
+    n_sft: int = 400
+    """Demonstrations for the SFT warm start (kept scarce on purpose: GRPO's verifier is the point)."""
+    n_train: int = 4000
+    """GRPO prompts (answers used only by the reward)."""
+    n_heldout: int = 1000
+    """Held-out evaluation prompts."""
+
+
+@dataclass
+class DataConfig:
+    """User datasets. Any path set here replaces the generated split of the same name."""
+
+    sft_path: str | None = None
+    """JSONL with id, prompt, answer for the SFT warm start."""
+    train_path: str | None = None
+    """JSONL with id, prompt, answer (+ extra columns passed to rewards) for GRPO."""
+    heldout_path: str | None = None
+    """JSONL with id, prompt, answer for held-out evaluation."""
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny Llama built offline when `model.name_or_path` is unset."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (hidden_size must divide by it)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    max_position_embeddings: int = 32
+    """Context length in tokens (characters, with the char tokenizer)."""
+
+
+@dataclass
+class ModelConfig:
+    """The starting policy."""
+
+    name_or_path: str | None = None
+    """A local Hugging Face model directory; unset builds the tiny default from `tiny`."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Architecture of the tiny default."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start: cross-entropy on answer tokens only."""
+
+    enabled: bool = True
+    """Run the SFT stage; when off, GRPO starts from the base model."""
+    epochs: int = 30
+    """Passes over the SFT data."""
+    batch_size: int = 64
+    """Examples per optimizer step."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate (cosine decay to 10%)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+
+@dataclass
+class RewardSpec:
+    """One reward component: a built-in name or `package.module:function`, and its weight."""
+
+    name: str = "exact_match"
+    """Built-in reward name or a dotted path `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this component in the summed reward."""
+
+
+@dataclass
+class ReferenceConfig:
+    """How the KL reference policy evolves."""
+
+    mode: Literal["static", "ema", "periodic"] = "static"
+    """`static`: frozen start policy; `ema`: ref <- (1-a)ref + a*policy each step; `periodic`: copy every `sync_every` steps."""
+    ema_alpha: float = 0.01
+    """EMA rate for `mode: ema`."""
+    sync_every: int = 100
+    """Steps between copies for `mode: periodic`."""
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
+
+    steps: int = 400
+    """Optimizer steps (one rollout each)."""
+    prompts_per_step: int = 16
+    """Distinct prompts sampled per step; the batch is prompts_per_step * group_size completions."""
+    group_size: int = 8
+    """Completions per prompt (G)."""
+    max_completion_length: int = 6
+    """Generated tokens per completion at most (EOS included)."""
+    temperature: float = 1.0
+    """Sampling temperature for rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold for rollouts."""
+    learning_rate: float = 2e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to this fraction of the peak learning rate."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    kl_beta: float = 0.04
+    """KL coefficient; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL(pi || pi_ref) estimator (Schulman's k1/k2/k3)."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    """Loss aggregation: per-sequence mean (`grpo`), batch token mean (`bnpo`/`dapo`), or sum / (N * max_len) (`dr_grpo`)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by group std, batch std, or nothing (Dr. GRPO)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Per-token ratios, or one length-normalised ratio per sequence (GSPO)."""
+    num_iterations: int = 1
+    """Policy updates per rollout (mu); old log-probs are cached at rollout time."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """KL reference policy."""
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Reward components; their weighted sum drives the advantages."""
+    checkpoint_every: int = 50
+    """Steps between resumable checkpoints (0 disables)."""
+    log_every: int = 10
+    """Steps between progress lines."""
+
+
+@dataclass
+class EvaluateConfig:
+    """Held-out evaluation with greedy decoding."""
+
+    max_new_tokens: int = 6
+    """Greedy decoding budget per prompt."""
+    batch_size: int = 250
+    """Prompts decoded at once."""
+    bootstrap_samples: int = 10000
+    """Resamples for the paired 95% bootstrap interval."""
+
+
+@dataclass
+class RegisterConfig:
+    """MLflow Model Registry."""
+
+    model_name: str = "grpo-addition"
+    """Registered model name."""
+    min_ci_low: float = 0.0
+    """A challenger replaces the champion only if the CI lower bound of its improvement exceeds this."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking."""
+
+    experiment: str = "grpo-pipeline"
+    """Experiment holding the pipeline's runs."""
+
+
+@dataclass
+class PipelineConfig:
+    """Everything a pipeline run needs; mirrors params.yaml key for key."""
+
+    seed: int = 1234
+    """One seed for Python, NumPy, torch, data order and the rollout sampler."""
+    threads: int = 2
+    """torch intra-op threads (0 = leave torch's default)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Training device; `auto` picks CUDA when present."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    register: RegisterConfig = field(default_factory=RegisterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting YAML scalars where lossless."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return [_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)" if close else ""
+            raise ConfigError(f"{full}: unknown key{hint}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse a `--set` value the way YAML would ("0.1" -> 0.1, "true" -> True, "null" -> None)."""
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `key.sub=value` override to a raw params mapping in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"{assignment}: overrides look like key.sub=value")
+    dotted, text = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: '{part}' is not a section")
+    node[parts[-1]] = _parse_scalar(text)
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    """Read a params YAML file into a plain mapping (empty file -> {})."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: params file does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return raw
+
+
+def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    """Build and validate a config from a raw mapping."""
+    cfg = _build(PipelineConfig, raw)
+    validate_config(cfg)
+    return cfg
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = None) -> PipelineConfig:
+    """params.yaml + `key=value` overrides -> a validated `PipelineConfig`."""
+    raw = read_params(path)
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def _require(condition: bool, key: str, rule: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {rule}")
+
+
+def validate_config(cfg: PipelineConfig) -> None:
+    """Refuse settings that cannot work, before any data or model is touched."""
+    t, g, s, e = cfg.task, cfg.grpo, cfg.sft, cfg.evaluate
+    _require(cfg.threads >= 0, "threads", "must be >= 0")
+    _require(0 <= t.min_operand <= t.max_operand, "task.max_operand", "must be >= task.min_operand >= 0")
+    for name in ("n_sft", "n_train", "n_heldout"):
+        _require(getattr(t, name) >= 1, f"task.{name}", "must be >= 1")
+    span = (t.max_operand - t.min_operand + 1) ** 2
+    _require(t.n_sft + t.n_train + t.n_heldout <= span, "task.n_train",
+             f"n_sft + n_train + n_heldout exceeds the {span} distinct problems of the operand range")
+    tiny = cfg.model.tiny
+    _require(tiny.hidden_size % tiny.num_heads == 0, "model.tiny.num_heads", "must divide model.tiny.hidden_size")
+    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+        _require(getattr(tiny, name) >= 1, f"model.tiny.{name}", "must be >= 1")
+    _require(s.epochs >= 1, "sft.epochs", "must be >= 1")
+    _require(s.batch_size >= 1, "sft.batch_size", "must be >= 1")
+    _require(s.learning_rate > 0, "sft.learning_rate", "must be > 0")
+    _require(g.steps >= 1, "grpo.steps", "must be >= 1")
+    _require(g.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
+    _require(g.group_size >= 2, "grpo.group_size",
+             "must be >= 2: group-relative advantages need at least two completions per prompt")
+    _require(g.max_completion_length >= 1, "grpo.max_completion_length", "must be >= 1")
+    _require(g.temperature > 0, "grpo.temperature", "must be > 0")
+    _require(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
+    _require(g.learning_rate > 0, "grpo.learning_rate", "must be > 0")
+    _require(g.warmup_steps >= 0, "grpo.warmup_steps", "must be >= 0")
+    _require(0 <= g.min_lr_ratio <= 1, "grpo.min_lr_ratio", "must be in [0, 1]")
+    _require(g.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
+    _require(g.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
+    _require(0 < g.epsilon < 1, "grpo.epsilon", "must be in (0, 1)")
+    _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", "must be > 0")
+    _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    _require(0 < g.reference.ema_alpha <= 1, "grpo.reference.ema_alpha", "must be in (0, 1]")
+    _require(g.reference.sync_every >= 1, "grpo.reference.sync_every", "must be >= 1")
+    _require(g.checkpoint_every >= 0, "grpo.checkpoint_every", "must be >= 0")
+    _require(g.log_every >= 1, "grpo.log_every", "must be >= 1")
+    _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
+    from components.rewards import resolve_reward  # local: rewards may import user code
+
+    for i, spec in enumerate(g.rewards):
+        try:
+            resolve_reward(spec.name)
+        except (KeyError, ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(f"grpo.rewards[{i}].name: {err}") from err
+    _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
+    _require(e.batch_size >= 1, "evaluate.batch_size", "must be >= 1")
+    _require(e.bootstrap_samples >= 100, "evaluate.bootstrap_samples", "must be >= 100")
+    _require(bool(cfg.register.model_name.strip()), "register.model_name", "must not be empty")
+    if cfg.model.name_or_path is None:
+        longest_prompt = len(f"{t.max_operand}+{t.max_operand}=")
+        _require(longest_prompt + g.max_completion_length <= tiny.max_position_embeddings,
+                 "grpo.max_completion_length",
+                 f"prompt ({longest_prompt}) + completion ({g.max_completion_length}) tokens exceed "
+                 f"model.tiny.max_position_embeddings ({tiny.max_position_embeddings})")
+
+
+def to_flat_dict(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into `a.b.c -> value` for MLflow params."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(to_flat_dict(value, key + "."))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    out.update(to_flat_dict(item, f"{key}.{i}."))
+                else:
+                    out[f"{key}.{i}"] = item
+        else:
+            out[key] = value
+    return out
+
+
+def section_hash(*sections: Any) -> str:
+    """Stable short hash of config sections: keys resume state and lineage tags to their inputs."""
+    payload = json.dumps([dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections],
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

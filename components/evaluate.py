@@ -1,0 +1,101 @@
+"""Stage `evaluate`: greedy held-out reward of the baseline (SFT or base) and the GRPO model.
+
+Both models answer the same prompts; the improvement is paired per prompt and its 95% interval
+comes from a seeded bootstrap over prompts. Per-prompt results go to eval/predictions.jsonl, which
+register later uses to compare a challenger with the champion on the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from components.config import PipelineConfig, to_flat_dict
+from components.data import file_md5, read_jsonl, split_path, write_jsonl
+from components.modeling import load_model, load_tokenizer, pick_device, seed_everything
+from components.paths import Paths
+from components.rewards import RewardModel
+from components.rollout import decode_completions, sample_groups
+from components.stage_cli import stage_main
+
+
+def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
+    """Mean paired difference and its 95% percentile-bootstrap interval (prompts resampled)."""
+    diffs = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(diffs), size=(samples, len(diffs)))
+    means = diffs[idx].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
+
+
+def greedy_completions(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int,
+                       device: torch.device) -> list[str]:
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, device)
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], 1, max_new_tokens, greedy=True)
+        out += decode_completions(tokenizer, rollout)
+    return out
+
+
+def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
+    columns = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r} - {"prompt"})}
+    return rewards([r["prompt"] for r in records], completions, columns).total
+
+
+def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
+    from components.tracking import stage_run
+
+    e = cfg.evaluate
+    seed_everything(cfg.seed, cfg.threads)
+    device = pick_device(cfg.device)
+    heldout_file = split_path(paths.data, "heldout")
+    records = read_jsonl(heldout_file)
+    prompts = [r["prompt"] for r in records]
+    rewards = RewardModel(cfg.grpo.rewards)
+    results: dict[str, dict[str, Any]] = {}
+    with stage_run(cfg.tracking.experiment, "evaluate", to_flat_dict(cfg)) as run:
+        for role, model_dir in (("baseline", paths.sft_model), ("candidate", paths.grpo_model)):
+            completions = greedy_completions(model_dir, prompts, e.max_new_tokens, e.batch_size, device)
+            per_prompt = score(records, completions, rewards)
+            results[role] = {"completions": completions, "rewards": per_prompt}
+            print(f"evaluate: {role} ({model_dir}) mean reward {np.mean(per_prompt):.4f} on {len(records)} prompts")
+        base, cand = np.array(results["baseline"]["rewards"]), np.array(results["candidate"]["rewards"])
+        improvement = paired_bootstrap(cand, base, e.bootstrap_samples, cfg.seed)
+        report = {
+            "n": len(records), "heldout_md5": file_md5(heldout_file),
+            "baseline": {"model": str(paths.sft_model), "mean_reward": float(base.mean())},
+            "candidate": {"model": str(paths.grpo_model), "mean_reward": float(cand.mean())},
+            "improvement": improvement,
+        }
+        paths.metrics.mkdir(parents=True, exist_ok=True)
+        (paths.metrics / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_jsonl(paths.eval_dir / "predictions.jsonl", [
+            {"id": r.get("id"), "prompt": r["prompt"], "answer": r.get("answer"),
+             "baseline_completion": bc, "baseline_reward": br, "candidate_completion": cc, "candidate_reward": cr}
+            for r, bc, br, cc, cr in zip(records, results["baseline"]["completions"], base.tolist(),
+                                          results["candidate"]["completions"], cand.tolist())])
+        run.log_metrics({"baseline_mean_reward": report["baseline"]["mean_reward"],
+                         "candidate_mean_reward": report["candidate"]["mean_reward"],
+                         "improvement_mean": improvement["mean"], "improvement_ci95_low": improvement["ci95_low"],
+                         "improvement_ci95_high": improvement["ci95_high"]})
+        run.log_artifact(paths.metrics / "eval.json")
+        run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
+    print(f"evaluate: improvement {improvement['mean']:+.4f} "
+          f"(95% CI {improvement['ci95_low']:+.4f} .. {improvement['ci95_high']:+.4f})")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Held-out evaluation.", evaluate, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Build or load the policy model and tokenizer; seeding and device choice.
+
+The embedded default is a tiny Llama plus a character-level tokenizer built offline from the
+characters of the datasets in use, so it also fits a user's own small-alphabet task. Any local
+Hugging Face directory replaces it through `model.name_or_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from components.config import PipelineConfig, TinyModelConfig
+
+SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<bos>", "eos": "<eos>", "unk": "<unk>"}
+POINTER_FILE = "pointer.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model path is missing, unsafe or unusable; the message says which and why."""
+
+
+def seed_everything(seed: int, threads: int = 0) -> None:
+    """Seed Python, NumPy and torch, pin the thread count and ask torch for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def pick_device(requested: str) -> torch.device:
+    """`auto` -> CUDA when present, else CPU; an explicit `cuda` without a GPU is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device: 'cuda' requested but no CUDA device is available")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def build_char_tokenizer(texts: Iterable[str]):
+    """A `PreTrainedTokenizerFast` with one token per character seen in `texts` (plus specials)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted({ch for text in texts for ch in text})
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, padding_side="left",
+        **{f"{k}_token": v for k, v in SPECIAL_TOKENS.items()},
+    )
+
+
+def build_tiny_model(tiny: TinyModelConfig, tokenizer, seed: int):
+    """A randomly initialised Llama sized by `tiny`, with tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size, max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def write_pointer(out_dir: Path, target: str) -> None:
+    """Record that the base model lives elsewhere (a user's directory), without copying its weights."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / POINTER_FILE).write_text(json.dumps({"name_or_path": target}, indent=2) + "\n")
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """Follow a base-model pointer, and refuse directories that cannot be loaded safely."""
+    path = Path(path)
+    for _ in range(8):  # models/sft may point at models/base, which may point at a user's directory
+        pointer = path / POINTER_FILE
+        if not pointer.exists():
+            break
+        path = Path(json.loads(pointer.read_text())["name_or_path"])
+    if not path.exists():
+        hint = ""
+        if os.environ.get("HF_HUB_OFFLINE") == "1" and "/" in str(path) and not str(path).startswith((".", "/")):
+            hint = (" It looks like a hub id, and HF_HUB_OFFLINE=1: download it first "
+                    "(huggingface-cli download ID --local-dir DIR) and set model.name_or_path to DIR.")
+        raise ModelLoadError(f"model path {path} does not exist.{hint}")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    if not any(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt", ".pkl"}]
+        if pickles:
+            raise ModelLoadError(f"{path}: weights {pickles} are pickle files; only safetensors are loaded "
+                                 "(convert them with safetensors.torch.save_file)")
+        raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    return path
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer, left-padded for generation, with a pad token even when the model had none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):
+    """Load a causal LM from safetensors only (`use_safetensors=True`), in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype,
+                                                 use_safetensors=True)
+    return model.to(device).eval()
+
+
+def save_model(model, tokenizer, out_dir: Path, extra: dict[str, Any] | None = None) -> None:
+    """Save an HF checkpoint (safetensors) plus an optional JSON of provenance."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    if extra is not None:
+        (out_dir / "provenance.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+
+
+def context_length(model_or_config) -> int:
+    """Longest sequence (prompt + completion) the model accepts."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(getattr(config, "max_position_embeddings", 2048))
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def base_model_source(cfg: PipelineConfig) -> str:
+    """What the `model` stage starts from, for logs: the tiny default or the user's directory."""
+    return cfg.model.name_or_path or "tiny-llama (built offline from params)"

@@ -1,0 +1,138 @@
+"""GRPO objective: advantages, KL estimators and the clipped surrogate, as pure tensor math.
+
+Nothing here knows about models or data, so every formula is unit-tested against hand-computed
+numbers (tests/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
+real completion tokens and 0 on padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """A_i = r_i - mean(group), divided by the group std (GRPO), the batch std, or nothing (Dr. GRPO).
+
+    `rewards` is flat with each prompt's `group_size` completions adjacent. Standard deviations are
+    unbiased (n - 1), as in TRL, so results compare one to one.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale_rewards {scale!r}")
+    return centred.reshape(-1)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL").
+
+    With log r = log pi_ref - log pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (>= 0).
+    """
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.pow(2)
+    if estimator == "k3":
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown kl_estimator {estimator!r}")
+
+
+@dataclass
+class LossOutput:
+    """The scalar loss and detached diagnostics of one policy-loss evaluation."""
+
+    loss: torch.Tensor
+    pg_loss: torch.Tensor
+    kl: torch.Tensor
+    clip_low_frac: torch.Tensor
+    clip_high_frac: torch.Tensor
+    ratio_mean: torch.Tensor
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, max_completion_length: int,
+              num_sequences: float | None = None, num_tokens: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    `grpo`: mean over each sequence's tokens, then over sequences. `bnpo`/`dapo`: sum over all
+    tokens / number of tokens. `dr_grpo`: sum / (sequences * max_completion_length).
+    `num_sequences` / `num_tokens` override the local counts so that minibatches (or ranks) that
+    each see part of a batch add up to exactly the full-batch loss.
+    """
+    mask = mask.to(per_token.dtype)
+    n_seq = float(per_token.shape[0]) if num_sequences is None else num_sequences
+    if loss_type == "grpo":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / n_seq
+    if loss_type in ("bnpo", "dapo"):
+        n_tok = mask.sum().clamp(min=1.0) if num_tokens is None else max(num_tokens, 1.0)
+        return (per_token * mask).sum() / n_tok
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (n_seq * max_completion_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                loss_type: LossType = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                importance_sampling_level: Literal["token", "sequence"] = "token",
+                ref_logp: torch.Tensor | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
+                max_completion_length: int | None = None, num_sequences: float | None = None,
+                num_tokens: float | None = None) -> LossOutput:
+    """Clipped importance-ratio surrogate plus beta * KL, aggregated by `loss_type`.
+
+    per-token loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * KL, where rho
+    is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence.
+    """
+    maskf = mask.to(logp.dtype)
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    adv = advantages.unsqueeze(-1)
+    pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)
+    max_len = max_completion_length if max_completion_length is not None else logp.shape[-1]
+    agg = dict(loss_type=loss_type, max_completion_length=max_len, num_sequences=num_sequences,
+               num_tokens=num_tokens)
+    pg_loss = aggregate(pg_per_token, mask, **agg)
+    if beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs reference log-probs")
+        kl_per_token = kl_estimate(logp, ref_logp, kl_estimator)
+        kl = aggregate(kl_per_token, mask, **agg)
+        loss = pg_loss + beta * kl
+    else:
+        kl = torch.zeros((), dtype=logp.dtype)
+        loss = pg_loss
+    with torch.no_grad():
+        ratio_tok = ratio.expand_as(logp)
+        low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)
+        high = ((ratio_tok > 1.0 + epsilon_high) & (adv > 0)).to(logp.dtype)
+        n = maskf.sum().clamp(min=1.0)
+        stats = dict(clip_low_frac=(low * maskf).sum() / n, clip_high_frac=(high * maskf).sum() / n,
+                     ratio_mean=(ratio_tok * maskf).sum() / n)
+    return LossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), **stats)
+
+
+def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of the next-token distributions at real completion positions."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    maskf = mask.to(entropy.dtype)
+    return (entropy * maskf).sum() / maskf.sum().clamp(min=1.0)

@@ -1,0 +1,166 @@
+"""Stage `register`: log the GRPO model to MLflow, register a version, and gate the `champion` alias.
+
+Every new version gets alias `challenger`. It becomes `champion` only when there is no champion yet,
+or when on the same held-out set (same file hash) it beats the champion: mean paired improvement
+over the champion's own per-prompt rewards > 0 with the bootstrap CI lower bound above
+`register.min_ci_low`. Registration is keyed by the candidate's content hash, so re-running it
+never creates a duplicate version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from components.config import PipelineConfig, section_hash, to_flat_dict
+from components.data import SPLITS, dir_md5, file_md5, read_jsonl, split_path
+from components.evaluate import paired_bootstrap
+from components.paths import Paths
+from components.stage_cli import stage_main
+
+SERVING_MODULE = Path(__file__).with_name("serving_model.py")
+PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
+
+
+def git_commit(root: Path = Path(".")) -> str:
+    """HEAD's commit, suffixed `-dirty` when tracked files differ from it."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], candidate_md5: str) -> dict[str, str]:
+    """What a registered version needs to recover its exact inputs and judge it."""
+    tags = {f"data.{split}.md5": file_md5(split_path(paths.data, split)) for split in SPLITS}
+    tags.update({
+        "git_commit": git_commit(paths.root), "params_hash": section_hash(cfg), "candidate_md5": candidate_md5,
+        "heldout_md5": evaluation["heldout_md5"], "heldout_n": str(evaluation["n"]),
+        "heldout_mean_reward": f"{evaluation['candidate']['mean_reward']:.6f}",
+        "improvement_vs_baseline": f"{evaluation['improvement']['mean']:.6f}",
+        "improvement_ci95_low": f"{evaluation['improvement']['ci95_low']:.6f}",
+        "improvement_ci95_high": f"{evaluation['improvement']['ci95_high']:.6f}",
+    })
+    return tags
+
+
+def _champion(client, name: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return None
+
+
+def champion_rewards(client, champion) -> dict[str, float] | None:
+    """The champion's per-prompt held-out rewards (id -> reward), from its run's artifacts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(champion.run_id, "eval/predictions.jsonl", tmp)
+        except Exception:  # noqa: BLE001 - a champion without predictions cannot be compared
+            return None
+        return {str(r["id"]): float(r["candidate_reward"]) for r in read_jsonl(local)}
+
+
+def decide(client, name: str, version: str, evaluation: dict[str, Any], predictions: list[dict[str, Any]],
+           cfg: PipelineConfig) -> dict[str, Any]:
+    """Whether `version` should take the `champion` alias, and why."""
+    champion = _champion(client, name)
+    if champion is None:
+        return {"promote": True, "reason": "no champion yet", "champion_version": None}
+    if champion.version == version:
+        return {"promote": True, "reason": "already champion", "champion_version": version}
+    base = {"champion_version": champion.version}
+    if champion.tags.get("heldout_md5") != evaluation["heldout_md5"]:
+        return base | {"promote": False, "reason": (
+            f"champion v{champion.version} was evaluated on a different held-out set "
+            f"({champion.tags.get('heldout_md5')} vs {evaluation['heldout_md5']}); not comparable")}
+    theirs = champion_rewards(client, champion)
+    ids = [str(p["id"]) for p in predictions]
+    if theirs is None or any(i not in theirs for i in ids):
+        return base | {"promote": False, "reason": f"champion v{champion.version} has no per-prompt held-out rewards"}
+    ours = np.array([p["candidate_reward"] for p in predictions])
+    champ = np.array([theirs[i] for i in ids])
+    cmp = paired_bootstrap(ours, champ, cfg.evaluate.bootstrap_samples, cfg.seed)
+    wins = cmp["mean"] > 0 and cmp["ci95_low"] > cfg.register.min_ci_low
+    verdict = "beats" if wins else "does not beat"
+    return base | {"promote": bool(wins), "vs_champion": cmp, "reason": (
+        f"{verdict} champion v{champion.version}: improvement {cmp['mean']:+.4f} "
+        f"(95% CI {cmp['ci95_low']:+.4f} .. {cmp['ci95_high']:+.4f}, needs low > {cfg.register.min_ci_low})")}
+
+
+def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
+    import mlflow
+
+    from components.tracking import client as mlflow_client
+    from components.tracking import stage_run
+
+    name = cfg.register.model_name
+    evaluation = json.loads((paths.metrics / "eval.json").read_text())
+    predictions = read_jsonl(paths.eval_dir / "predictions.jsonl")
+    candidate_md5 = dir_md5(paths.grpo_model)
+    client = mlflow_client()
+    existing = []
+    if client.search_registered_models(filter_string=f"name = '{name}'"):
+        existing = [v for v in client.search_model_versions(f"name = '{name}'")
+                    if v.tags.get("candidate_md5") == candidate_md5 and v.tags.get("registration") == "complete"]
+    with stage_run(cfg.tracking.experiment, "register", to_flat_dict(cfg)) as run:
+        if existing:
+            version = existing[0]
+            print(f"register: candidate {candidate_md5} is already version {version.version}; not registering again")
+        else:
+            from mlflow.models import ModelSignature
+            from mlflow.types import ColSpec, Schema
+
+            tags = lineage_tags(cfg, paths, evaluation, candidate_md5)
+            run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
+            run.log_artifact(paths.metrics / "eval.json")
+            with mlflow.start_run(run_id=run.run_id):
+                info = mlflow.pyfunc.log_model(
+                    name="model", python_model=str(SERVING_MODULE), artifacts={"model_dir": str(paths.grpo_model)},
+                    pip_requirements=PIP_REQUIREMENTS, model_config={"max_new_tokens": cfg.evaluate.max_new_tokens},
+                    signature=ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
+                                             outputs=Schema([ColSpec("string")])))
+            if not client.search_registered_models(filter_string=f"name = '{name}'"):
+                client.create_registered_model(name)
+            version = client.create_model_version(name, info.model_uri, run_id=run.run_id, tags=tags)
+            # Only a version whose artifacts and tags are all in place is marked complete.
+            client.set_model_version_tag(name, version.version, "registration", "complete")
+            version = client.get_model_version(name, version.version)
+        decision = decide(client, name, version.version, evaluation, predictions, cfg)
+        client.set_registered_model_alias(name, "challenger", version.version)
+        if decision["promote"]:
+            client.set_registered_model_alias(name, "champion", version.version)
+        for key, value in (("promotion.decision", "champion" if decision["promote"] else "challenger"),
+                           ("promotion.reason", decision["reason"])):
+            client.set_model_version_tag(name, version.version, key, value)
+        run.set_tags({"promotion.decision": "champion" if decision["promote"] else "challenger",
+                      "promotion.reason": decision["reason"], "model_version": version.version})
+    uri = f"models:/{name}/{version.version}"
+    result = {"model_name": name, "version": version.version, "model_uri": uri, "promoted": decision["promote"],
+              "reason": decision["reason"], "champion_version": decision.get("champion_version"),
+              "champion_uri": f"models:/{name}@champion", "candidate_md5": candidate_md5,
+              "vs_champion": decision.get("vs_champion")}
+    paths.metrics.mkdir(parents=True, exist_ok=True)
+    (paths.metrics / "register.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(f"register: {uri} -> {'champion' if decision['promote'] else 'challenger'} ({decision['reason']})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Register the model in MLflow and gate the champion alias.", register, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

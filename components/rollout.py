@@ -1,0 +1,121 @@
+"""Batched group sampling and per-token log-probs.
+
+Each prompt is encoded once; its KV cache is then expanded G times, and a lean decode loop samples
+all completions together, stopping as soon as every sequence has emitted EOS. Prompts are
+left-padded and position ids follow the attention mask, so the log-probs recomputed by
+`completion_logprobs` for the loss match the sampling distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """Sampled completions with everything the loss needs; rows are prompt-major (groups adjacent)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T] right-padded with pad after EOS
+    completion_mask: torch.Tensor  # [N, T] 1 on tokens up to and including EOS
+    truncated: torch.Tensor  # [N] bool: no EOS within the budget
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: 0 at each row's first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask tokens outside the smallest set whose probability reaches `top_p`."""
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@torch.no_grad()  # not inference_mode: the sampled ids feed the autograd forward of the loss
+def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
+                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                  generator: torch.Generator | None = None) -> Rollout:
+    """Sample `group_size` completions for each prompt (greedy decoding when `greedy`)."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
+                use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1, :]
+    if group_size > 1:
+        cache.batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)
+        prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    n = prompt_ids.shape[0]
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype, device=device)], 1)
+    next_pos = prompt_mask.sum(-1, keepdim=True)
+    prompt_len = prompt_ids.shape[1]
+    length = 0
+    for t in range(max_new_tokens):
+        if greedy:
+            next_tok = logits.argmax(-1)
+        else:
+            scaled = logits.float() / temperature
+            if top_p < 1.0:
+                scaled = _filter_top_p(scaled, top_p)
+            next_tok = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator).squeeze(-1)
+        next_tok = torch.where(finished, torch.full_like(next_tok, pad_id), next_tok)
+        tokens[:, t] = next_tok
+        length = t + 1
+        finished |= next_tok == eos_id
+        if bool(finished.all()) or t == max_new_tokens - 1:
+            break
+        out = model(input_ids=next_tok[:, None], attention_mask=attention[:, : prompt_len + t + 1],
+                    position_ids=next_pos + t, past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1, :]
+    tokens = tokens[:, :length]
+    is_eos = tokens == eos_id
+    # Mask: every token up to and including the first EOS (all tokens when there is none).
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    completion_mask = (~after_eos).long()
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
+                   completion_mask=completion_mask, truncated=~is_eos.any(-1))
+
+
+def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,
+                        return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature)."""
+    attention = rollout.attention_mask
+    out = model(input_ids=rollout.input_ids, attention_mask=attention, position_ids=positions_from_mask(attention),
+                use_cache=False)
+    prompt_len, comp_len = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    logits = out.logits[:, prompt_len - 1: prompt_len - 1 + comp_len, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logp, (logits if return_logits else None)
+
+
+def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+    """Completion text before EOS (special tokens dropped)."""
+    eos_id = tokenizer.eos_token_id
+    texts = []
+    for row in rollout.completion_ids.tolist():
+        if eos_id in row:
+            row = row[: row.index(eos_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts

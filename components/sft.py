@@ -1,0 +1,100 @@
+"""Stage `sft`: optional supervised warm start, cross-entropy on answer tokens (+ EOS) only.
+
+When `sft.enabled` is false it records a pointer to the base model, so later stages always read
+models/sft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import torch
+
+from components.config import PipelineConfig, to_flat_dict
+from components.data import read_jsonl, split_path
+from components.modeling import load_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
+from components.paths import Paths
+from components.rollout import positions_from_mask
+from components.stage_cli import stage_main
+
+
+def encode_sft(tokenizer, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask, and labels with prompt and padding set to -100."""
+    rows, labels = [], []
+    for r in records:
+        prompt = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+        answer = tokenizer(str(r["answer"]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, label) in enumerate(zip(rows, labels)):
+        ids[i, : len(row)], lab[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), torch.tensor(label), 1
+    return ids, mask, lab
+
+
+def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
+    from components.tracking import stage_run
+
+    s = cfg.sft
+    paths.metrics.mkdir(parents=True, exist_ok=True)
+    if not s.enabled:
+        write_pointer(paths.sft_model, str(paths.base_model))
+        summary = {"enabled": False}
+        (paths.metrics / "sft.json").write_text(json.dumps(summary) + "\n")
+        print("sft: disabled; GRPO starts from the base model")
+        return summary
+    seed_everything(cfg.seed, cfg.threads)
+    device = pick_device(cfg.device)
+    tokenizer = load_tokenizer(paths.base_model)
+    model = load_model(paths.base_model, device).train()
+    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, read_jsonl(split_path(paths.data, "sft"))))
+    n = ids.shape[0]
+    steps_per_epoch = math.ceil(n / s.batch_size)
+    total = steps_per_epoch * s.epochs
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, k / max(1, total)))))
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    started = time.perf_counter()
+    with stage_run(cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
+        step = 0
+        for epoch in range(s.epochs):
+            order = torch.randperm(n, generator=gen).to(device)
+            epoch_loss = 0.0
+            for start in range(0, n, s.batch_size):
+                idx = order[start: start + s.batch_size]
+                m = mask[idx]
+                logits = model(input_ids=ids[idx], attention_mask=m, position_ids=positions_from_mask(m)).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                         labels[idx][:, 1:].reshape(-1), ignore_index=-100)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                epoch_loss += loss.item() * len(idx)
+            run.log_metrics({"loss": epoch_loss / n}, step=epoch + 1, flush=False)
+            if (epoch + 1) % max(1, s.epochs // 5) == 0 or epoch + 1 == s.epochs:
+                rate = step / (time.perf_counter() - started)
+                print(f"sft: epoch {epoch + 1}/{s.epochs} loss {epoch_loss / n:.4f} | {rate:.1f} steps/s, "
+                      f"ETA {(total - step) / rate:.0f}s", flush=True)
+        summary = {"enabled": True, "final_loss": round(epoch_loss / n, 6), "examples": n, "steps": step}
+        run.log_metrics({"final_loss": epoch_loss / n})
+    save_model(model, tokenizer, paths.sft_model, extra={"stage": "sft", "steps": step})
+    (paths.metrics / "sft.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Supervised warm start.", train_sft, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

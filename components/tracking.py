@@ -1,0 +1,107 @@
+"""MLflow runs addressed by explicit run ids (the fluent active run is thread-local).
+
+A pipeline run owns one parent run; each stage opens a nested child of the run id found in
+`GRPO_PARENT_RUN_ID`, or a standalone run when a stage is launched on its own (plain `dvc repro`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY", re.IGNORECASE)
+
+
+def tracking_uri(root: Path = Path(".")) -> str:
+    """`MLFLOW_TRACKING_URI` when set, else the SQLite store `mlflow.db` at the repository root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def is_secret_key(name: str) -> bool:
+    """Names that must never be logged (tokens, passwords, cloud keys)."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def client():
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(tracking_uri())
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def experiment_id(name: str) -> str:
+    c = client()
+    exp = c.get_experiment_by_name(name)
+    return exp.experiment_id if exp is not None else c.create_experiment(name)
+
+
+class StageRun:
+    """A thin handle over one MLflow run: metrics batched, params stringified, secrets dropped."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._client = client()
+        self._pending: list[Any] = []
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items() if not is_secret_key(k)]
+        for i in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[i: i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, flush: bool = True) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._pending += [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v == v]
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self._pending), 1000):
+            self._client.log_batch(self.run_id, metrics=self._pending[i: i + 1000])
+        self._pending = []
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self._client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        elif path.exists():
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
+              tags: dict[str, str] | None = None) -> StageRun:
+    """Create a run (a child of `parent_run_id` when given) and return its handle."""
+    all_tags = dict(tags or {})
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    all_tags["mlflow.runName"] = run_name
+    run = client().create_run(experiment_id(experiment), run_name=run_name, tags=all_tags)
+    return StageRun(run.info.run_id)
+
+
+@contextlib.contextmanager
+def stage_run(experiment: str, stage: str, params: dict[str, Any] | None = None) -> Iterator[StageRun]:
+    """A nested run for one stage; marked FAILED if the stage raises, FINISHED otherwise."""
+    run = start_run(experiment, stage, os.environ.get(PARENT_RUN_ENV), tags={"grpo.stage": stage})
+    if params:
+        run.log_params(params)
+    status = "FAILED"
+    try:
+        yield run
+        status = "FINISHED"
+    finally:
+        run.flush()
+        client().set_terminated(run.run_id, status=status)

@@ -1,0 +1,167 @@
+"""Stage `validate`: a Great Expectations 1.x suite per dataset, reported row by row.
+
+Rules: required columns, string and non-blank prompts, unique ids, answers present (the reward
+needs them), prompt + completion within the model's context in real tokens, and no prompt shared
+between training data and held-out data (exact and after whitespace/case normalisation).
+On failure every broken rule is printed with the file, the ids and rows, the result is saved to
+metrics/validation.json, and the stage exits non-zero so nothing downstream runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.config import PipelineConfig
+from components.data import REQUIRED_COLUMNS, SPLITS, read_jsonl, split_path
+from components.modeling import context_length, load_tokenizer
+from components.paths import Paths
+from components.stage_cli import StageFailed, stage_main
+
+MAX_IDS_SHOWN = 20
+
+
+def normalise_prompt(text: Any) -> str:
+    """Lower-cased, whitespace-collapsed prompt: catches leakage that differs only in spacing/case."""
+    return " ".join(str(text).split()).lower()
+
+
+@dataclass
+class Violation:
+    """One failed rule in one file, with the offending ids and 1-based rows."""
+
+    file: str
+    rule: str
+    expectation: str
+    ids: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+    def message(self) -> str:
+        shown = ", ".join(self.ids[:MAX_IDS_SHOWN]) + (" ..." if len(self.ids) > MAX_IDS_SHOWN else "")
+        rows = ", ".join(map(str, self.rows[:MAX_IDS_SHOWN])) + (" ..." if len(self.rows) > MAX_IDS_SHOWN else "")
+        where = f": ids [{shown}] (rows {rows})" if self.ids else ""
+        return f"{self.file}: rule '{self.rule}' failed ({self.expectation}){where}"
+
+
+def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | None):
+    """The dataset as a DataFrame plus the derived columns the expectations check."""
+    import pandas as pd
+
+    df = pd.DataFrame.from_records(records)
+    if "prompt" in df:
+        prompts = df["prompt"]
+        df["_prompt_type"] = prompts.map(lambda v: type(v).__name__)
+        df["_prompt_chars"] = prompts.map(lambda v: len(v.strip()) if isinstance(v, str) else 0)
+        text = prompts.map(lambda v: v if isinstance(v, str) else "")
+        df["_prompt_tokens"] = [len(ids) for ids in tokenizer(list(text), add_special_tokens=False).input_ids]
+        if "answer" in df:
+            answers = df["answer"].map(lambda v: "" if v is None else str(v))
+            df["_sft_tokens"] = [len(ids) + 1 for ids in  # + EOS
+                                 tokenizer([p + a for p, a in zip(text, answers)], add_special_tokens=False).input_ids]
+        if heldout_norm is not None:
+            df["_prompt_norm"] = prompts.map(normalise_prompt)
+    return df
+
+
+def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int, max_total_tokens: int,
+           heldout_prompts: list[str] | None, heldout_norm: list[str] | None):
+    """The expectations for one split; `meta.rule` is the human-readable rule name."""
+    E = gx.expectations
+    suite = gx.ExpectationSuite(name=name)
+    for col in REQUIRED_COLUMNS:
+        suite.add_expectation(E.ExpectColumnToExist(column=col, meta={"rule": f"required column '{col}'"}))
+    if "id" in columns:
+        suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column="id", meta={"rule": "id present"}))
+        suite.add_expectation(E.ExpectColumnValuesToBeUnique(column="id", meta={"rule": "unique ids"}))
+    if "prompt" in columns:
+        suite.add_expectation(E.ExpectColumnValuesToBeInSet(column="_prompt_type", value_set=["str"],
+                                                            meta={"rule": "prompt is a string"}))
+        suite.add_expectation(E.ExpectColumnValuesToBeBetween(column="_prompt_chars", min_value=1,
+                                                              meta={"rule": "prompt not empty or whitespace"}))
+        suite.add_expectation(E.ExpectColumnValuesToBeBetween(
+            column="_prompt_tokens", max_value=max_prompt_tokens,
+            meta={"rule": f"prompt + completion within context ({max_prompt_tokens} prompt tokens max)"}))
+        if split == "sft" and "answer" in columns:
+            suite.add_expectation(E.ExpectColumnValuesToBeBetween(
+                column="_sft_tokens", max_value=max_total_tokens,
+                meta={"rule": f"prompt + answer within context ({max_total_tokens} tokens)"}))
+        if heldout_prompts is not None:
+            suite.add_expectation(E.ExpectColumnValuesToNotBeInSet(
+                column="prompt", value_set=heldout_prompts, meta={"rule": "no prompt shared with held-out data"}))
+            suite.add_expectation(E.ExpectColumnValuesToNotBeInSet(
+                column="_prompt_norm", value_set=heldout_norm,
+                meta={"rule": "no prompt shared with held-out data after whitespace/case normalisation"}))
+    if "answer" in columns:
+        suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column="answer",
+                                                              meta={"rule": "answer present (the reward needs it)"}))
+    return suite
+
+
+def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
+    """Run the suites on every split; raise `StageFailed` listing every violation."""
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+    import great_expectations as gx
+
+    tokenizer = load_tokenizer(paths.base_model)
+    from transformers import AutoConfig
+
+    from components.modeling import resolve_model_dir
+
+    context = context_length(AutoConfig.from_pretrained(str(resolve_model_dir(paths.base_model))))
+    budget = max(cfg.grpo.max_completion_length, cfg.evaluate.max_new_tokens)
+    sources = json.loads((paths.data / "sources.json").read_text())
+    records = {split: read_jsonl(split_path(paths.data, split)) for split in SPLITS}
+    heldout_prompts = sorted({r["prompt"] for r in records["heldout"] if isinstance(r.get("prompt"), str)})
+    heldout_norm = sorted({normalise_prompt(p) for p in heldout_prompts})
+
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = {"globally": False}
+    source = ctx.data_sources.add_pandas("pipeline")
+    violations: list[Violation] = []
+    report: dict[str, Any] = {"success": True, "files": {}}
+    for split in SPLITS:
+        leak_check = split != "heldout"
+        df = _frame(records[split], tokenizer, set(heldout_norm) if leak_check else None)
+        suite = ctx.suites.add(_suite(gx, f"{split}_suite", list(df.columns), split, context - budget, context,
+                                      heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
+        batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")
+        definition = ctx.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch, suite=suite))
+        result = definition.run(batch_parameters={"dataframe": df}, result_format="COMPLETE")
+        file_label = str(split_path(paths.data, split))
+        if not sources.get(split, "").startswith("generated:"):
+            file_label = f"{sources[split]} (prepared as {file_label})"
+        checks = []
+        for res in result.results:
+            idx = list((res.result or {}).get("unexpected_index_list") or [])
+            ids = [str(df["id"].iloc[i]) if "id" in df else f"row {i + 1}" for i in idx]
+            rule = res.expectation_config.meta.get("rule", "?")
+            checks.append({"rule": rule, "expectation": res.expectation_config.type, "success": bool(res.success),
+                           "unexpected_count": len(idx), "ids": ids[:100]})
+            if not res.success:
+                violations.append(Violation(file=file_label, rule=rule, expectation=res.expectation_config.type,
+                                            ids=ids, rows=[i + 1 for i in idx]))
+        # Deterministic (no GX run ids or timestamps): downstream DVC stages depend on this file.
+        report["files"][split] = {"file": file_label, "rows": len(df), "success": bool(result.success),
+                                  "checks": checks}
+    report["success"] = not violations
+    report["violations"] = [v.__dict__ | {"message": v.message()} for v in violations]
+    paths.metrics.mkdir(parents=True, exist_ok=True)
+    (paths.metrics / "validation.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    if violations:
+        lines = "\n".join(f"  - {v.message()}" for v in violations)
+        raise StageFailed(f"validation failed, {len(violations)} rule(s) broken; nothing was trained:\n{lines}\n"
+                          f"  full result: {paths.metrics / 'validation.json'}")
+    print(f"validate: {sum(len(r) for r in records.values())} records in {len(SPLITS)} files passed every rule")
+    return violations
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("Validate every dataset with Great Expectations.", validate, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`grpo-pipeline`: the user-facing command. Heavy libraries are imported inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+QUIET_DEFAULTS = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DVC_NO_ANALYTICS": "1",
+    "GX_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from components.config import ConfigError
+    from pipelines.params_io import apply_to_params, preset_path
+
+    root = Path(args.root).resolve()
+    params = root / "params.yaml"
+    try:
+        overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
+        if apply_to_params(params, overlays, args.overrides):
+            print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from pipelines.flow import grpo_pipeline
+
+    try:
+        result = grpo_pipeline(root=str(root))
+    except Exception as err:  # noqa: BLE001 - the stage's own message is the report
+        print(f"\npipeline failed: {err}", file=sys.stderr)
+        return 1
+    ev, reg = result["evaluation"], result["registration"]
+    imp = ev["improvement"]
+    print("\n" + "=" * 72)
+    print(f"held-out mean reward before GRPO: {ev['baseline']['mean_reward']:.4f}")
+    print(f"held-out mean reward after GRPO:  {ev['candidate']['mean_reward']:.4f}  "
+          f"(improvement {imp['mean']:+.4f}, 95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}, n={ev['n']})")
+    print(f"registered model: {reg['model_uri']} -> {'champion' if reg['promoted'] else 'challenger'} "
+          f"({reg['reason']})")
+    print(f"load it with: mlflow.pyfunc.load_model('{reg['champion_uri']}')")
+    print("=" * 72)
+    return 0
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    import importlib
+
+    modules = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
+               "evaluate": "evaluate", "register": "register"}
+    module = importlib.import_module(f"components.{modules[args.name]}")
+    argv = ["--params", args.params_file] + [x for s in args.overrides for x in ("--set", s)]
+    return module.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-pipeline", description="GRPO fine-tuning pipeline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the whole pipeline as a Prefect flow (DVC decides what is stale)")
+    run.add_argument("--root", default=".", help="repository root holding params.yaml and dvc.yaml")
+    run.add_argument("--params", action="append", default=[], metavar="FILE",
+                     help="overlay a (partial) params file onto params.yaml; repeatable")
+    run.add_argument("--preset", help="overlay configs/presets/NAME.yaml")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one params key, e.g. --set grpo.kl_beta=0.1; repeatable")
+    run.set_defaults(func=_cmd_run)
+    stage = sub.add_parser("stage", help="run one stage directly, outside Prefect and DVC")
+    stage.add_argument("name", choices=["prepare", "model", "validate", "sft", "grpo", "evaluate", "register"])
+    stage.add_argument("--params", dest="params_file", default="params.yaml")
+    stage.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    stage.set_defaults(func=_cmd_stage)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in QUIET_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

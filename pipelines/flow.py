@@ -1,0 +1,118 @@
+"""The Prefect flow: one task per DVC stage, each executed by `dvc repro --single-item`.
+
+Prefect decides *when* (schedules, triggers, retries, the `gpu` concurrency tag); DVC decides
+*whether* a stage must run (its deps and params changed) and records dvc.lock; the stages never
+know which of them called. One MLflow parent run per flow run; stages nest under it through
+GRPO_PARENT_RUN_ID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from components.config import load_config, to_flat_dict
+from components.tracking import PARENT_RUN_ENV, client, start_run
+
+STAGES = ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")
+GPU_STAGES = {"sft", "grpo", "evaluate"}
+
+
+class StageError(RuntimeError):
+    """A stage exited non-zero; carries the stage's own last lines of output."""
+
+
+def stage_env(parent_run_id: str | None) -> dict[str, str]:
+    """The environment a stage runs in: this interpreter's bin first on PATH, the parent run id."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    if parent_run_id:
+        env[PARENT_RUN_ENV] = parent_run_id
+    return env
+
+
+@task(name="stage", retries=0)
+def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any]:
+    """`dvc repro --single-item STAGE`, streaming its output; DVC skips it when nothing changed."""
+    logger = get_run_logger()
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    proc = subprocess.Popen(cmd, cwd=root, env=stage_env(parent_run_id), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        if line.strip() and "Writing model shards" not in line and "Loading weights" not in line:
+            print(f"[{stage}] {line}", flush=True)
+    code = proc.wait()
+    seconds = time.perf_counter() - started
+    if code != 0:
+        tail = "\n".join(line for line in lines[-40:] if line.strip())
+        raise StageError(f"stage '{stage}' failed (exit {code}):\n{tail}")
+    skipped = any("didn't change, skipping" in line for line in lines)
+    logger.info("stage %s %s in %.1fs", stage, "up to date" if skipped else "ran", seconds)
+    return {"stage": stage, "skipped": skipped, "seconds": round(seconds, 2)}
+
+
+def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], stages: list[dict[str, Any]],
+                    parent_run_id: str, tracking: str) -> str:
+    """Before/after table, the promotion decision, and where to find the run and the model."""
+    imp = evaluation["improvement"]
+    rows = "\n".join(f"| {s['stage']} | {'up to date' if s['skipped'] else 'ran'} | {s['seconds']:.1f} |"
+                     for s in stages)
+    return (
+        "# GRPO pipeline run\n\n"
+        "| model | held-out mean reward |\n|---|---|\n"
+        f"| baseline (before GRPO) | {evaluation['baseline']['mean_reward']:.4f} |\n"
+        f"| candidate (after GRPO) | {evaluation['candidate']['mean_reward']:.4f} |\n\n"
+        f"Improvement {imp['mean']:+.4f} (95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}), "
+        f"n = {evaluation['n']}.\n\n"
+        f"**Decision:** version {registration['version']} of `{registration['model_name']}` is "
+        f"**{'champion' if registration['promoted'] else 'challenger'}**: {registration['reason']}.\n\n"
+        f"- Model: `{registration['model_uri']}` (champion: `{registration['champion_uri']}`)\n"
+        f"- MLflow parent run: `{parent_run_id}` at `{tracking}`\n\n"
+        "| stage | status | seconds |\n|---|---|---|\n" + rows + "\n"
+    )
+
+
+@flow(name="grpo-pipeline", log_prints=True)
+def grpo_pipeline(root: str = ".") -> dict[str, Any]:
+    """prepare -> model -> validate -> sft -> grpo -> evaluate -> register, on params.yaml in `root`."""
+    from components.tracking import tracking_uri
+
+    root_path = Path(root).resolve()
+    cfg = load_config(root_path / "params.yaml")
+    os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
+    parent = start_run(cfg.tracking.experiment, "pipeline", tags={"grpo.stage": "pipeline"})
+    parent.log_params(to_flat_dict(cfg))
+    stages: list[dict[str, Any]] = []
+    status = "FAILED"
+    try:
+        for stage in STAGES:
+            tags = {"gpu"} if stage in GPU_STAGES else set()
+            stages.append(run_stage.with_options(name=f"stage-{stage}", tags=tags)(stage, str(root_path),
+                                                                                   parent.run_id))
+        status = "FINISHED"
+    finally:
+        parent.set_tags({"stages.ran": ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"})
+        client().set_terminated(parent.run_id, status=status)
+    evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
+    registration = json.loads((root_path / "metrics" / "register.json").read_text())
+    parent.log_metrics({"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
+                        "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
+                        "improvement_mean": evaluation["improvement"]["mean"]})
+    create_markdown_artifact(key="grpo-pipeline-report", description="Before/after and promotion decision",
+                             markdown=report_markdown(evaluation, registration, stages, parent.run_id,
+                                                      os.environ["MLFLOW_TRACKING_URI"]))
+    return {"evaluation": evaluation, "registration": registration, "stages": stages,
+            "parent_run_id": parent.run_id}
