@@ -263,6 +263,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-4 as a string; YAML 1.2 and users mean a number
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -1,0 +1,69 @@
+"""Shared fixtures: real git + DVC repositories copied from this working tree, a real MLflow store."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                     "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
+                     "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
+os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+
+# Small enough for seconds per stage, big enough that every stage does real work.
+FAST_PARAMS = [
+    "task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epochs=4", "grpo.steps=6",
+    "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.checkpoint_every=3", "grpo.log_every=3",
+    "evaluate.bootstrap_samples=500", "threads=1",
+]
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, timeout: int = 900):
+    """Run a command, returning the CompletedProcess with stdout+stderr merged."""
+    proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+    return proc
+
+
+def copy_project(dest: Path) -> Path:
+    """This working tree's tracked and untracked-but-not-ignored files, as a fresh git + DVC repo."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    (dest / "data" / "user").mkdir(parents=True, exist_ok=True)
+    run(["git", "init", "-q"], dest)
+    run(["git", "config", "user.email", "test@grpo-pipeline.local"], dest)
+    run(["git", "config", "user.name", "grpo-pipeline tests"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "test copy"], dest)
+    return dest
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Path:
+    """A fresh git+DVC copy of the project with its own MLflow SQLite store."""
+    repo = copy_project(tmp_path / "repo")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    return repo
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri

@@ -1,0 +1,62 @@
+"""params.yaml -> typed config: overrides, and refusals that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from components.config import ConfigError, load_config, section_hash, to_flat_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMS = ROOT / "params.yaml"
+
+
+def test_repository_params_load_and_match_defaults_shape():
+    cfg = load_config(PARAMS)
+    assert cfg.grpo.group_size >= 2
+    flat = to_flat_dict(cfg)
+    assert flat["grpo.kl_beta"] == cfg.grpo.kl_beta
+    assert flat["grpo.rewards.0.name"] == "exact_match"
+
+
+def test_overrides_are_parsed_as_yaml_scalars():
+    cfg = load_config(PARAMS, ["grpo.kl_beta=0.1", "sft.enabled=false", "grpo.epsilon_high=0.28",
+                               "model.name_or_path=null"])
+    assert cfg.grpo.kl_beta == 0.1 and cfg.sft.enabled is False and cfg.grpo.epsilon_high == 0.28
+    assert cfg.model.name_or_path is None
+
+
+@pytest.mark.parametrize("override,key,rule", [
+    ("grpo.learning_rate=0", "grpo.learning_rate", "must be > 0"),
+    ("grpo.learning_rate=-1e-4", "grpo.learning_rate", "must be > 0"),
+    ("grpo.group_size=1", "grpo.group_size", "must be >= 2"),
+    ("grpo.loss_type=ppo", "grpo.loss_type", "is not one of"),
+    ("grpo.kl_estimator=k4", "grpo.kl_estimator", "is not one of"),
+    ("grpo.max_completion_length=40", "grpo.max_completion_length", "exceed"),
+    ("grpo.steps=ten", "grpo.steps", "expected an integer"),
+    ("grpo.rewards=[{name: no_such_reward}]", "grpo.rewards[0].name", "unknown reward"),
+    ("grpo.rewards=[{name: 'no_such_module_xyz:f'}]", "grpo.rewards[0].name", "cannot import module"),
+    ("model.tiny.num_heads=3", "model.tiny.num_heads", "must divide"),
+])
+def test_bad_values_name_the_key_and_rule(override, key, rule):
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, [override])
+    assert str(err.value).startswith(key + ":")
+    assert rule in str(err.value)
+
+
+def test_unknown_key_is_refused_with_a_suggestion(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text(PARAMS.read_text().replace("  kl_beta:", "  kl_betta:"))
+    with pytest.raises(ConfigError, match=r"grpo\.kl_betta: unknown key \(did you mean 'grpo\.kl_beta'\?\)"):
+        load_config(bad)
+
+
+def test_missing_params_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_section_hash_changes_with_content():
+    a, b = load_config(PARAMS), load_config(PARAMS, ["grpo.kl_beta=0.5"])
+    assert section_hash(a.grpo) != section_hash(b.grpo)
+    assert section_hash(a.grpo) == section_hash(load_config(PARAMS).grpo)

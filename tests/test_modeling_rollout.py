@@ -1,0 +1,92 @@
+"""Tokenizer, tiny model, and the KV-cached group sampler against a plain full forward."""
+
+import pytest
+import torch
+
+from components.config import TinyModelConfig
+from components.modeling import (ModelLoadError, build_char_tokenizer, build_tiny_model, count_parameters,
+                                 load_model, load_tokenizer, resolve_model_dir, save_model)
+from components.rollout import completion_logprobs, decode_completions, sample_groups
+
+TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tok = build_char_tokenizer(TEXTS)
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0)
+    out = tmp_path_factory.mktemp("tiny")
+    save_model(model, tok, out)
+    return out
+
+
+def test_char_tokenizer_roundtrips_and_pads_left(tiny):
+    tok = load_tokenizer(tiny)
+    ids = tok("12+34=", add_special_tokens=False).input_ids
+    assert len(ids) == 6 and tok.decode(ids) == "12+34="
+    assert len(tok) == 4 + len(set("".join(TEXTS)))
+    batch = tok(["1+1=", "12+34="], padding=True, add_special_tokens=False)
+    assert batch.attention_mask[0][:2] == [0, 0]  # left padding
+
+
+def test_tiny_model_size_in_range(tiny):
+    n = count_parameters(load_model(tiny, torch.device("cpu")))
+    assert 500_000 <= n <= 3_000_000
+
+
+def test_sampled_completions_logprobs_match_unpadded_forward(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
+    rollout = sample_groups(model, tok, ["1+1=", "12+34=", "99+1="], 4, 5,
+                            generator=torch.Generator().manual_seed(0))
+    logp, _ = completion_logprobs(model, rollout)
+    for i in range(rollout.input_ids.shape[0]):
+        ids = rollout.input_ids[i][rollout.attention_mask[i].bool()]
+        p, t = int(rollout.prompt_mask[i].sum()), int(rollout.completion_mask[i].sum())
+        logits = model(input_ids=ids[None]).logits[0]
+        ref = torch.log_softmax(logits[p - 1: p - 1 + t], -1).gather(-1, ids[p: p + t, None]).squeeze(-1)
+        assert torch.allclose(logp[i, :t], ref, atol=1e-5)
+
+
+def test_group_expansion_gives_each_prompt_its_own_cache(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
+    prompts = ["1+1=", "12+34=", "99+1=", "7+8="]
+    one = decode_completions(tok, sample_groups(model, tok, prompts, 1, 5, greedy=True))
+    four = decode_completions(tok, sample_groups(model, tok, prompts, 4, 5, greedy=True))
+    assert four == [c for c in one for _ in range(4)]
+
+
+def test_greedy_matches_transformers_generate(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
+    prompts = ["1+1=", "12+34=", "99+1=", "7+8="]
+    ours = decode_completions(tok, sample_groups(model, tok, prompts, 1, 5, greedy=True))
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    theirs = [tok.decode(row[: list(row).index(tok.eos_token_id)] if tok.eos_token_id in row else row,
+                         skip_special_tokens=True) for row in out[:, enc.input_ids.shape[1]:].tolist()]
+    assert ours == theirs
+
+
+def test_completion_mask_stops_after_eos(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
+    rollout = sample_groups(model, tok, ["1+1="] * 8, 4, 6, generator=torch.Generator().manual_seed(3))
+    for ids, mask, truncated in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist(),
+                                    rollout.truncated.tolist()):
+        if tok.eos_token_id in ids:
+            k = ids.index(tok.eos_token_id)
+            assert mask == [1] * (k + 1) + [0] * (len(ids) - k - 1) and not truncated
+        else:
+            assert all(mask) and truncated
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pickle files; only safetensors"):
+        resolve_model_dir(tmp_path)
+
+
+def test_missing_model_path_mentions_offline_download(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="download it first"):
+        resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
