@@ -27,16 +27,22 @@ def dataset_texts(paths: Paths):
 
 
 def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
+    from components.tracking import stage_run
+
     out = paths.base_model
-    if cfg.model.name_or_path:
-        resolve_model_dir(cfg.model.name_or_path)
-        write_pointer(out, cfg.model.name_or_path)
-        print(f"model: using {cfg.model.name_or_path}")
-        return
-    tokenizer = build_char_tokenizer(dataset_texts(paths))
-    model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
-    save_model(model, tokenizer, out, extra={"source": "tiny", "parameters": count_parameters(model)})
-    print(f"model: tiny Llama, {count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")
+    with stage_run(cfg.tracking.experiment, "model") as run:
+        if cfg.model.name_or_path:
+            resolve_model_dir(cfg.model.name_or_path)
+            write_pointer(out, cfg.model.name_or_path)
+            run.set_tags({"model.source": cfg.model.name_or_path})
+            print(f"model: using {cfg.model.name_or_path}")
+            return
+        tokenizer = build_char_tokenizer(dataset_texts(paths))
+        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
+        save_model(model, tokenizer, out, extra={"source": "tiny", "parameters": count_parameters(model)})
+        run.set_tags({"model.source": "tiny"})
+        run.log_metrics({"parameters": count_parameters(model), "vocabulary": len(tokenizer)})
+        print(f"model: tiny Llama, {count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")
 
 
 def main(argv: list[str] | None = None) -> int:

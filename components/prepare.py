@@ -10,7 +10,7 @@ import json
 import sys
 
 from components.config import PipelineConfig
-from components.data import SPLITS, read_jsonl, split_path, write_jsonl
+from components.data import SPLITS, file_md5, read_jsonl, split_path, write_jsonl
 from components.paths import Paths
 from components.stage_cli import stage_main
 from components.tasks import TASKS
@@ -31,6 +31,11 @@ def prepare(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, str]:
         write_jsonl(split_path(paths.data, split), records)
         print(f"prepare: {split}: {len(records)} records from {sources[split]}")
     (paths.data / "sources.json").write_text(json.dumps(sources, indent=2, sort_keys=True) + "\n")
+    from components.tracking import stage_run
+
+    with stage_run(cfg.tracking.experiment, "prepare") as run:
+        run.set_tags({f"source.{split}": source for split, source in sources.items()})
+        run.log_params({f"data.{split}.md5": file_md5(split_path(paths.data, split)) for split in SPLITS})
     return sources
 
 

@@ -79,7 +79,7 @@ def decide(client, name: str, version: str, evaluation: dict[str, Any], predicti
     champion = _champion(client, name)
     if champion is None:
         return {"promote": True, "reason": "no champion yet", "champion_version": None}
-    if champion.version == version:
+    if str(champion.version) == str(version):
         return {"promote": True, "reason": "already champion", "champion_version": version}
     base = {"champion_version": champion.version}
     if champion.tags.get("heldout_md5") != evaluation["heldout_md5"]:
@@ -148,8 +148,8 @@ def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
         run.set_tags({"promotion.decision": "champion" if decision["promote"] else "challenger",
                       "promotion.reason": decision["reason"], "model_version": version.version})
     uri = f"models:/{name}/{version.version}"
-    result = {"model_name": name, "version": version.version, "model_uri": uri, "promoted": decision["promote"],
-              "reason": decision["reason"], "champion_version": decision.get("champion_version"),
+    result = {"model_name": name, "version": str(version.version), "model_uri": uri, "promoted": decision["promote"],
+              "reason": decision["reason"], "champion_version": None if decision.get("champion_version") is None else str(decision["champion_version"]),
               "champion_uri": f"models:/{name}@champion", "candidate_md5": candidate_md5,
               "vs_champion": decision.get("vs_champion")}
     paths.metrics.mkdir(parents=True, exist_ok=True)

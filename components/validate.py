@@ -150,7 +150,14 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
     report["success"] = not violations
     report["violations"] = [v.__dict__ | {"message": v.message()} for v in violations]
     paths.metrics.mkdir(parents=True, exist_ok=True)
-    (paths.metrics / "validation.json").write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    report_path = paths.metrics / "validation.json"
+    report_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    from components.tracking import stage_run
+
+    with stage_run(cfg.tracking.experiment, "validate") as run:
+        run.log_artifact(report_path)  # saved before failing: the report is the point of a failed validation
+        run.log_metrics({"violations": len(violations), "records": sum(len(r) for r in records.values())})
+        run.set_tags({"validation.success": not violations})
     if violations:
         lines = "\n".join(f"  - {v.message()}" for v in violations)
         raise StageFailed(f"validation failed, {len(violations)} rule(s) broken; nothing was trained:\n{lines}\n"

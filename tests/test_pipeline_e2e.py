@@ -1,0 +1,160 @@
+"""The whole pipeline on real components: a Prefect flow run, a git+DVC repo, an MLflow SQLite store.
+
+One completed run (module fixture) is then checked from every side: outputs, MLflow runs, the
+registry and its lineage tags, a fresh-process pyfunc load, the Prefect markdown artifact, DVC's
+up-to-date and selective re-run behaviour, and a bad dataset stopped at validate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, FAST_PARAMS, copy_project, run
+
+pytestmark = pytest.mark.slow
+
+STAGES = {"prepare", "model", "validate", "sft", "grpo", "evaluate", "register"}
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    repo = copy_project(tmp_path_factory.mktemp("e2e") / "repo")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+           "PREFECT_HOME": str(repo.parent / "prefect-home")}
+    cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS for x in ("--set", o)]
+    proc = run(cli, repo, env=env)
+    return {"repo": repo, "env": env, "output": proc.stdout}
+
+
+def mlflow_client(env):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+
+
+def ran_stages(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '(\w+)'", output))
+
+
+def test_run_prints_before_after_and_model_uri(completed):
+    out = completed["output"]
+    assert re.search(r"held-out mean reward before GRPO: \d\.\d{4}", out)
+    assert re.search(r"held-out mean reward after GRPO:  \d\.\d{4}", out)
+    assert "registered model: models:/grpo-addition/1 -> champion (no champion yet)" in out
+    assert ran_stages(out) == STAGES
+
+
+def test_eval_and_register_metrics_files(completed):
+    repo = completed["repo"]
+    ev = json.loads((repo / "metrics" / "eval.json").read_text())
+    assert ev["n"] == 120
+    for key in ("mean_reward",):
+        assert 0.0 <= ev["baseline"][key] <= 1.0 and 0.0 <= ev["candidate"][key] <= 1.0
+    imp = ev["improvement"]
+    assert imp["ci95_low"] <= imp["mean"] <= imp["ci95_high"]
+    assert imp["mean"] == pytest.approx(ev["candidate"]["mean_reward"] - ev["baseline"]["mean_reward"])
+    reg = json.loads((repo / "metrics" / "register.json").read_text())
+    assert reg["promoted"] is True and reg["version"] == "1"
+
+
+def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
+    client = mlflow_client(completed["env"])
+    exp = client.get_experiment_by_name("grpo-pipeline")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("grpo.stage") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.params["grpo.kl_beta"] == "0.04" and parent.data.params["grpo.steps"] == "6"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert {r.data.tags["grpo.stage"] for r in children} == STAGES
+    grpo = next(r for r in children if r.data.tags["grpo.stage"] == "grpo")
+    history = client.get_metric_history(grpo.info.run_id, "reward_mean")
+    assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "pg_loss", "kl", "reward_std", "advantage_mean", "logprob_mean", "completion_length",
+                "zero_std_group_frac", "grad_norm", "learning_rate", "step_seconds", "completions_per_s", "entropy"):
+        assert key in grpo.data.metrics, key
+    validate = next(r for r in children if r.data.tags["grpo.stage"] == "validate")
+    assert [a.path for a in client.list_artifacts(validate.info.run_id)] == ["validation.json"]
+
+
+def test_registered_version_carries_lineage_and_champion_alias(completed):
+    client = mlflow_client(completed["env"])
+    version = client.get_model_version_by_alias("grpo-addition", "champion")
+    assert str(version.version) == "1"
+    tags = version.tags
+    head = run(["git", "rev-parse", "HEAD"], completed["repo"]).stdout.strip()
+    assert tags["git_commit"].startswith(head)
+    lock = (completed["repo"] / "dvc.lock").read_text()
+    for split in ("sft", "train", "heldout"):
+        assert re.fullmatch(r"[0-9a-f]{32}", tags[f"data.{split}.md5"])
+    assert tags["data.heldout.md5"] == tags["heldout_md5"]
+    assert re.fullmatch(r"[0-9a-f]{16}", tags["params_hash"])
+    assert "md5:" in lock
+    assert tags["promotion.decision"] == "champion" and tags["registration"] == "complete"
+    assert float(tags["improvement_ci95_low"]) <= float(tags["improvement_vs_baseline"])
+    assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "1"
+
+
+def test_fresh_process_loads_champion_and_completes(completed):
+    code = ("import mlflow, pandas as pd, sys; "
+            "m = mlflow.pyfunc.load_model('models:/grpo-addition@champion'); "
+            "out = m.predict(pd.DataFrame({'prompt': ['12+30=', '5+5=']})); "
+            "assert len(out) == 2 and all(isinstance(o, str) for o in out); print('COMPLETIONS', list(out))")
+    proc = run([sys.executable, "-c", code], completed["repo"], env=completed["env"])
+    assert "COMPLETIONS [" in proc.stdout
+
+
+def test_prefect_markdown_artifact_has_table_and_decision(completed):
+    db = Path(completed["env"]["PREFECT_HOME"]) / "prefect.db"
+    rows = sqlite3.connect(db).execute("SELECT key, data FROM artifact WHERE key = 'grpo-pipeline-report'").fetchall()
+    assert len(rows) == 1
+    markdown = json.loads(rows[0][1]) if rows[0][1].startswith('"') else rows[0][1]
+    assert "| baseline (before GRPO) |" in markdown and "| candidate (after GRPO) |" in markdown
+    assert "**Decision:** version 1 of `grpo-addition` is **champion**" in markdown
+
+
+def test_dvc_repro_is_up_to_date_then_kl_beta_reruns_only_downstream(completed):
+    repo, env = completed["repo"], completed["env"]
+    second = run([str(BIN / "dvc"), "repro"], repo, env=env)
+    assert ran_stages(second.stdout) == set()
+    assert "Data and pipelines are up to date." in second.stdout
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("kl_beta: 0.04", "kl_beta: 0.08"))
+    third = run([str(BIN / "dvc"), "repro"], repo, env=env)
+    assert ran_stages(third.stdout) == {"grpo", "evaluate", "register"}
+    client = mlflow_client(env)
+    versions = client.search_model_versions("name = 'grpo-addition'")
+    assert sorted(str(v.version) for v in versions) == ["1", "2"]
+    assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "2"
+
+
+def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
+    repo, env = completed["repo"], completed["env"]
+    client = mlflow_client(env)
+    before = sorted(str(v.version) for v in client.search_model_versions("name = 'grpo-addition'"))
+    champion = client.get_model_version_by_alias("grpo-addition", "champion").version
+    grpo_weights = (repo / "models" / "grpo" / "model.safetensors").read_bytes()
+    heldout_prompt = json.loads((repo / "data" / "prepared" / "heldout.jsonl").read_text().splitlines()[0])["prompt"]
+    bad = [{"id": "a", "prompt": "1+2=", "answer": "3"}, {"id": "b", "prompt": "  ", "answer": "0"},
+           {"id": "a", "prompt": "2+2=", "answer": "4"}, {"id": "c", "prompt": heldout_prompt, "answer": "1"}]
+    (repo / "data" / "user" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    cli = [str(BIN / "grpo-pipeline"), "run", "--set", "data.train_path=data/user/train.jsonl"]
+    proc = run(cli, repo, env=env, check=False)
+    out = proc.stdout
+    assert proc.returncode != 0
+    assert "data/user/train.jsonl" in out
+    assert "rule 'prompt not empty or whitespace' failed" in out and "ids [b]" in out
+    assert "rule 'unique ids' failed" in out and "ids [a, a]" in out
+    assert "rule 'no prompt shared with held-out data' failed" in out and "ids [c]" in out
+    assert not ran_stages(out) & {"sft", "grpo", "evaluate", "register"}
+    assert sorted(str(v.version) for v in client.search_model_versions("name = 'grpo-addition'")) == before
+    assert client.get_model_version_by_alias("grpo-addition", "champion").version == champion
+    assert (repo / "models" / "grpo" / "model.safetensors").read_bytes() == grpo_weights
+    assert json.loads((repo / "metrics" / "validation.json").read_text())["success"] is False
