@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +31,8 @@ from components.rollout import completion_logprobs, decode_completions, sample_g
 from components.stage_cli import StageFailed, stage_main
 
 MAX_BAD_STEPS = 3
+# Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
+TIMING_KEYS = ("step_seconds", "completions_per_s", "time/generation", "time/reward", "time/reference", "time/policy")
 
 
 def learning_rate(step: int, g: GRPOConfig) -> float:
@@ -90,8 +92,15 @@ def _atomic_save_final(model, tokenizer, out: Path, provenance: dict[str, Any]) 
     tmp.rename(out)
 
 
-def train_grpo(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
-    """Run GRPO from the SFT (or base) checkpoint; write models/grpo and the step metrics."""
+StepCallback = Callable[[int, Any, dict[str, float]], None]
+
+
+def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[StepCallback] = ()) -> dict[str, Any]:
+    """Run GRPO from the SFT (or base) checkpoint; write models/grpo and the step metrics.
+
+    `callbacks(step, policy, metrics)` run after each step (extra evaluation, logging); the rollout
+    sampler has its own generator, so whatever they do with global RNGs never shifts training.
+    """
     from components.tracking import stage_run
 
     g = cfg.grpo
@@ -209,6 +218,8 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
             metrics.update({f"reward/{k}/mean": v for k, v in scored.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
+            for callback in callbacks:
+                callback(step + 1, policy, metrics)
             if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
                 done = step + 1 - start_step
                 rate = done / (time.perf_counter() - started)
@@ -220,7 +231,8 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
                       f"completions/s, ETA {eta:.0f}s", flush=True)
             if g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
                 save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy, optimizer,
-                                {"step": step + 1, "history": history, "rollout_rng": rollout_gen.get_state(),
+                                {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
+                                 "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
                                  "torch_rng": torch.get_rng_state()},
                                 reference if g.reference.mode != "static" else None)
 
@@ -235,7 +247,7 @@ def write_step_outputs(history: list[dict[str, Any]], paths: Paths) -> dict[str,
     """Per-step CSV (DVC plots) and a small summary JSON (DVC metrics)."""
     paths.plots.mkdir(parents=True, exist_ok=True)
     paths.metrics.mkdir(parents=True, exist_ok=True)
-    keys = list(history[0].keys()) if history else ["step"]
+    keys = list(history[-1].keys()) if history else ["step"]  # the last row has every column, timings included
     with (paths.plots / "grpo_steps.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()

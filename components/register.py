@@ -28,6 +28,16 @@ SERVING_MODULE = Path(__file__).with_name("serving_model.py")
 PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
 
 
+def git_dirty_files(root: Path = Path(".")) -> str:
+    """Tracked files that differ from HEAD (params.yaml after a --set run, typically), comma-separated."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                             text=True).stdout
+    except FileNotFoundError:
+        return ""
+    return ",".join(sorted(line[3:] for line in out.splitlines() if line.strip()))[:5000]
+
+
 def git_commit(root: Path = Path(".")) -> str:
     """HEAD's commit, suffixed `-dirty` when tracked files differ from it."""
     try:
@@ -40,10 +50,25 @@ def git_commit(root: Path = Path(".")) -> str:
         return "unknown"
 
 
+def dvc_lock_hashes(root: Path) -> dict[str, str]:
+    """The md5 DVC recorded for every stage output (`dvc.<path>.md5`), as written to dvc.lock so far."""
+    import yaml
+
+    lock = root / "dvc.lock"
+    if not lock.exists():
+        return {}
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    return {f"dvc.{out['path']}.md5": out["md5"] for stage in stages.values() for out in stage.get("outs", [])
+            if "md5" in out}
+
+
 def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], candidate_md5: str) -> dict[str, str]:
     """What a registered version needs to recover its exact inputs and judge it."""
     tags = {f"data.{split}.md5": file_md5(split_path(paths.data, split)) for split in SPLITS}
+    tags.update(dvc_lock_hashes(paths.root))
+    lock = paths.root / "requirements.lock"
     tags.update({
+        "lock_md5": file_md5(lock) if lock.exists() else "none", "git_dirty_files": git_dirty_files(paths.root),
         "git_commit": git_commit(paths.root), "params_hash": section_hash(cfg), "candidate_md5": candidate_md5,
         "heldout_md5": evaluation["heldout_md5"], "heldout_n": str(evaluation["n"]),
         "heldout_mean_reward": f"{evaluation['candidate']['mean_reward']:.6f}",
@@ -126,6 +151,7 @@ def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
             tags = lineage_tags(cfg, paths, evaluation, candidate_md5)
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
+            run.log_artifact(paths.root / "params.yaml", "lineage")  # the exact params, even if never committed
             with mlflow.start_run(run_id=run.run_id):
                 info = mlflow.pyfunc.log_model(
                     name="model", python_model=str(SERVING_MODULE), artifacts={"model_dir": str(paths.grpo_model)},

@@ -60,6 +60,22 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     return module.main(argv)
 
 
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from pipelines.reproduce import reproduce
+
+    if (args.version is None) == (args.run_id is None):
+        print("error: give a VERSION or --run-id", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(args.root).resolve() / 'mlflow.db'}")
+    try:
+        report = reproduce(Path(args.root).resolve(), args.name, args.version, args.run_id, keep=args.keep)
+    except (RuntimeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.table())
+    return 0 if report.match else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-pipeline", description="GRPO fine-tuning pipeline.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--params", dest="params_file", default="params.yaml")
     stage.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     stage.set_defaults(func=_cmd_stage)
+    repro = sub.add_parser("reproduce", help="re-run a registered version from its commit, data and params; compare")
+    repro.add_argument("name", help="registered model name")
+    repro.add_argument("version", nargs="?", help="version number (or give --run-id)")
+    repro.add_argument("--run-id", help="the MLflow run that registered the version")
+    repro.add_argument("--root", default=".", help="repository root")
+    repro.add_argument("--keep", action="store_true", help="keep the temporary worktree for inspection")
+    repro.set_defaults(func=_cmd_reproduce)
     return parser
 
 

@@ -64,6 +64,14 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     return {"stage": stage, "skipped": skipped, "seconds": round(seconds, 2)}
 
 
+def log_environment(run_id: str) -> None:
+    """The installed package list (name==version), so a run's stack can be recovered."""
+    from importlib.metadata import distributions
+
+    packages = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions() if d.metadata["Name"]})
+    client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
+
+
 def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], stages: list[dict[str, Any]],
                     parent_run_id: str, tracking: str) -> str:
     """Before/after table, the promotion decision, and where to find the run and the model."""
@@ -95,6 +103,7 @@ def grpo_pipeline(root: str = ".") -> dict[str, Any]:
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
     parent = start_run(cfg.tracking.experiment, "pipeline", tags={"grpo.stage": "pipeline"})
     parent.log_params(to_flat_dict(cfg))
+    log_environment(parent.run_id)
     stages: list[dict[str, Any]] = []
     status = "FAILED"
     try:

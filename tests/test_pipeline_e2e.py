@@ -96,6 +96,9 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
         assert re.fullmatch(r"[0-9a-f]{32}", tags[f"data.{split}.md5"])
     assert tags["data.heldout.md5"] == tags["heldout_md5"]
     assert re.fullmatch(r"[0-9a-f]{16}", tags["params_hash"])
+    assert re.fullmatch(r"[0-9a-f]{32}", tags["lock_md5"])
+    assert tags["dvc.models/grpo.md5"].endswith(".dir") and tags["dvc.data/prepared.md5"].endswith(".dir")
+    assert tags["dvc.models/grpo.md5"] in lock
     assert "md5:" in lock
     assert tags["promotion.decision"] == "champion" and tags["registration"] == "complete"
     assert float(tags["improvement_ci95_low"]) <= float(tags["improvement_vs_baseline"])
@@ -109,6 +112,26 @@ def test_fresh_process_loads_champion_and_completes(completed):
             "assert len(out) == 2 and all(isinstance(o, str) for o in out); print('COMPLETIONS', list(out))")
     proc = run([sys.executable, "-c", code], completed["repo"], env=completed["env"])
     assert "COMPLETIONS [" in proc.stdout
+
+
+def test_reproduce_champion_reports_a_match(completed):
+    proc = run([str(BIN / "grpo-pipeline"), "reproduce", "grpo-addition", "1"], completed["repo"],
+               env=completed["env"], check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "MATCH: weights and held-out metrics reproduced" in proc.stdout
+    assert "OK  model weights md5" in proc.stdout and "OK  heldout data md5" in proc.stdout
+    # The scratch re-run never touches the real registry.
+    client = mlflow_client(completed["env"])
+    assert [str(v.version) for v in client.search_model_versions("name = 'grpo-addition'")] == ["1"]
+
+
+def test_run_logs_installed_packages(completed):
+    client = mlflow_client(completed["env"])
+    exp = client.get_experiment_by_name("grpo-pipeline")
+    parent = next(r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("grpo.stage") == "pipeline")
+    local = client.download_artifacts(parent.info.run_id, "environment/packages.txt", str(completed["repo"].parent))
+    packages = Path(local).read_text().splitlines()
+    assert any(p.startswith("torch==2.13.0") for p in packages) and any(p.startswith("mlflow==") for p in packages)
 
 
 def test_prefect_markdown_artifact_has_table_and_decision(completed):

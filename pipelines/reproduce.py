@@ -1,0 +1,126 @@
+"""`grpo-pipeline reproduce`: re-run a registered version from its recorded inputs and compare.
+
+The version's tags name its git commit, dataset hashes and model hash; its run holds the exact
+params.yaml. The commit is checked out into a temporary git worktree sharing this repo's DVC cache,
+params.yaml is restored, `dvc repro --force evaluate` re-runs every stage against a scratch MLflow
+store (the real registry is never touched), and weights, data and held-out reward are compared:
+exactly on CPU; on a GPU the weight difference and reward difference are reported against a tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from components.data import SPLITS, dir_md5, file_md5, split_path
+from components.paths import Paths
+from components.tracking import PARENT_RUN_ENV
+
+REWARD_TOLERANCE_GPU = 0.02
+
+
+@dataclass
+class Comparison:
+    """One recorded-versus-reproduced check."""
+
+    what: str
+    recorded: str
+    reproduced: str
+    match: bool
+
+
+@dataclass
+class ReproduceReport:
+    model: str
+    commit: str
+    checks: list[Comparison] = field(default_factory=list)
+
+    @property
+    def match(self) -> bool:
+        return bool(self.checks) and all(c.match for c in self.checks)
+
+    def table(self) -> str:
+        width = max(len(c.what) for c in self.checks)
+        lines = [f"reproduce {self.model} at commit {self.commit}"]
+        for c in self.checks:
+            lines.append(f"  {'OK ' if c.match else 'DIFF'} {c.what:<{width}}  recorded {c.recorded}  reproduced {c.reproduced}")
+        lines.append("MATCH: weights and held-out metrics reproduced" if self.match else "MISMATCH")
+        return "\n".join(lines)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed in {cwd}:\n{proc.stdout[-3000:]}")
+    return proc.stdout
+
+
+def resolve_version(client, name: str, version: str | None, run_id: str | None):
+    """The registered version to reproduce, by number or by the run that registered it."""
+    if version is not None:
+        return client.get_model_version(name, version)
+    matches = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id == run_id]
+    if not matches:
+        raise ValueError(f"no version of {name} was registered by run {run_id}")
+    return matches[0]
+
+
+def reproduce(root: Path, name: str, version: str | None = None, run_id: str | None = None,
+              keep: bool = False) -> ReproduceReport:
+    from components.tracking import client as mlflow_client
+
+    client = mlflow_client()
+    mv = resolve_version(client, name, version, run_id)
+    tags = mv.tags
+    commit = tags.get("git_commit", "unknown").removesuffix("-dirty")
+    if commit == "unknown":
+        raise ValueError(f"{name} v{mv.version} has no git_commit tag; it cannot be reproduced")
+    report = ReproduceReport(model=f"models:/{name}/{mv.version}", commit=commit)
+    work = Path(tempfile.mkdtemp(prefix="grpo-reproduce-"))
+    tree = work / "tree"
+    _run(["git", "worktree", "add", "--detach", str(tree), commit], root)
+    try:
+        shutil.copy(client.download_artifacts(mv.run_id, "lineage/params.yaml", str(work)), tree / "params.yaml")
+        user_data = root / "data" / "user"
+        if user_data.exists():  # datasets the user keeps there (DVC-tracked files come from the shared cache)
+            shutil.copytree(user_data, tree / "data" / "user", dirs_exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k != PARENT_RUN_ENV}
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'scratch-mlflow.db'}"
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        dvc = [sys.executable, "-m", "dvc"]
+        _run(dvc + ["cache", "dir", "--local", str((root / ".dvc" / "cache").resolve())], tree, env)
+        print(f"reproduce: re-running {report.model} from commit {commit} in {tree}", flush=True)
+        _run(dvc + ["repro", "--force", "evaluate"], tree, env)
+        compare(report, tags, Paths(root=tree))
+    finally:
+        if not keep:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, capture_output=True)
+            shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def compare(report: ReproduceReport, tags: dict[str, str], paths: Paths) -> None:
+    """Fill `report` with data, weight and metric comparisons against the version's tags."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    for split in SPLITS:
+        key = f"data.{split}.md5"
+        if key in tags:
+            ours = file_md5(split_path(paths.data, split))
+            report.checks.append(Comparison(f"{split} data md5", tags[key], ours, ours == tags[key]))
+    weights = dir_md5(paths.grpo_model)
+    report.checks.append(Comparison("model weights md5", tags.get("candidate_md5", "?"), weights,
+                                    weights == tags.get("candidate_md5") or on_gpu))
+    evaluation = json.loads((paths.metrics / "eval.json").read_text())
+    recorded = float(tags.get("heldout_mean_reward", "nan"))
+    ours = evaluation["candidate"]["mean_reward"]
+    tolerance = REWARD_TOLERANCE_GPU if on_gpu else 5e-7
+    report.checks.append(Comparison(f"held-out mean reward (tolerance {tolerance:g})", f"{recorded:.6f}",
+                                    f"{ours:.6f}", abs(ours - recorded) <= tolerance))
