@@ -33,8 +33,8 @@ class TaskConfig:
     """Smallest operand (inclusive)."""
     max_operand: int = 99
     """Largest operand (inclusive)."""
-    n_sft: int = 400
-    """Demonstrations for the SFT warm start (kept scarce on purpose: GRPO's verifier is the point)."""
+    n_sft: int = 1500
+    """Demonstrations for the SFT warm start."""
     n_train: int = 4000
     """GRPO prompts (answers used only by the reward)."""
     n_heldout: int = 1000
@@ -85,7 +85,7 @@ class SFTConfig:
 
     enabled: bool = True
     """Run the SFT stage; when off, GRPO starts from the base model."""
-    epochs: int = 30
+    epochs: int = 40
     """Passes over the SFT data."""
     batch_size: int = 64
     """Examples per optimizer step."""
@@ -121,7 +121,7 @@ class ReferenceConfig:
 class GRPOConfig:
     """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
 
-    steps: int = 400
+    steps: int = 2000
     """Optimizer steps (one rollout each)."""
     prompts_per_step: int = 16
     """Distinct prompts sampled per step; the batch is prompts_per_step * group_size completions."""
@@ -133,7 +133,7 @@ class GRPOConfig:
     """Sampling temperature for rollouts."""
     top_p: float = 1.0
     """Nucleus sampling threshold for rollouts."""
-    learning_rate: float = 2e-4
+    learning_rate: float = 5e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -163,9 +163,9 @@ class GRPOConfig:
     """KL reference policy."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     """Reward components; their weighted sum drives the advantages."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = 100
     """Steps between resumable checkpoints (0 disables)."""
-    log_every: int = 10
+    log_every: int = 100
     """Steps between progress lines."""
 
 
