@@ -103,6 +103,8 @@ class RewardSpec:
     """Built-in reward name or a dotted path `package.module:function`."""
     weight: float = 1.0
     """Weight of this component in the summed reward."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the reward (e.g. `pattern` for regex_format, `path` for judge_model)."""
 
 
 @dataclass
@@ -115,18 +117,62 @@ class ReferenceConfig:
     """EMA rate for `mode: ema`."""
     sync_every: int = 100
     """Steps between copies for `mode: periodic`."""
+    path: str | None = None
+    """A different checkpoint directory as the reference (default: a frozen copy of the start policy)."""
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+
+    enabled: bool = False
+    """Drop zero-variance groups from the update."""
+    fill_batch: bool = False
+    """Keep sampling extra prompts until the batch is full again."""
+    max_tries: int = 4
+    """Extra sampling rounds at most per step when `fill_batch` is on."""
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment, added to the reward by completion length in tokens."""
+
+    enabled: bool = False
+    """Add the penalty."""
+    buffer: int = 2
+    """Tokens before `max_completion_length` where the penalty ramps from 0 to -penalty."""
+    penalty: float = 1.0
+    """Penalty at and beyond `max_completion_length`."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft): only adapters train; the reference is the base with adapters off."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights."""
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 16.0
+    """Scaling alpha (effective scale alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names (suffixes) that get adapters; each must exist in the model."""
 
 
 @dataclass
 class GRPOConfig:
     """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
 
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    """`grpo`, or the `reinforce` baseline: one sample per prompt, absolute reward, no KL (needs group_size 1)."""
     steps: int = 2000
-    """Optimizer steps (one rollout each)."""
+    """Rollout steps (each followed by num_iterations updates)."""
     prompts_per_step: int = 16
     """Distinct prompts sampled per step; the batch is prompts_per_step * group_size completions."""
     group_size: int = 8
-    """Completions per prompt (G)."""
+    """Completions per prompt (G); 1 only with `algorithm: reinforce`."""
     max_completion_length: int = 6
     """Generated tokens per completion at most (EOS included)."""
     temperature: float = 1.0
@@ -158,7 +204,19 @@ class GRPOConfig:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """Per-token ratios, or one length-normalised ratio per sequence (GSPO)."""
     num_iterations: int = 1
-    """Policy updates per rollout (mu); old log-probs are cached at rollout time."""
+    """Passes over each rollout (mu); old log-probs are cached at rollout time."""
+    minibatch_size: int = 0
+    """Completions per forward/backward (0 = the whole batch); a multiple of group_size."""
+    gradient_accumulation_steps: int = 0
+    """Minibatches accumulated per optimizer step (0 = all of them: one step per pass)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO overlong reward shaping."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters via peft."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """KL reference policy."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
@@ -246,6 +304,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
@@ -364,8 +426,29 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(s.learning_rate > 0, "sft.learning_rate", "must be > 0")
     _require(g.steps >= 1, "grpo.steps", "must be >= 1")
     _require(g.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
-    _require(g.group_size >= 2, "grpo.group_size",
-             "must be >= 2: group-relative advantages need at least two completions per prompt")
+    if g.algorithm == "reinforce":
+        _require(g.group_size == 1, "grpo.group_size", "must be 1 with grpo.algorithm: reinforce (one sample per prompt)")
+        _require(g.kl_beta == 0, "grpo.kl_beta", "must be 0 with grpo.algorithm: reinforce (no KL)")
+    else:
+        _require(g.group_size >= 2, "grpo.group_size",
+                 "must be >= 2: group-relative advantages need at least two completions per prompt")
+    batch = g.prompts_per_step * g.group_size
+    _require(g.minibatch_size >= 0, "grpo.minibatch_size", "must be >= 0")
+    _require(g.minibatch_size % g.group_size == 0, "grpo.minibatch_size",
+             f"must be a multiple of grpo.group_size ({g.group_size}) so groups stay whole")
+    _require(g.minibatch_size <= batch, "grpo.minibatch_size",
+             f"must be <= the batch (prompts_per_step * group_size = {batch})")
+    _require(g.gradient_accumulation_steps >= 0, "grpo.gradient_accumulation_steps", "must be >= 0")
+    _require(g.dynamic_sampling.max_tries >= 1, "grpo.dynamic_sampling.max_tries", "must be >= 1")
+    _require(g.overlong.buffer >= 1 and g.overlong.buffer <= g.max_completion_length, "grpo.overlong.buffer",
+             "must be in [1, grpo.max_completion_length]")
+    _require(g.overlong.penalty >= 0, "grpo.overlong.penalty", "must be >= 0")
+    _require(g.lora.rank >= 1, "grpo.lora.rank", "must be >= 1")
+    _require(len(g.lora.target_modules) >= 1, "grpo.lora.target_modules", "needs at least one module name")
+    _require(not (g.lora.enabled and g.reference.mode != "static" and g.kl_beta > 0), "grpo.reference.mode",
+             "must be static with LoRA: the reference is the base model with adapters disabled")
+    _require(not (g.lora.enabled and g.reference.path), "grpo.reference.path",
+             "must be unset with LoRA: the reference is the base model with adapters disabled")
     _require(g.max_completion_length >= 1, "grpo.max_completion_length", "must be >= 1")
     _require(g.temperature > 0, "grpo.temperature", "must be > 0")
     _require(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")

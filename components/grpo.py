@@ -1,9 +1,10 @@
 """Stage `grpo`: Group Relative Policy Optimization, readable top to bottom.
 
-Each step: pick prompts -> sample G completions per prompt -> score them -> group-relative
-advantages -> (reference log-probs once) -> `num_iterations` clipped-surrogate updates -> update the
-reference (ema/periodic) -> log -> checkpoint. Resumes from the newest complete checkpoint trained
-from the same inputs; on CPU with a fixed seed a resumed run ends with the same weights.
+Each step: pick prompts -> sample G completions per prompt -> score them -> (DAPO) keep informative
+groups -> group-relative advantages -> reference log-probs once -> `num_iterations` passes of
+clipped-surrogate updates over minibatches -> update the reference (ema/periodic) -> log ->
+checkpoint. Resumes from the newest complete checkpoint trained from the same inputs; on CPU with a
+fixed seed a resumed run ends with the same weights.
 """
 
 from __future__ import annotations
@@ -15,24 +16,26 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
-from components.config import GRPOConfig, PipelineConfig, section_hash, to_flat_dict
+from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
 from components.modeling import load_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
-from components.rewards import RewardModel
-from components.rollout import completion_logprobs, decode_completions, sample_groups
+from components.rewards import RewardModel, RewardResult
+from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
 from components.stage_cli import StageFailed, stage_main
 
 MAX_BAD_STEPS = 3
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
 TIMING_KEYS = ("step_seconds", "completions_per_s", "time/generation", "time/reward", "time/reference", "time/policy")
+StepCallback = Callable[[int, Any, dict[str, float]], None]
 
 
 def learning_rate(step: int, g: GRPOConfig) -> float:
@@ -47,7 +50,8 @@ def learning_rate(step: int, g: GRPOConfig) -> float:
 class PromptSchedule:
     """Which prompts step k uses: a fresh seeded permutation per epoch, a pure function of the step.
 
-    Being a function of the step alone, resume needs no data-loader state.
+    Being a function of the step alone, resume needs no data-loader state. Extra prompts for DAPO's
+    batch filling come from `extra`, seeded by the step, so they are just as reproducible.
     """
 
     def __init__(self, n: int, per_step: int, seed: int):
@@ -64,11 +68,24 @@ class PromptSchedule:
         start = step * self.per_step
         return [self._perm(k // self.n)[k % self.n] for k in range(start, start + self.per_step)]
 
+    def extra(self, step: int, attempt: int, count: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 7_919 + step * 101 + attempt)
+        return torch.randint(0, self.n, (count,), generator=gen).tolist()
+
 
 def reward_columns(records: list[dict[str, Any]], group_size: int) -> dict[str, list[Any]]:
     """Every column except prompt, repeated per completion, passed to reward functions as keywords."""
     keys = sorted({k for r in records for k in r} - {"prompt"})
     return {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}
+
+
+def reward_specs(g: GRPOConfig) -> list[RewardSpec]:
+    """The configured rewards, plus DAPO's overlong penalty when enabled."""
+    specs = list(g.rewards)
+    if g.overlong.enabled:
+        specs.append(RewardSpec("overlong_penalty", 1.0, {"max_length": g.max_completion_length,
+                                                          "buffer": g.overlong.buffer, "penalty": g.overlong.penalty}))
+    return specs
 
 
 @torch.no_grad()
@@ -84,15 +101,192 @@ def update_reference(reference, policy, mode: str, step: int, ema_alpha: float, 
     return False
 
 
-def _atomic_save_final(model, tokenizer, out: Path, provenance: dict[str, Any]) -> None:
+def attach_lora(model, lora: LoRAConfig):
+    """Wrap `model` with peft LoRA adapters; refuse target modules the model does not have."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in lora.target_modules if m not in names]
+    if missing:
+        raise ConfigError(f"grpo.lora.target_modules: {missing} not found in the model "
+                          f"(it has e.g. {sorted(n for n in names if n and not n.isdigit())[:12]})")
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+
+
+@dataclass
+class Policy:
+    """The model being trained and how to get reference log-probs for it."""
+
+    tokenizer: Any
+    model: Any
+    reference: Any | None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
+    lora: bool
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                return completion_logprobs(self.model, rollout, temperature)[0]
+        return completion_logprobs(self.reference, rollout, temperature)[0]
+
+
+def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> Policy:
+    g = cfg.grpo
+    tokenizer = load_tokenizer(start_dir)
+    model = load_model(start_dir, device)
+    reference = None
+    if g.lora.enabled:
+        model = attach_lora(model, g.lora)
+    elif g.kl_beta > 0:
+        reference = load_model(g.reference.path, device) if g.reference.path else copy.deepcopy(model)
+        reference.eval().requires_grad_(False)
+    return Policy(tokenizer, model.train(), reference, g.lora.enabled)
+
+
+@dataclass
+class ScoredRollout:
+    rollout: Rollout
+    prompts: list[str]  # one per completion
+    completions: list[str]
+    rewards: RewardResult
+
+
+def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfig, rewards: RewardModel,
+                     generator: torch.Generator) -> ScoredRollout:
+    prompts = [r["prompt"] for r in records]
+    rollout = sample_groups(policy.model, policy.tokenizer, prompts, g.group_size, g.max_completion_length,
+                            temperature=g.temperature, top_p=g.top_p, generator=generator)
+    completions = decode_completions(policy.tokenizer, rollout)
+    columns = reward_columns(records, g.group_size)
+    columns["completion_token_lengths"] = rollout.completion_mask.sum(-1).tolist()
+    expanded = [p for p in prompts for _ in range(g.group_size)]
+    return ScoredRollout(rollout, expanded, completions, rewards(expanded, completions, columns))
+
+
+def informative_groups(total: list[float], group_size: int) -> list[int]:
+    """Indices of groups whose rewards are not all equal (DAPO: the others have zero advantage)."""
+    grouped = torch.tensor(total).view(-1, group_size)
+    return torch.nonzero(grouped.max(1).values > grouped.min(1).values).flatten().tolist()
+
+
+def rows_of(groups: list[int], group_size: int) -> list[int]:
+    return [g * group_size + j for g in groups for j in range(group_size)]
+
+
+def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: PromptSchedule, step: int, g: GRPOConfig,
+                  rewards: RewardModel, generator: torch.Generator) -> tuple[Rollout, list[float], RewardResult, int]:
+    """The step's rollout and rewards; with dynamic sampling, only (and, when filling, enough) informative groups.
+
+    Returns (rollout, total rewards, the first round's scores for logging, completions sampled).
+    """
+    first = sample_and_score(policy, [records[i] for i in schedule.indices(step)], g, rewards, generator)
+    if not g.dynamic_sampling.enabled:
+        return first.rollout, first.rewards.total, first.rewards, len(first.completions)
+    parts, totals, sampled = [], [], len(first.completions)
+    keep = informative_groups(first.rewards.total, g.group_size)
+    parts.append(first.rollout.select(rows_of(keep, g.group_size)))
+    totals += [first.rewards.total[i] for i in rows_of(keep, g.group_size)]
+    attempt, kept = 0, len(keep)
+    while g.dynamic_sampling.fill_batch and kept < g.prompts_per_step and attempt < g.dynamic_sampling.max_tries:
+        extra = sample_and_score(policy, [records[i] for i in schedule.extra(step, attempt, g.prompts_per_step - kept)],
+                                 g, rewards, generator)
+        sampled += len(extra.completions)
+        more = informative_groups(extra.rewards.total, g.group_size)
+        parts.append(extra.rollout.select(rows_of(more, g.group_size)))
+        totals += [extra.rewards.total[i] for i in rows_of(more, g.group_size)]
+        kept += len(more)
+        attempt += 1
+    return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_low_frac: float = 0.0
+    clip_high_frac: float = 0.0
+    grad_norm: float = 0.0
+    entropy: float = 0.0
+    logprob_mean: float = 0.0
+    skipped_updates: int = 0
+    updates: int = 0
+
+
+def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
+                   ref_logp: torch.Tensor | None, g: GRPOConfig) -> UpdateStats:
+    """`num_iterations` passes over the rollout in minibatches, accumulating gradients per optimizer step.
+
+    Loss normalisers (tokens for dapo, sequences for grpo/dr_grpo) are those of the whole accumulated
+    chunk, so the accumulated gradient equals the full-chunk gradient. With one pass and one optimizer
+    step the old log-probs are the current ones detached (ratio exactly 1) and no extra forward runs.
+    """
+    n = len(rollout)
+    size = g.minibatch_size or n
+    minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    per_step = g.gradient_accumulation_steps or len(minibatches)
+    chunks = [minibatches[i:i + per_step] for i in range(0, len(minibatches), per_step)]
+    old_logp = None
+    if g.num_iterations > 1 or len(chunks) > 1:
+        with torch.no_grad():
+            old_logp = torch.cat([completion_logprobs(policy.model, rollout.select(mb), g.temperature)[0]
+                                  for mb in minibatches])
+    eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+    stats = UpdateStats()
+    tokens_seen = 0.0
+    for iteration in range(g.num_iterations):
+        for chunk in chunks:
+            rows = [r for mb in chunk for r in mb]
+            n_tokens, n_seq = float(mask[rows].sum()), float(len(rows))
+            optimizer.zero_grad(set_to_none=True)
+            chunk_loss = torch.zeros(())
+            for mb in chunk:
+                sub, sub_mask = rollout.select(mb), mask[mb]
+                logp, logits = completion_logprobs(policy.model, sub, g.temperature, return_logits=iteration == 0)
+                if iteration == 0:
+                    weight = float(sub_mask.sum())
+                    stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
+                    stats.logprob_mean += float((logp.detach() * sub_mask).sum())
+                    tokens_seen += weight
+                out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                  sub_mask, loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
+                                  importance_sampling_level=g.importance_sampling_level,
+                                  ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
+                                  kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
+                                  num_sequences=n_seq, num_tokens=n_tokens)
+                out.loss.backward()
+                chunk_loss = chunk_loss + out.loss.detach()
+                stats.pg_loss += float(out.pg_loss)
+                stats.kl += float(out.kl)
+                stats.clip_low_frac += float(out.clip_low_frac) * len(mb) / n
+                stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
+            stats.updates += 1
+            stats.loss += float(chunk_loss)
+            stats.grad_norm = float(grad_norm)
+            if not (torch.isfinite(chunk_loss) and torch.isfinite(grad_norm)):
+                stats.skipped_updates += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step()
+    passes = max(1, stats.updates)
+    stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
+    stats.clip_low_frac /= g.num_iterations
+    stats.clip_high_frac /= g.num_iterations
+    stats.entropy /= max(tokens_seen, 1.0)
+    stats.logprob_mean /= max(tokens_seen, 1.0)
+    return stats
+
+
+def _atomic_save_final(policy: Policy, out: Path, provenance: dict[str, Any]) -> None:
+    model = policy.model.merge_and_unload() if policy.lora else policy.model
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tokenizer, tmp, extra=provenance)
+    save_model(model, policy.tokenizer, tmp, extra=provenance)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-
-
-StepCallback = Callable[[int, Any, dict[str, float]], None]
 
 
 def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[StepCallback] = ()) -> dict[str, Any]:
@@ -107,17 +301,14 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     seed_everything(cfg.seed, cfg.threads)
     device = pick_device(cfg.device)
     start_dir = resolve_model_dir(paths.sft_model)
-    tokenizer = load_tokenizer(start_dir)
-    policy = load_model(start_dir, device).train()
-    reference = None
-    if g.kl_beta > 0:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    policy = build_policy(cfg, start_dir, device)
     records = read_jsonl(split_path(paths.data, "train"))
-    rewards = RewardModel(g.rewards)
+    rewards = RewardModel(reward_specs(g))
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=g.learning_rate, weight_decay=g.weight_decay)
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay)
     rollout_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+    moving_reference = policy.reference is not None and g.reference.mode != "static"
 
     run_hash = section_hash(g, cfg.seed, dir_md5(start_dir), file_md5(split_path(paths.data, "train")))
     for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
@@ -125,7 +316,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     start_step, history = 0, []
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, policy, optimizer, reference)
+        state = load_checkpoint(resume_from, policy.model, optimizer, policy.reference if moving_reference else None)
         start_step, history = int(state["step"]), list(state["history"])
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
@@ -140,86 +331,71 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
             lr = learning_rate(step, g)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = [records[i] for i in schedule.indices(step)]
-            prompts = [r["prompt"] for r in batch]
 
             t0 = time.perf_counter()
-            rollout = sample_groups(policy, tokenizer, prompts, g.group_size, g.max_completion_length,
-                                    temperature=g.temperature, top_p=g.top_p, generator=rollout_gen)
-            completions = decode_completions(tokenizer, rollout)
-            t_gen = time.perf_counter() - t0
+            rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g, rewards,
+                                                                   rollout_gen)
+            t_gen = time.perf_counter() - t0  # generation and scoring, both inside the rollout
 
             t0 = time.perf_counter()
-            scored = rewards([p for p in prompts for _ in range(g.group_size)], completions,
-                             reward_columns(batch, g.group_size))
-            reward_t = torch.tensor(scored.total, dtype=torch.float32, device=device)
-            advantages = group_advantages(reward_t, g.group_size, g.scale_rewards)
+            reward_t = torch.tensor(totals, dtype=torch.float32, device=device)
+            if g.algorithm == "reinforce":
+                advantages = reward_t  # absolute reward, no baseline
+            elif len(reward_t):
+                advantages = group_advantages(reward_t, g.group_size, g.scale_rewards)
+            else:
+                advantages = reward_t
+            mask = rollout.completion_mask
+            if g.mask_truncated_completions:
+                mask = mask * (~rollout.truncated).unsqueeze(-1).to(mask.dtype)
             t_reward = time.perf_counter() - t0
 
             t0 = time.perf_counter()
             ref_logp = None
-            if reference is not None:
-                with torch.inference_mode():
-                    ref_logp = completion_logprobs(reference, rollout, g.temperature)[0].clone()
-            old_logp = None
-            if g.num_iterations > 1:  # μ=1: the ratio is exactly 1, old log-probs = detached current ones
-                with torch.no_grad():
-                    old_logp = completion_logprobs(policy, rollout, g.temperature)[0]
+            if g.kl_beta > 0 and len(rollout):
+                ref_logp = policy.reference_logprobs(rollout, g.temperature)
             t_ref = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            mask = rollout.completion_mask
-            skipped = 0
-            for iteration in range(g.num_iterations):
-                logp, logits = completion_logprobs(policy, rollout, g.temperature, return_logits=iteration == 0)
-                if iteration == 0:
-                    entropy = masked_entropy(logits.detach(), mask)
-                    logp_mean = float((logp.detach() * mask).sum() / mask.sum().clamp(min=1))
-                out = policy_loss(logp, old_logp if old_logp is not None else logp.detach(), advantages, mask,
-                                  loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
-                                  importance_sampling_level=g.importance_sampling_level, ref_logp=ref_logp,
-                                  beta=g.kl_beta, kl_estimator=g.kl_estimator,
-                                  max_completion_length=g.max_completion_length)
-                optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), g.max_grad_norm)
-                if not (torch.isfinite(out.loss) and torch.isfinite(grad_norm)):
-                    skipped += 1
-                    continue
-                optimizer.step()
+            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g) if len(rollout) \
+                else UpdateStats()
             t_policy = time.perf_counter() - t0
-            if skipped:
+            if stats.skipped_updates:
                 bad_steps += 1
-                print(f"grpo: step {step}: non-finite loss or gradient, update skipped ({bad_steps} in a row)")
+                print(f"grpo: step {step + 1}: non-finite loss or gradient, {stats.skipped_updates} update(s) "
+                      f"skipped ({bad_steps} step(s) in a row)")
                 if bad_steps > MAX_BAD_STEPS:
                     raise StageFailed(f"grpo: more than {MAX_BAD_STEPS} consecutive steps with non-finite loss or "
-                                      f"gradients (last at step {step}); last good checkpoint kept in "
+                                      f"gradients (last at step {step + 1}); last good checkpoint kept in "
                                       f"{paths.grpo_checkpoints}")
             else:
                 bad_steps = 0
-            if reference is not None:
-                update_reference(reference, policy, g.reference.mode, step, g.reference.ema_alpha,
+            if moving_reference:
+                update_reference(policy.reference, policy.model, g.reference.mode, step, g.reference.ema_alpha,
                                  g.reference.sync_every)
 
             step_seconds = time.perf_counter() - t_step
-            grouped = reward_t.view(-1, g.group_size)
+            first_t = torch.tensor(first_scores.total)
+            grouped = first_t.view(-1, g.group_size)
             metrics = {
-                "loss": float(out.loss.detach()), "pg_loss": float(out.pg_loss), "kl": float(out.kl),
-                "reward_mean": float(reward_t.mean()), "reward_std": float(reward_t.std()),
-                "advantage_mean": float(advantages.mean()), "logprob_mean": logp_mean,
-                "entropy": float(entropy), "completion_length": float(mask.sum(-1).float().mean()),
-                "truncated_frac": float(rollout.truncated.float().mean()),
-                "zero_std_group_frac": float((grouped.std(dim=1) == 0).float().mean()),
-                "grad_norm": float(grad_norm), "learning_rate": lr, "clip_low_frac": float(out.clip_low_frac),
-                "clip_high_frac": float(out.clip_high_frac), "step_seconds": step_seconds,
-                "completions_per_s": len(completions) / step_seconds, "time/generation": t_gen,
+                "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl,
+                "reward_mean": float(first_t.mean()), "reward_std": float(first_t.std()) if len(first_t) > 1 else 0.0,
+                "advantage_mean": float(advantages.mean()) if len(advantages) else 0.0,
+                "logprob_mean": stats.logprob_mean, "entropy": stats.entropy,
+                "completion_length": float(rollout.completion_mask.sum(-1).float().mean()) if len(rollout) else 0.0,
+                "truncated_frac": float(rollout.truncated.float().mean()) if len(rollout) else 0.0,
+                "zero_std_group_frac": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+                "kept_completions": float(len(rollout)), "sampled_completions": float(sampled),
+                "grad_norm": stats.grad_norm, "learning_rate": lr, "clip_low_frac": stats.clip_low_frac,
+                "clip_high_frac": stats.clip_high_frac, "step_seconds": step_seconds,
+                "completions_per_s": sampled / step_seconds, "time/generation": t_gen,
                 "time/reward": t_reward, "time/reference": t_ref, "time/policy": t_policy,
             }
-            metrics.update({f"reward/{k}/mean": v for k, v in scored.component_means().items()})
+            metrics.update({f"reward/{k}/mean": v for k, v in first_scores.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
             for callback in callbacks:
-                callback(step + 1, policy, metrics)
+                callback(step + 1, policy.model, metrics)
             if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
                 done = step + 1 - start_step
                 rate = done / (time.perf_counter() - started)
@@ -230,14 +406,14 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                       f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                       f"completions/s, ETA {eta:.0f}s", flush=True)
             if g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
-                save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy, optimizer,
+                save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
                                 {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
                                  "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
                                  "torch_rng": torch.get_rng_state()},
-                                reference if g.reference.mode != "static" else None)
+                                policy.reference if moving_reference else None)
 
-        _atomic_save_final(policy, tokenizer, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash,
-                                                                   "steps": g.steps, "start": str(start_dir)})
+        _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,
+                                                      "start": str(start_dir), "lora_merged": policy.lora})
         summary = write_step_outputs(history, paths)
         run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary

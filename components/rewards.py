@@ -7,11 +7,16 @@ mean and counts 0 in the weighted sum.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+LOG = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list]
 
@@ -40,7 +45,152 @@ def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Se
     return scores
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric_match": numeric_match}
+def regex_format(prompts: Sequence[str], completions: Sequence[str], pattern: str = r".+", mode: str = "fullmatch",
+                 **_: Any) -> list[float | None]:
+    """1.0 when the completion matches `pattern` (`fullmatch` on the stripped text, or `search`)."""
+    rx = re.compile(pattern, re.DOTALL)
+    match = rx.fullmatch if mode == "fullmatch" else rx.search
+    return [float(match(c.strip() if mode == "fullmatch" else c) is not None) for c in completions]
+
+
+def _tokens(text: Any) -> list[str]:
+    return str(text).lower().split()
+
+
+def _f1(candidate: list[str], reference: list[str]) -> float:
+    common = sum((Counter(candidate) & Counter(reference)).values())
+    if not candidate or not reference or common == 0:
+        return float(candidate == reference)
+    precision, recall = common / len(candidate), common / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _lcs(a: list[str], b: list[str]) -> int:
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev = 0
+        for j, y in enumerate(b, start=1):
+            prev, row[j] = row[j], prev + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
+def _rouge_l(candidate: list[str], reference: list[str]) -> float:
+    if not candidate or not reference:
+        return float(candidate == reference)
+    lcs = _lcs(candidate, reference)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(candidate), lcs / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _bleu(candidate: list[str], reference: list[str], max_n: int = 4) -> float:
+    """Sentence BLEU with add-one smoothing for n > 1 (Lin & Och 2004) and the brevity penalty."""
+    if not candidate or not reference:
+        return float(candidate == reference)
+    log_sum, orders = 0.0, min(max_n, len(candidate))
+    for n in range(1, orders + 1):
+        cand = Counter(tuple(candidate[i:i + n]) for i in range(len(candidate) - n + 1))
+        ref = Counter(tuple(reference[i:i + n]) for i in range(len(reference) - n + 1))
+        overlap, total = sum((cand & ref).values()), sum(cand.values())
+        if n == 1 and overlap == 0:
+            return 0.0
+        smooth = 0 if n == 1 else 1
+        log_sum += math.log((overlap + smooth) / (total + smooth))
+    brevity = min(0.0, 1.0 - len(reference) / len(candidate))
+    return math.exp(brevity + log_sum / orders)
+
+
+def _against_answer(metric: Callable[[list[str], list[str]], float]) -> RewardFn:
+    def reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], **_: Any):
+        return [None if a is None else metric(_tokens(c), _tokens(a)) for c, a in zip(completions, answer)]
+    reward.__doc__ = f"{metric.__name__.strip('_')} of the completion against the reference answer (whitespace tokens)."
+    return reward
+
+
+token_f1 = _against_answer(_f1)
+rouge_l = _against_answer(_rouge_l)
+bleu = _against_answer(_bleu)
+f1rougebleu = _against_answer(lambda c, r: (_f1(c, r) + _rouge_l(c, r) + _bleu(c, r)) / 3)
+
+
+def length_penalty(prompts: Sequence[str], completions: Sequence[str], max_chars: int = 200,
+                   **_: Any) -> list[float | None]:
+    """0 up to `max_chars`, then minus the overshoot as a fraction of `max_chars`."""
+    return [-max(0, len(c) - max_chars) / max_chars for c in completions]
+
+
+def overlong_penalty(prompts: Sequence[str], completions: Sequence[str], completion_token_lengths: Sequence[int] = (),
+                     max_length: int = 512, buffer: int = 64, penalty: float = 1.0, **_: Any) -> list[float | None]:
+    """DAPO soft overlong punishment on token lengths: 0, then a linear ramp to -penalty over the buffer."""
+    out: list[float | None] = []
+    for length in completion_token_lengths:
+        if length <= max_length - buffer:
+            out.append(0.0)
+        elif length <= max_length:
+            out.append((max_length - buffer - length) / buffer * penalty)
+        else:
+            out.append(-penalty)
+    return out
+
+
+def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (), timeout_s: float = 5.0,
+                   memory_mb: int = 512, **_: Any) -> list[float | None]:
+    """1.0 when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
+    from components.sandbox import run_untrusted_python
+
+    scores: list[float | None] = []
+    for completion, test in zip(completions, tests or [None] * len(completions)):
+        if test is None:
+            scores.append(None)
+            continue
+        result = run_untrusted_python(f"{completion}\n\n{test}", timeout_s=timeout_s, memory_mb=memory_mb)
+        if not result.passed:
+            LOG.info("code_execution: scored 0 (%s)", result.reason)
+        scores.append(float(result.passed))
+    return scores
+
+
+@functools.lru_cache(maxsize=4)
+def _load_judge(path: str):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from components.modeling import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(path))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval()
+    model.requires_grad_(False)
+    return tokenizer, model, torch
+
+
+def judge_model(prompts: Sequence[str], completions: Sequence[str], path: str = "", batch_size: int = 32,
+                label_index: int = -1, **_: Any) -> list[float | None]:
+    """A frozen sequence classifier's score of prompt + completion: P(label) or the single logit."""
+    if not path:
+        raise ValueError("judge_model needs options.path: a local AutoModelForSequenceClassification directory")
+    tokenizer, model, torch = _load_judge(path)
+    scores: list[float | None] = []
+    with torch.inference_mode():
+        for start in range(0, len(completions), batch_size):
+            texts = [p + c for p, c in zip(prompts[start:start + batch_size], completions[start:start + batch_size])]
+            logits = model(**tokenizer(texts, return_tensors="pt", padding=True, truncation=True)).logits.float()
+            if logits.shape[-1] == 1:
+                scores += logits[:, 0].tolist()
+            else:
+                scores += torch.softmax(logits, -1)[:, label_index].tolist()
+    return scores
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match, "numeric_match": numeric_match, "regex_format": regex_format,
+    "token_f1": token_f1, "rouge_l": rouge_l, "bleu": bleu, "f1rougebleu": f1rougebleu,
+    "length_penalty": length_penalty, "overlong_penalty": overlong_penalty, "code_execution": code_execution,
+    "judge_model": judge_model,
+}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -84,14 +234,15 @@ class RewardModel:
     """The weighted sum of named reward components."""
 
     def __init__(self, specs: Sequence[Any]):
-        self.components = [(spec.name, resolve_reward(spec.name), float(spec.weight)) for spec in specs]
+        self.components = [(spec.name, resolve_reward(spec.name), float(spec.weight), dict(getattr(spec, "options", {})))
+                           for spec in specs]
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> RewardResult:
         total = [0.0] * len(completions)
         per_component: dict[str, list[float | None]] = {}
-        for name, fn, weight in self.components:
+        for name, fn, weight, options in self.components:
             try:
-                scores = list(fn(prompts, completions, **columns))
+                scores = list(fn(prompts, completions, **{**columns, **options}))
             except Exception as err:  # noqa: BLE001 - user code; re-raised with the reward's name
                 raise RewardError(f"reward {name!r} raised {type(err).__name__}: {err}") from err
             if len(scores) != len(completions):

@@ -23,6 +23,14 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, T] 1 on tokens up to and including EOS
     truncated: torch.Tensor  # [N] bool: no EOS within the budget
 
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | list[int]) -> "Rollout":
+        """The given rows (same padding widths)."""
+        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
+                       self.completion_mask[rows], self.truncated[rows])
+
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
@@ -94,6 +102,26 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
     completion_mask = (~after_eos).long()
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
                    completion_mask=completion_mask, truncated=~is_eos.any(-1))
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts of different widths: prompts re-padded on the left, completions on the right."""
+    if len(parts) == 1:
+        return parts[0]
+    p_width = max(r.prompt_ids.shape[1] for r in parts)
+    c_width = max(r.completion_ids.shape[1] for r in parts)
+
+    def left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollout(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
+                   prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
+                   completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
+                   completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
+                   truncated=torch.cat([r.truncated for r in parts]))
 
 
 def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,

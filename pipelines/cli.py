@@ -19,15 +19,24 @@ QUIET_DEFAULTS = {
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from components.config import ConfigError
-    from pipelines.params_io import apply_to_params, preset_path
+    from components.data import DataError
+    from components.modeling import ModelLoadError
+    from components.stage_cli import StageFailed
+    from pipelines.params_io import apply_to_params, merged_config, preset_path
 
     root = Path(args.root).resolve()
     params = root / "params.yaml"
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
+        if args.dry_run:
+            from components.dry_run import dry_run
+
+            os.chdir(root)
+            dry_run(merged_config(params, overlays, args.overrides))
+            return 0
         if apply_to_params(params, overlays, args.overrides):
             print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from pipelines.flow import grpo_pipeline
@@ -86,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preset", help="overlay configs/presets/NAME.yaml")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one params key, e.g. --set grpo.kl_beta=0.1; repeatable")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate config, data and model, run one rollout and one loss; train and write nothing")
     run.set_defaults(func=_cmd_run)
     stage = sub.add_parser("stage", help="run one stage directly, outside Prefect and DVC")
     stage.add_argument("name", choices=["prepare", "model", "validate", "sft", "grpo", "evaluate", "register"])

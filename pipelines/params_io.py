@@ -31,16 +31,21 @@ def preset_path(name: str) -> Path:
     return path
 
 
-def apply_to_params(params_path: Path, overlays: list[Path], overrides: list[str]) -> bool:
-    """Overlay files then `key=value` overrides onto params.yaml; returns whether it changed."""
-    from ruamel.yaml import YAML
-
+def merged_config(params_path: Path, overlays: list[Path], overrides: list[str]):
+    """params.yaml + overlay files + `key=value` overrides, validated, without writing anything."""
     merged = read_params(params_path)
     for overlay in overlays:
         _merge(merged, read_params(overlay))
     for assignment in overrides:
         apply_override(merged, assignment)
-    config_from_dict(merged)  # raises ConfigError naming the key before anything is written
+    return config_from_dict(merged)  # raises ConfigError naming the key
+
+
+def apply_to_params(params_path: Path, overlays: list[Path], overrides: list[str]) -> bool:
+    """Overlay files then `key=value` overrides onto params.yaml; returns whether it changed."""
+    from ruamel.yaml import YAML
+
+    merged_config(params_path, overlays, overrides)  # a bad override never touches the file
 
     yaml = YAML()
     yaml.preserve_quotes = True
