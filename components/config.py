@@ -46,11 +46,31 @@ class DataConfig:
     """User datasets. Any path set here replaces the generated split of the same name."""
 
     sft_path: str | None = None
-    """JSONL with id, prompt, answer for the SFT warm start."""
+    """Demonstrations for the SFT warm start (default with user data: the train split)."""
     train_path: str | None = None
-    """JSONL with id, prompt, answer (+ extra columns passed to rewards) for GRPO."""
+    """GRPO prompts with answers (+ extra columns passed to rewards)."""
     heldout_path: str | None = None
-    """JSONL with id, prompt, answer for held-out evaluation."""
+    """Held-out evaluation data (default with user data: `heldout_ratio` of train_path, split off)."""
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "hf"] = "auto"
+    """File format; `auto` goes by extension (`hf`: a `datasets` save_to_disk directory)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Renames from source column to pipeline column, e.g. {question: prompt}; other columns are kept."""
+    heldout_ratio: float = 0.1
+    """Share of train_path held out when heldout_path is unset (identical prompts stay together)."""
+    split_seed: int | None = None
+    """Seed of that split (default: `seed`)."""
+
+
+@dataclass
+class PromptConfig:
+    """How a record becomes the text the model sees."""
+
+    template: str = "{prompt}"
+    """Python format string over the record's fields, e.g. "Question: {prompt}\\nAnswer:"."""
+    system: str | None = None
+    """Optional system prompt (a system message with chat templates, a first line otherwise)."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """Apply the tokenizer's chat template with the generation prompt: `auto` when it has one."""
 
 
 @dataclass
@@ -75,6 +95,10 @@ class ModelConfig:
 
     name_or_path: str | None = None
     """A local Hugging Face model directory; unset builds the tiny default from `tiny`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; `auto`: bfloat16 on a GPU that supports it, float32 otherwise."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the model directory (off unless you trust it)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Architecture of the tiny default."""
 
@@ -269,6 +293,7 @@ class PipelineConfig:
     """Training device; `auto` picks CUDA when present."""
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -402,6 +427,13 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | None = 
     return config_from_dict(raw)
 
 
+class _AnyField(dict):
+    """Lets a template be checked for syntax without knowing the record's fields."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
 def _require(condition: bool, key: str, rule: str) -> None:
     if not condition:
         raise ConfigError(f"{key}: {rule}")
@@ -421,6 +453,13 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(tiny.hidden_size % tiny.num_heads == 0, "model.tiny.num_heads", "must divide model.tiny.hidden_size")
     for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
         _require(getattr(tiny, name) >= 1, f"model.tiny.{name}", "must be >= 1")
+    _require(0 < cfg.data.heldout_ratio < 1, "data.heldout_ratio", "must be in (0, 1)")
+    for source, target in cfg.data.columns.items():
+        _require(isinstance(target, str) and bool(target), f"data.columns.{source}", "must name a target column")
+    try:
+        cfg.prompt.template.format_map(_AnyField())
+    except (ValueError, IndexError) as err:
+        raise ConfigError(f"prompt.template: not a valid format string ({err})") from err
     _require(s.epochs >= 1, "sft.epochs", "must be >= 1")
     _require(s.batch_size >= 1, "sft.batch_size", "must be >= 1")
     _require(s.learning_rate > 0, "sft.learning_rate", "must be > 0")

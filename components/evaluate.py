@@ -17,8 +17,9 @@ import torch
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data import file_md5, read_jsonl, split_path, write_jsonl
-from components.modeling import load_model, load_tokenizer, pick_device, seed_everything
+from components.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
 from components.paths import Paths
+from components.prompting import PromptFormatter
 from components.rewards import RewardModel
 from components.rollout import decode_completions, sample_groups
 from components.stage_cli import stage_main
@@ -34,10 +35,12 @@ def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, 
     return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
 
 
-def greedy_completions(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int,
-                       device: torch.device) -> list[str]:
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, device)
+def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[str, Any]], max_new_tokens: int,
+                       batch_size: int, device: torch.device) -> list[str]:
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    model = load_policy_model(cfg, model_dir, device)
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
+    prompts = [formatter(r) for r in records]
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], 1, max_new_tokens, greedy=True)
@@ -58,12 +61,11 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
     device = pick_device(cfg.device)
     heldout_file = split_path(paths.data, "heldout")
     records = read_jsonl(heldout_file)
-    prompts = [r["prompt"] for r in records]
     rewards = RewardModel(cfg.grpo.rewards)
     results: dict[str, dict[str, Any]] = {}
     with stage_run(cfg.tracking.experiment, "evaluate", to_flat_dict(cfg)) as run:
         for role, model_dir in (("baseline", paths.sft_model), ("candidate", paths.grpo_model)):
-            completions = greedy_completions(model_dir, prompts, e.max_new_tokens, e.batch_size, device)
+            completions = greedy_completions(cfg, model_dir, records, e.max_new_tokens, e.batch_size, device)
             per_prompt = score(records, completions, rewards)
             results[role] = {"completions": completions, "rewards": per_prompt}
             print(f"evaluate: {role} ({model_dir}) mean reward {np.mean(per_prompt):.4f} on {len(records)} prompts")

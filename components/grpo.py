@@ -25,9 +25,10 @@ import torch
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
-from components.modeling import load_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
+from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
+from components.prompting import PromptFormatter
 from components.rewards import RewardModel, RewardResult
 from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
 from components.stage_cli import StageFailed, stage_main
@@ -122,6 +123,7 @@ class Policy:
     model: Any
     reference: Any | None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
     lora: bool
+    format_prompt: Callable[[dict[str, Any]], str] = lambda record: record["prompt"]
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
@@ -133,15 +135,15 @@ class Policy:
 
 def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> Policy:
     g = cfg.grpo
-    tokenizer = load_tokenizer(start_dir)
-    model = load_model(start_dir, device)
+    tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)
+    model = load_policy_model(cfg, start_dir, device)
     reference = None
     if g.lora.enabled:
         model = attach_lora(model, g.lora)
     elif g.kl_beta > 0:
-        reference = load_model(g.reference.path, device) if g.reference.path else copy.deepcopy(model)
+        reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    return Policy(tokenizer, model.train(), reference, g.lora.enabled)
+    return Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
 
 
 @dataclass
@@ -155,7 +157,8 @@ class ScoredRollout:
 def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfig, rewards: RewardModel,
                      generator: torch.Generator) -> ScoredRollout:
     prompts = [r["prompt"] for r in records]
-    rollout = sample_groups(policy.model, policy.tokenizer, prompts, g.group_size, g.max_completion_length,
+    rollout = sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(r) for r in records], g.group_size,
+                            g.max_completion_length,
                             temperature=g.temperature, top_p=g.top_p, generator=generator)
     completions = decode_completions(policy.tokenizer, rollout)
     columns = reward_columns(records, g.group_size)

@@ -109,24 +109,38 @@ def resolve_model_dir(path: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Load a tokenizer, left-padded for generation, with a pad token even when the model had none."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32):
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on a GPU that supports it, float32 otherwise (CPU matmuls are fastest in fp32)."""
+    if name == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
+               trust_remote_code: bool = False):
     """Load a causal LM from safetensors only (`use_safetensors=True`), in eval mode on `device`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype,
-                                                 use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+def load_policy_model(cfg: PipelineConfig, path: str | Path, device: torch.device):
+    """`load_model` with the dtype and remote-code settings of `cfg.model`."""
+    return load_model(path, device, resolve_dtype(cfg.model.dtype, device), cfg.model.trust_remote_code)
 
 
 def save_model(model, tokenizer, out_dir: Path, extra: dict[str, Any] | None = None) -> None:

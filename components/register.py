@@ -152,10 +152,15 @@ def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
             run.log_artifact(paths.root / "params.yaml", "lineage")  # the exact params, even if never committed
+            from components.modeling import load_tokenizer
+            from components.prompting import PromptFormatter
+
+            formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
             with mlflow.start_run(run_id=run.run_id):
                 info = mlflow.pyfunc.log_model(
                     name="model", python_model=str(SERVING_MODULE), artifacts={"model_dir": str(paths.grpo_model)},
-                    pip_requirements=PIP_REQUIREMENTS, model_config={"max_new_tokens": cfg.evaluate.max_new_tokens},
+                    pip_requirements=PIP_REQUIREMENTS,
+                    model_config={"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting},
                     signature=ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
                                              outputs=Schema([ColSpec("string")])))
             if not client.search_registered_models(filter_string=f"name = '{name}'"):

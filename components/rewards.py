@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import math
 import re
@@ -16,32 +17,60 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from components.extract import extract_answer
+
 LOG = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list]
 
 
-def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float | None]:
-    """1.0 when the completion (text before EOS, outer whitespace ignored) equals the answer."""
-    return [None if a is None else float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], extract: str | None = None,
+                **_: Any) -> list[float | None]:
+    """1.0 when the completion (text before EOS; or its `extract`ed answer) equals the answer, whitespace aside."""
+    scores: list[float | None] = []
+    for c, a in zip(completions, answer):
+        got = extract_answer(c, extract)
+        scores.append(None if a is None else float(got is not None and got.strip() == str(a).strip()))
+    return scores
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
-                  tolerance: float = 1e-6, **_: Any) -> list[float | None]:
-    """1.0 when the first number in the completion equals the answer within `tolerance`."""
+                  tolerance: float = 1e-6, extract: str | None = None, **_: Any) -> list[float | None]:
+    """1.0 when the first number of the completion (or of its `extract`ed answer) equals the answer within `tolerance`."""
     scores: list[float | None] = []
     for c, a in zip(completions, answer):
         if a is None:
             scores.append(None)
             continue
-        found = _NUMBER.search(c)
+        got = extract_answer(c, extract)
+        found = _NUMBER.search(got.replace(",", "")) if got is not None else None
         try:
-            scores.append(float(found is not None and abs(float(found.group()) - float(a)) <= tolerance))
+            scores.append(float(found is not None and abs(float(found.group()) - float(str(a).replace(",", ""))) <= tolerance))
         except ValueError:
             scores.append(0.0)
+    return scores
+
+
+def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], extract: str | None = None,
+                **_: Any) -> list[float | None]:
+    """1.0 when math-verify finds the (extracted) completion numerically or symbolically equal to the answer."""
+    from math_verify import parse, verify
+
+    scores: list[float | None] = []
+    for c, a in zip(completions, answer):
+        if a is None:
+            scores.append(None)
+            continue
+        got = extract_answer(c, extract) if extract else c
+        if got is None:
+            scores.append(0.0)
+            continue
+        gold = parse(f"${a}$") or parse(str(a))
+        pred = parse(f"${got}$") if extract else parse(got)
+        scores.append(float(bool(gold) and bool(pred) and verify(gold, pred)))
     return scores
 
 
@@ -189,13 +218,18 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match, "numeric_match": numeric_match, "regex_format": regex_format,
     "token_f1": token_f1, "rouge_l": rouge_l, "bleu": bleu, "f1rougebleu": f1rougebleu,
     "length_penalty": length_penalty, "overlong_penalty": overlong_penalty, "code_execution": code_execution,
-    "judge_model": judge_model,
+    "judge_model": judge_model, "math_verify": math_verify,
 }
+OPTIONAL_PACKAGES = {"math_verify": ("math_verify", "pip install 'grpo-pipeline[math]'")}
 
 
 def resolve_reward(name: str) -> RewardFn:
     """A built-in by name, or `package.module:function` imported from the user's code."""
     if name in BUILTIN_REWARDS:
+        if name in OPTIONAL_PACKAGES:
+            module, hint = OPTIONAL_PACKAGES[name]
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(f"reward {name!r} needs the {module} package: {hint}")
         return BUILTIN_REWARDS[name]
     if ":" not in name:
         raise KeyError(f"unknown reward {name!r}; built-ins are {sorted(BUILTIN_REWARDS)}, "

@@ -23,15 +23,29 @@ class CompletionModel(PythonModel):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
-        self.max_new_tokens = int((context.model_config or {}).get("max_new_tokens", 32))
+        config = context.model_config or {}
+        self.max_new_tokens = int(config.get("max_new_tokens", 32))
+        self.template = config.get("template", "{prompt}")
+        self.system = config.get("system")
+        self.chat = bool(config.get("chat", False))
+
+    def format(self, record: dict) -> str:
+        """The same formatting the pipeline trained with (components/prompting.py)."""
+        text = self.template.format(**record)
+        if self.chat:
+            messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+                       [{"role": "user", "content": text}]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return f"{self.system}\n{text}" if self.system else text
 
     def predict(self, context, model_input, params=None):
         import torch
 
         if hasattr(model_input, "columns"):
-            prompts = [str(p) for p in model_input["prompt"].tolist()]
+            records = model_input.to_dict(orient="records")
         else:
-            prompts = [str(p) for p in model_input]
+            records = [{"prompt": str(p)} for p in model_input]
+        prompts = [self.format(r) for r in records]
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
             out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,

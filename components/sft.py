@@ -15,17 +15,19 @@ import torch
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data import read_jsonl, split_path
-from components.modeling import load_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
+from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
 from components.paths import Paths
+from components.prompting import PromptFormatter
 from components.rollout import positions_from_mask
 from components.stage_cli import stage_main
 
 
-def encode_sft(tokenizer, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask, and labels with prompt and padding set to -100."""
     rows, labels = [], []
     for r in records:
-        prompt = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+        prompt = tokenizer(format_prompt(r), add_special_tokens=False).input_ids
         answer = tokenizer(str(r["answer"]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
@@ -51,9 +53,10 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
         return summary
     seed_everything(cfg.seed, cfg.threads)
     device = pick_device(cfg.device)
-    tokenizer = load_tokenizer(paths.base_model)
-    model = load_model(paths.base_model, device).train()
-    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, read_jsonl(split_path(paths.data, "sft"))))
+    tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
+    model = load_policy_model(cfg, paths.base_model, device).train()
+    records = read_jsonl(split_path(paths.data, "sft"))
+    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer)))
     n = ids.shape[0]
     steps_per_epoch = math.ceil(n / s.batch_size)
     total = steps_per_epoch * s.epochs

@@ -20,6 +20,7 @@ from components.config import PipelineConfig
 from components.data import REQUIRED_COLUMNS, SPLITS, read_jsonl, split_path
 from components.modeling import context_length, load_tokenizer
 from components.paths import Paths
+from components.prompting import PromptFormatter
 from components.stage_cli import StageFailed, stage_main
 
 MAX_IDS_SHOWN = 20
@@ -47,7 +48,7 @@ class Violation:
         return f"{self.file}: rule '{self.rule}' failed ({self.expectation}){where}"
 
 
-def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | None):
+def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | None, formatter):
     """The dataset as a DataFrame plus the derived columns the expectations check."""
     import pandas as pd
 
@@ -56,7 +57,7 @@ def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | No
         prompts = df["prompt"]
         df["_prompt_type"] = prompts.map(lambda v: type(v).__name__)
         df["_prompt_chars"] = prompts.map(lambda v: len(v.strip()) if isinstance(v, str) else 0)
-        text = prompts.map(lambda v: v if isinstance(v, str) else "")
+        text = [formatter(r) if isinstance(r.get("prompt"), str) else "" for r in records]
         df["_prompt_tokens"] = [len(ids) for ids in tokenizer(list(text), add_special_tokens=False).input_ids]
         if "answer" in df:
             answers = df["answer"].map(lambda v: "" if v is None else str(v))
@@ -106,7 +107,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     import great_expectations as gx
 
-    tokenizer = load_tokenizer(paths.base_model)
+    tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
     from transformers import AutoConfig
 
     from components.modeling import resolve_model_dir
@@ -125,7 +127,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
     report: dict[str, Any] = {"success": True, "files": {}}
     for split in SPLITS:
         leak_check = split != "heldout"
-        df = _frame(records[split], tokenizer, set(heldout_norm) if leak_check else None)
+        df = _frame(records[split], tokenizer, set(heldout_norm) if leak_check else None, formatter)
         suite = ctx.suites.add(_suite(gx, f"{split}_suite", list(df.columns), split, context - budget, context,
                                       heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
         batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")

@@ -28,11 +28,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     params = root / "params.yaml"
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
+        cfg = merged_config(params, overlays, args.overrides)
+        if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
+            from components.modeling import resolve_model_dir
+
+            os.chdir(root)
+            resolve_model_dir(cfg.model.name_or_path)
         if args.dry_run:
             from components.dry_run import dry_run
 
             os.chdir(root)
-            dry_run(merged_config(params, overlays, args.overrides))
+            dry_run(cfg)
             return 0
         if apply_to_params(params, overlays, args.overrides):
             print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")

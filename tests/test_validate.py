@@ -73,12 +73,12 @@ def test_missing_column_null_answer_and_non_string_prompt(user_data):
     good["heldout"][0]["answer"] = None
     good["train"][0]["prompt"] = 42
     for r in good["sft"]:
-        del r["id"]
+        del r["answer"]
     _, _, check = run_validate(tmp_path, good)
     with pytest.raises(StageFailed) as err:
         check()
     msg = str(err.value)
-    assert "rule 'required column 'id'' failed" in msg
+    assert "user_sft.jsonl" in msg and "rule 'required column 'answer'' failed" in msg
     assert "rule 'answer present (the reward needs it)' failed" in msg and "ids [h0]" in msg
     assert "rule 'prompt is a string' failed" in msg and "ids [t0]" in msg
 
