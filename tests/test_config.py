@@ -60,3 +60,18 @@ def test_section_hash_changes_with_content():
     a, b = load_config(PARAMS), load_config(PARAMS, ["grpo.kl_beta=0.5"])
     assert section_hash(a.grpo) != section_hash(b.grpo)
     assert section_hash(a.grpo) == section_hash(load_config(PARAMS).grpo)
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "configs" / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_example_configs_are_valid(example):
+    from pipelines.params_io import merged_config
+
+    cfg = merged_config(PARAMS, [example], ["model.name_or_path=/models/some-instruct-model"])
+    assert cfg.grpo.lora.enabled and cfg.prompt.chat_template == "always"
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs" / "presets").glob("*.yaml")), ids=lambda p: p.stem)
+def test_presets_are_valid(preset):
+    from pipelines.params_io import merged_config
+
+    assert merged_config(PARAMS, [preset], []).grpo.steps >= 1
