@@ -51,13 +51,13 @@ def main() -> int:
     common = [f"grpo.steps={args.steps}", "grpo.checkpoint_every=0", f"grpo.log_every={max(1, args.steps // 4)}",
               *args.overrides]
     base_cfg = load_config(ROOT / "params.yaml", common)
+    configs = {name: load_config(ROOT / "params.yaml", common + overrides) for name, overrides in VARIANTS.items()}
     shared = Paths(root=work / "shared")
     prepare(base_cfg, shared)
     build_base_model(base_cfg, shared)
     train_sft(base_cfg, shared)
     rows = []
-    for name, overrides in VARIANTS.items():
-        cfg = load_config(ROOT / "params.yaml", common + overrides)
+    for name, cfg in configs.items():
         paths = Paths(root=work / name)
         for sub in ("data/prepared", "models/base", "models/sft"):
             shutil.copytree(shared.root / sub, paths.root / sub)

@@ -245,6 +245,11 @@ class GRPOConfig:
     """KL reference policy."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     """Reward components; their weighted sum drives the advantages."""
+    reward_timeout_s: float = 60.0
+    """Time limit per reward call; a slower call fails that step (0 = no limit)."""
+    max_reward_failures: int = 3
+    """Steps in a row whose rewards failed (raised, NaN/inf, wrong length, timeout) that are skipped and
+    logged before the stage stops with the reward's error."""
     checkpoint_every: int = 100
     """Steps between resumable checkpoints (0 disables)."""
     log_every: int = 100
@@ -504,6 +509,8 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(g.checkpoint_every >= 0, "grpo.checkpoint_every", "must be >= 0")
     _require(g.log_every >= 1, "grpo.log_every", "must be >= 1")
     _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
+    _require(g.reward_timeout_s >= 0, "grpo.reward_timeout_s", "must be >= 0")
+    _require(g.max_reward_failures >= 0, "grpo.max_reward_failures", "must be >= 0")
     from components.rewards import resolve_reward  # local: rewards may import user code
 
     for i, spec in enumerate(g.rewards):

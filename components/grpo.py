@@ -29,7 +29,7 @@ from components.modeling import load_policy_model, load_tokenizer, pick_device, 
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
 from components.prompting import PromptFormatter
-from components.rewards import RewardModel, RewardResult
+from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
 from components.stage_cli import StageFailed, stage_main
 
@@ -306,7 +306,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     start_dir = resolve_model_dir(paths.sft_model)
     policy = build_policy(cfg, start_dir, device)
     records = read_jsonl(split_path(paths.data, "train"))
-    rewards = RewardModel(reward_specs(g))
+    rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     trainable = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay)
@@ -325,7 +325,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
         torch.set_rng_state(state["torch_rng"])
         print(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
 
-    bad_steps = 0
+    bad_steps = reward_failures = 0
     with stage_run(cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         started = time.perf_counter()
@@ -336,8 +336,18 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                 group["lr"] = lr
 
             t0 = time.perf_counter()
-            rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g, rewards,
-                                                                   rollout_gen)
+            try:
+                rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g, rewards,
+                                                                       rollout_gen)
+            except RewardError as err:
+                reward_failures += 1
+                run.log_metrics({"reward_failures": reward_failures}, step=step + 1)
+                print(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
+                if reward_failures > g.max_reward_failures:
+                    raise StageFailed(f"grpo: rewards failed on {reward_failures} steps in a row "
+                                      f"(grpo.max_reward_failures = {g.max_reward_failures}); last error: {err}") from err
+                continue
+            reward_failures = 0
             t_gen = time.perf_counter() - t0  # generation and scoring, both inside the rollout
 
             t0 = time.perf_counter()

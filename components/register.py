@@ -126,20 +126,33 @@ def decide(client, name: str, version: str, evaluation: dict[str, Any], predicti
 
 
 def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
+    name = cfg.register.model_name
+    evaluation = json.loads((paths.metrics / "eval.json").read_text())
+    predictions = read_jsonl(paths.eval_dir / "predictions.jsonl")
+    candidate_md5 = dir_md5(paths.grpo_model)
+    from components.locks import REGISTRY_LOCK, file_lock
+
+    with file_lock(paths.root / REGISTRY_LOCK, "a registry change in this repository", wait_s=600):
+        return _register_locked(cfg, paths, name, evaluation, predictions, candidate_md5)
+
+
+def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: dict[str, Any],
+                     predictions: list[dict[str, Any]], candidate_md5: str) -> dict[str, Any]:
     import mlflow
 
     from components.tracking import client as mlflow_client
     from components.tracking import stage_run
 
-    name = cfg.register.model_name
-    evaluation = json.loads((paths.metrics / "eval.json").read_text())
-    predictions = read_jsonl(paths.eval_dir / "predictions.jsonl")
-    candidate_md5 = dir_md5(paths.grpo_model)
     client = mlflow_client()
     existing = []
     if client.search_registered_models(filter_string=f"name = '{name}'"):
-        existing = [v for v in client.search_model_versions(f"name = '{name}'")
-                    if v.tags.get("candidate_md5") == candidate_md5 and v.tags.get("registration") == "complete"]
+        same = [v for v in client.search_model_versions(f"name = '{name}'")
+                if v.tags.get("candidate_md5") == candidate_md5]
+        existing = [v for v in same if v.tags.get("registration") == "complete"]
+        for half in (v for v in same if v.tags.get("registration") != "complete"):
+            # A run killed mid-registration: the version never got its tags or aliases; remove it.
+            client.delete_model_version(name, half.version)
+            print(f"register: removed incomplete version {half.version} of {name} left by an interrupted run")
     with stage_run(cfg.tracking.experiment, "register", to_flat_dict(cfg)) as run:
         if existing:
             version = existing[0]

@@ -7,12 +7,15 @@ mean and counts 0 in the weighted sum.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import logging
 import math
 import re
+import signal
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -264,10 +267,30 @@ class RewardResult:
         return means
 
 
-class RewardModel:
-    """The weighted sum of named reward components."""
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise TimeoutError in the main thread after `seconds` (a reward that hangs must not stall training)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    def __init__(self, specs: Sequence[Any]):
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took longer than {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class RewardModel:
+    """The weighted sum of named reward components, each call under a time limit."""
+
+    def __init__(self, specs: Sequence[Any], timeout_s: float = 0.0):
+        self.timeout_s = timeout_s
         self.components = [(spec.name, resolve_reward(spec.name), float(spec.weight), dict(getattr(spec, "options", {})))
                            for spec in specs]
 
@@ -276,7 +299,8 @@ class RewardModel:
         per_component: dict[str, list[float | None]] = {}
         for name, fn, weight, options in self.components:
             try:
-                scores = list(fn(prompts, completions, **{**columns, **options}))
+                with time_limit(self.timeout_s, f"reward {name!r}"):
+                    scores = list(fn(prompts, completions, **{**columns, **options}))
             except Exception as err:  # noqa: BLE001 - user code; re-raised with the reward's name
                 raise RewardError(f"reward {name!r} raised {type(err).__name__}: {err}") from err
             if len(scores) != len(completions):

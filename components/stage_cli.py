@@ -29,4 +29,24 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     except (ConfigError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
+        if not _is_tracking_outage(err):
+            raise
+        from components.tracking import tracking_uri
+
+        print(f"error: the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
+              f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back", file=sys.stderr)
+        return 1
     return 0
+
+
+def _is_tracking_outage(err: BaseException) -> bool:
+    """Connection failures to the tracking server, however MLflow or requests wrap them."""
+    seen = 0
+    while err is not None and seen < 10:
+        text = f"{type(err).__name__}: {err}"
+        if any(k in text for k in ("ConnectionError", "Max retries exceeded", "Connection refused",
+                                   "API request to", "NewConnectionError")):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False

@@ -27,7 +27,14 @@ def is_secret_key(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+# Bounded retries against a tracking server: about 15 s of backoff, then a clear failure.
+RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
 def client():
+    for key, value in RETRY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     import mlflow
     from mlflow.tracking import MlflowClient
 

@@ -18,6 +18,21 @@ QUIET_DEFAULTS = {
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from components.locks import LOCK_HELD_ENV, PIPELINE_LOCK, LockBusy, file_lock
+
+    root = Path(args.root).resolve()
+    if args.dry_run:
+        return _run_locked(args)
+    try:  # one run per repository: held across writing params.yaml and the whole flow
+        with file_lock(root / PIPELINE_LOCK, "a pipeline run in this repository"):
+            os.environ[LOCK_HELD_ENV] = str(os.getpid())
+            return _run_locked(args)
+    except LockBusy as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+
+
+def _run_locked(args: argparse.Namespace) -> int:
     from components.config import ConfigError
     from components.data import DataError
     from components.modeling import ModelLoadError

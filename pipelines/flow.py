@@ -95,10 +95,21 @@ def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], st
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(root: str = ".") -> dict[str, Any]:
-    """prepare -> model -> validate -> sft -> grpo -> evaluate -> register, on params.yaml in `root`."""
+    """prepare -> model -> validate -> sft -> grpo -> evaluate -> register, on params.yaml in `root`.
+
+    One run per repository at a time: a second run started meanwhile is refused, never interleaved.
+    """
+    from components.locks import LOCK_HELD_ENV, PIPELINE_LOCK, file_lock
+
+    if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
+        return _run_stages(Path(root).resolve())
+    with file_lock(Path(root).resolve() / PIPELINE_LOCK, "a pipeline run in this repository"):
+        return _run_stages(Path(root).resolve())
+
+
+def _run_stages(root_path: Path) -> dict[str, Any]:
     from components.tracking import tracking_uri
 
-    root_path = Path(root).resolve()
     cfg = load_config(root_path / "params.yaml")
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
     parent = start_run(cfg.tracking.experiment, "pipeline", tags={"grpo.stage": "pipeline"})
