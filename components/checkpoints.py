@@ -18,6 +18,10 @@ PREFIX = "step-"
 KEEP = 2
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+
 def _step_dirs(root: Path) -> list[Path]:
     if not root.exists():
         return []
@@ -43,6 +47,12 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
         (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = _step_dirs(root)
+        kept = f"previous checkpoint {previous[-1]} kept" if previous else "no earlier checkpoint"
+        raise CheckpointWriteError(f"could not write checkpoint step {step} in {root} "
+                                   f"({type(err).__name__}: {err}); {kept}") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -531,19 +531,18 @@ def validate_config(cfg: PipelineConfig) -> None:
 
 
 def to_flat_dict(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    """Flatten a config into `a.b.c -> value` for MLflow params."""
+    """Flatten a config into `a.b.c -> value` for MLflow params (mappings too, so every leaf has its own
+    key and secret-looking keys such as `...options.api_token` can be recognised and dropped)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
+    items = ((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) \
+        else cfg.items()
+    for name, value in items:
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(value) or (isinstance(value, dict) and value):
             out.update(to_flat_dict(value, key + "."))
-        elif isinstance(value, list):
+        elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) or isinstance(v, dict) for v in value):
             for i, item in enumerate(value):
-                if dataclasses.is_dataclass(item):
-                    out.update(to_flat_dict(item, f"{key}.{i}."))
-                else:
-                    out[f"{key}.{i}"] = item
+                out.update(to_flat_dict(item, f"{key}.{i}."))
         else:
             out[key] = value
     return out

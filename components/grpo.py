@@ -418,7 +418,8 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                 print(f"grpo: step {step + 1}/{g.steps} reward {mean_reward:.3f} kl {metrics['kl']:.4f} "
                       f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                       f"completions/s, ETA {eta:.0f}s", flush=True)
-            if g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
+            checkpoint_due = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
+            if checkpoint_due and bad_steps == 0:  # never checkpoint inside a non-finite streak
                 save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
                                 {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
                                  "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],

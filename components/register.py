@@ -79,6 +79,18 @@ def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], 
     return tags
 
 
+def log_params_file(run, params_path: Path) -> None:
+    """The exact params (even if never committed) as `lineage/params.yaml`, secret-looking values redacted."""
+    import yaml
+
+    from components.tracking import redact
+
+    with tempfile.TemporaryDirectory() as tmp:
+        safe = Path(tmp) / "params.yaml"
+        safe.write_text(yaml.safe_dump(redact(yaml.safe_load(params_path.read_text())), sort_keys=False))
+        run.log_artifact(safe, "lineage")
+
+
 def _champion(client, name: str):
     from mlflow.exceptions import MlflowException
 
@@ -164,7 +176,7 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             tags = lineage_tags(cfg, paths, evaluation, candidate_md5)
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
-            run.log_artifact(paths.root / "params.yaml", "lineage")  # the exact params, even if never committed
+            log_params_file(run, paths.root / "params.yaml")
             from components.modeling import load_tokenizer
             from components.prompting import PromptFormatter
 

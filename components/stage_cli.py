@@ -20,13 +20,14 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one params key, e.g. --set grpo.kl_beta=0.1")
     args = parser.parse_args(argv)
+    from components.checkpoints import CheckpointWriteError
     from components.data import DataError
     from components.modeling import ModelLoadError
 
     try:
         cfg = load_config(args.params, args.overrides)
         run(cfg)
-    except (ConfigError, DataError, ModelLoadError, StageFailed) as err:
+    except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here

@@ -32,6 +32,15 @@ RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_B
                   "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
+def redact(value: Any) -> Any:
+    """A copy of nested params with the values of secret-looking keys replaced by '***'."""
+    if isinstance(value, dict):
+        return {k: "***" if is_secret_key(str(k)) else redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
+
+
 def client():
     for key, value in RETRY_DEFAULTS.items():
         os.environ.setdefault(key, value)

@@ -16,3 +16,21 @@ def wrong_length(prompts, completions, **_):
 
 def not_a_number(prompts, completions, **_):
     return [float("nan")] * len(completions)
+
+
+_CALLS = {"flaky": 0}
+
+
+def flaky_twice(prompts, completions, **_):
+    """Raises on its first two calls, then scores like starts_with_one: a transient failure."""
+    _CALLS["flaky"] += 1
+    if _CALLS["flaky"] <= 2:
+        raise ConnectionError("judge service unavailable")
+    return starts_with_one(prompts, completions)
+
+
+def slow(prompts, completions, **_):
+    import time
+
+    time.sleep(30)
+    return [0.0] * len(completions)

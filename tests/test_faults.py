@@ -1,0 +1,243 @@
+"""Injected faults: failing rewards, NaN losses, a full disk, a dead tracking server, SIGKILL during
+register, two runs at once, and secrets in the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from components.config import load_config
+from components.grpo import train_grpo
+from components.stage_cli import StageFailed
+from conftest import BIN, FAST_PARAMS, ROOT, copy_project, run
+from test_grpo_training import LEARN, setup_stage_inputs
+
+
+def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):
+    import reward_fixtures
+
+    reward_fixtures._CALLS["flaky"] = 0
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=5", "grpo.max_reward_failures=2",
+                                                       "grpo.rewards=[{name: 'reward_fixtures:flaky_twice'}]"])
+    train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert "grpo: step 1 skipped: reward 'reward_fixtures:flaky_twice' raised ConnectionError" in out
+    assert "(2 in a row)" in out and (paths.grpo_model / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("reward,options,message", [
+    ("reward_fixtures:raises", [], "reward 'reward_fixtures:raises' raised RuntimeError: boom"),
+    ("reward_fixtures:not_a_number", [], "reward 'reward_fixtures:not_a_number' returned nan"),
+    ("reward_fixtures:wrong_length", [], "returned 1 values for 64 completions"),
+    ("reward_fixtures:slow", ["grpo.reward_timeout_s=0.5"], "reward 'reward_fixtures:slow' took longer than 0.5s"),
+])
+def test_persistent_reward_failure_stops_with_the_rule(tmp_path, mlflow_store, reward, options, message):
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=5", "grpo.max_reward_failures=1",
+                                                       f"grpo.rewards=[{{name: '{reward}'}}]"] + options)
+    started = time.monotonic()
+    with pytest.raises(StageFailed) as err:
+        train_grpo(cfg, paths)
+    assert "rewards failed on 2 steps in a row (grpo.max_reward_failures = 1)" in str(err.value)
+    assert message in str(err.value)
+    assert time.monotonic() - started < 20 and not paths.grpo_model.exists()
+
+
+def test_nan_losses_are_skipped_then_stop_with_last_good_checkpoint_kept(tmp_path, mlflow_store, capsys):
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=12", "grpo.checkpoint_every=2"])
+
+    def poison_training_forward(step, policy, metrics):
+        # From step 2 on, logits are NaN whenever gradients are on (the loss forward), while sampling
+        # (no_grad) still works: the loss and its gradients turn non-finite.
+        if step == 2:
+            policy.lm_head.register_forward_hook(
+                lambda module, args, out: out * float("nan") if torch.is_grad_enabled() else out)
+
+    with pytest.raises(StageFailed, match="more than 3 consecutive steps with non-finite loss or gradients"):
+        train_grpo(cfg, paths, callbacks=[poison_training_forward])
+    assert "non-finite loss or gradient, 1 update(s) skipped (1 step(s) in a row)" in capsys.readouterr().out
+    good = latest_checkpoint(paths.grpo_checkpoints, _run_hash(paths))
+    assert good is not None and good.name == "step-0000002"
+    from safetensors.torch import load_file
+    assert all(torch.isfinite(t).all() for t in load_file(good / "model.safetensors").values())
+
+
+def _run_hash(paths):
+    import json
+    return json.loads(next(paths.grpo_checkpoints.glob("step-*/meta.json")).read_text())["run_hash"]
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
+    code = f"""
+import resource, signal, sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+from components.checkpoints import CheckpointWriteError, save_checkpoint
+model = torch.nn.Linear(512, 512)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+save_checkpoint(__import__("pathlib").Path({str(tmp_path / 'ckpt')!r}), 1, "h", model, opt, {{"step": 1}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a full device: writes fail with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+with torch.no_grad():
+    model.weight.add_(1.0)
+try:
+    save_checkpoint(__import__("pathlib").Path({str(tmp_path / 'ckpt')!r}), 2, "h", model, opt, {{"step": 2}})
+except CheckpointWriteError as err:
+    print("WRITE FAILED", err)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "WRITE FAILED could not write checkpoint step 2" in proc.stdout, proc.stderr
+    assert "File too large" in proc.stdout and "step-0000001 kept" in proc.stdout
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000001"]  # no half-written or temp directory
+    assert latest_checkpoint(root, "h").name == "step-0000001"
+    model, opt = torch.nn.Linear(512, 512), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert load_checkpoint(root / "step-0000001", model, opt)["step"] == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_mlflow(tmp_path: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                             "--artifacts-destination", str(tmp_path / "server-artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                time.sleep(1.0)
+                return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_tracking_server_down_at_start_and_mid_run(tmp_path, mlflow_store):
+    steps = ["grpo.steps=60", "grpo.checkpoint_every=4", "grpo.log_every=2"]
+    setup_stage_inputs(tmp_path, LEARN + steps)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    cmd = [sys.executable, "-m", "components.grpo"] + [x for o in LEARN + steps for x in ("--set", o)]
+
+    started = time.monotonic()  # nobody listening: bounded retries, then one clear line
+    down = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert down.returncode == 1 and time.monotonic() - started < 120
+    assert f"the MLflow tracking server at http://127.0.0.1:{port} did not answer after bounded retries" in down.stderr
+
+    server = _start_mlflow(tmp_path, port)
+    try:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ckpts = tmp_path / "checkpoints" / "grpo"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (ckpts.exists() and any(ckpts.glob("step-*/meta.json"))):
+            time.sleep(0.05)
+        _stop(server)  # the server dies mid-run
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 1, out[-2000:] + err[-2000:]
+        assert "did not answer after bounded retries" in err
+        kept = sorted(p.name for p in ckpts.glob("step-*"))
+        assert kept, "checkpoints must survive the outage"
+        server = _start_mlflow(tmp_path, port)  # back, same store
+        rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert "resumed from" in rerun.stdout and (tmp_path / "models" / "grpo" / "model.safetensors").exists()
+    finally:
+        _stop(server)
+
+
+@pytest.mark.slow
+def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    repo = copy_project(tmp_path / "repo")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"}
+    from pipelines.params_io import apply_to_params
+
+    apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
+    run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=env)
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    register = [sys.executable, "-m", "components.register"]
+    for delay in (2.0, 3.5, 5.0, 6.5):
+        proc = subprocess.Popen(register, cwd=repo, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        try:
+            champion = client.get_model_version_by_alias("grpo-addition", "champion")
+        except Exception:  # noqa: BLE001 - no champion yet is fine
+            champion = None
+        if champion is not None:
+            assert champion.tags.get("registration") == "complete" and "candidate_md5" in champion.tags
+            assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
+    run(register, repo, env=env)
+    versions = client.search_model_versions("name = 'grpo-addition'")
+    assert len(versions) == 1, [(v.version, v.tags.get("registration")) for v in versions]
+    only = versions[0]
+    assert only.tags["registration"] == "complete"
+    assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
+    run(register, repo, env=env)  # and once more: still exactly one version
+    assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
+
+
+SECRETS = {"MLFLOW_TRACKING_TOKEN": "tok-7f3a9e", "AWS_SECRET_ACCESS_KEY": "aws-2b8c1d",
+           "MY_SERVICE_PASSWORD": "pw-5e6f7a", "HF_TOKEN": "hf-9d0c1b"}
+
+
+@pytest.mark.slow
+def test_concurrent_runs_are_refused_and_secrets_never_logged(tmp_path):
+    repo = copy_project(tmp_path / "repo")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
+           **SECRETS}
+    secret_option = "grpo.rewards=[{name: exact_match, weight: 1.0, options: {api_token: opt-4c4c4c}}]"
+    cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS + [secret_option] for x in ("--set", o)]
+    first = subprocess.Popen(cli, cwd=repo, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lock = repo / ".grpo-pipeline.lock"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()):
+        time.sleep(0.1)
+    params_during = (repo / "params.yaml").read_text()
+    second = run([str(BIN / "grpo-pipeline"), "run", "--set", "grpo.kl_beta=0.5"], repo, env=env, check=False)
+    assert second.returncode == 3
+    assert "a pipeline run in this repository is already running (pid" in second.stdout
+    assert (repo / "params.yaml").read_text() == params_during  # the refused run changed nothing
+    out, _ = first.communicate(timeout=900)
+    assert first.returncode == 0, out[-3000:]
+
+    # Everything logged or tracked: console output, MLflow's store and artifacts, Prefect's database.
+    # (params.yaml and dvc.lock are the user's own configuration, where they typed the option.)
+    logged = [out, second.stdout]
+    for path in [repo / "mlflow.db", *(repo / "mlruns").rglob("*"), *(tmp_path / "prefect").rglob("*")]:
+        if path.is_file():
+            logged.append(path.read_bytes().decode("latin-1"))
+    assert len(logged) > 5
+    for name, value in {**SECRETS, "reward option api_token": "opt-4c4c4c"}.items():
+        assert not any(value in text for text in logged), f"{name} leaked into logs or tracking"
