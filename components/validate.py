@@ -9,21 +9,24 @@ metrics/validation.json, and the stage exits non-zero so nothing downstream runs
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from components.config import PipelineConfig
-from components.data import REQUIRED_COLUMNS, SPLITS, read_jsonl, split_path
-from components.modeling import context_length, load_tokenizer
+from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, split_path
+from components.modeling import context_length, load_tokenizer, resolve_model_dir
 from components.paths import Paths
 from components.prompting import PromptFormatter
 from components.stage_cli import StageFailed, stage_main
 
 MAX_IDS_SHOWN = 20
+CHUNK_ROWS = 50_000
 
 
 def normalise_prompt(text: Any) -> str:
@@ -78,6 +81,9 @@ def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int
     if "id" in columns:
         suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column="id", meta={"rule": "id present"}))
         suite.add_expectation(E.ExpectColumnValuesToBeUnique(column="id", meta={"rule": "unique ids"}))
+        if "_id_seen_earlier" in columns:
+            suite.add_expectation(E.ExpectColumnValuesToBeInSet(column="_id_seen_earlier", value_set=[False],
+                                                                meta={"rule": "unique ids"}))
     if "prompt" in columns:
         suite.add_expectation(E.ExpectColumnValuesToBeInSet(column="_prompt_type", value_set=["str"],
                                                             meta={"rule": "prompt is a string"}))
@@ -102,53 +108,106 @@ def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int
     return suite
 
 
-def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
-    """Run the suites on every split; raise `StageFailed` listing every violation."""
+def _run_suite(gx, split: str, df, build_suite):
+    """One chunk through one suite, in a fresh ephemeral context (a shared one keeps every batch alive)."""
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = {"globally": False}
+    batch = ctx.data_sources.add_pandas("pipeline").add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")
+    definition = ctx.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch,
+                                                                        suite=ctx.suites.add(build_suite())))
+    return definition.run(batch_parameters={"dataframe": df}, result_format="COMPLETE")
+
+
+def _id_key(value: Any) -> int:
+    """An 8-byte digest of an id: the running duplicate check keeps these, not the id strings."""
+    return int.from_bytes(hashlib.blake2b(str(value).encode(), digest_size=8).digest(), "big")
+
+
+def iter_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+    """Records in chunks of `size`: a file of any size is validated without being held in memory whole."""
+    chunk: list[dict[str, Any]] = []
+    for _, record in iter_jsonl(path):
+        chunk.append(record)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUNK_ROWS) -> list[Violation]:
+    """Run the suites on every split, chunk by chunk; raise `StageFailed` listing every violation."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     import great_expectations as gx
+    from transformers import AutoConfig
 
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
     formatter = PromptFormatter(cfg.prompt, tokenizer)
-    from transformers import AutoConfig
-
-    from components.modeling import resolve_model_dir
-
-    context = context_length(AutoConfig.from_pretrained(str(resolve_model_dir(paths.base_model))))
+    context = context_length(AutoConfig.from_pretrained(str(resolve_model_dir(paths.base_model)),
+                                                        trust_remote_code=cfg.model.trust_remote_code))
     budget = max(cfg.grpo.max_completion_length, cfg.evaluate.max_new_tokens)
     sources = json.loads((paths.data / "sources.json").read_text())
-    records = {split: read_jsonl(split_path(paths.data, split)) for split in SPLITS}
-    heldout_prompts = sorted({r["prompt"] for r in records["heldout"] if isinstance(r.get("prompt"), str)})
+    heldout_prompts = sorted({r["prompt"] for _, r in iter_jsonl(split_path(paths.data, "heldout"))
+                              if isinstance(r.get("prompt"), str)})
     heldout_norm = sorted({normalise_prompt(p) for p in heldout_prompts})
 
-    ctx = gx.get_context(mode="ephemeral")
-    ctx.variables.progress_bars = {"globally": False}
-    source = ctx.data_sources.add_pandas("pipeline")
-    violations: list[Violation] = []
+    found: dict[tuple[str, str], Violation] = {}
     report: dict[str, Any] = {"success": True, "files": {}}
+    total = 0
+    checked: dict[str, str] = {}  # file md5 -> split already validated (SFT is often a copy of train)
     for split in SPLITS:
         leak_check = split != "heldout"
-        df = _frame(records[split], tokenizer, set(heldout_norm) if leak_check else None, formatter)
-        suite = ctx.suites.add(_suite(gx, f"{split}_suite", list(df.columns), split, context - budget, context,
-                                      heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
-        batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")
-        definition = ctx.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch, suite=suite))
-        result = definition.run(batch_parameters={"dataframe": df}, result_format="COMPLETE")
         file_label = str(split_path(paths.data, split))
         if not sources.get(split, "").startswith("generated:"):
             file_label = f"{sources[split]} (prepared as {file_label})"
-        checks = []
-        for res in result.results:
-            idx = list((res.result or {}).get("unexpected_index_list") or [])
-            ids = [str(df["id"].iloc[i]) if "id" in df else f"row {i + 1}" for i in idx]
-            rule = res.expectation_config.meta.get("rule", "?")
-            checks.append({"rule": rule, "expectation": res.expectation_config.type, "success": bool(res.success),
-                           "unexpected_count": len(idx), "ids": ids[:100]})
-            if not res.success:
-                violations.append(Violation(file=file_label, rule=rule, expectation=res.expectation_config.type,
-                                            ids=ids, rows=[i + 1 for i in idx]))
+        digest = file_md5(split_path(paths.data, split))
+        if leak_check and digest in checked:
+            same = checked[digest]
+            report["files"][split] = {**report["files"][same], "file": file_label, "same_content_as": same}
+            total += report["files"][split]["rows"]
+            for (label, rule), v in list(found.items()):
+                if label == report["files"][same]["file"]:
+                    found[(file_label, rule)] = Violation(file_label, rule, v.expectation, list(v.ids), list(v.rows))
+            continue
+        if leak_check:
+            checked[digest] = split
+        seen_ids: set[int] = set()
+        checks: dict[str, dict[str, Any]] = {}
+        offset = 0
+        for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
+            df = _frame(chunk, tokenizer, set(heldout_norm) if leak_check else None, formatter)
+            if "id" in df:  # duplicates across chunks; within a chunk GX's uniqueness check sees them
+                keys = [_id_key(i) for i in df["id"]]
+                df["_id_seen_earlier"] = [k in seen_ids for k in keys]
+                seen_ids.update(keys)
+            result = _run_suite(gx, split, df, lambda: _suite(
+                gx, f"{split}_suite", list(df.columns), split, context - budget, context,
+                heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
+            for res in result.results:
+                idx = list((res.result or {}).get("unexpected_index_list") or [])
+                ids = [str(df["id"].iloc[i]) if "id" in df else f"row {offset + i + 1}" for i in idx]
+                rule = res.expectation_config.meta.get("rule", "?")
+                check = checks.setdefault(rule, {"rule": rule, "expectation": res.expectation_config.type,
+                                                 "success": True, "unexpected_count": 0, "ids": []})
+                check["success"] &= bool(res.success)
+                check["unexpected_count"] += len(idx)
+                check["ids"] = (check["ids"] + ids)[:100]
+                if not res.success:
+                    v = found.setdefault((file_label, rule), Violation(file=file_label, rule=rule,
+                                                                       expectation=res.expectation_config.type))
+                    v.ids = (v.ids + ids)[:1000]
+                    v.rows = (v.rows + [offset + i + 1 for i in idx])[:1000]
+            offset += len(df)
+            del df, result
+            gc.collect()
+        if offset == 0:
+            raise StageFailed(f"{file_label}: file is empty (no records)")
+        total += offset
         # Deterministic (no GX run ids or timestamps): downstream DVC stages depend on this file.
-        report["files"][split] = {"file": file_label, "rows": len(df), "success": bool(result.success),
-                                  "checks": checks}
+        report["files"][split] = {"file": file_label, "rows": offset,
+                                  "success": all(c["success"] for c in checks.values()),
+                                  "checks": sorted(checks.values(), key=lambda c: c["rule"])}
+    violations = list(found.values())
     report["success"] = not violations
     report["violations"] = [v.__dict__ | {"message": v.message()} for v in violations]
     paths.metrics.mkdir(parents=True, exist_ok=True)
@@ -158,13 +217,13 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths()) -> list[Violation]:
 
     with stage_run(cfg.tracking.experiment, "validate") as run:
         run.log_artifact(report_path)  # saved before failing: the report is the point of a failed validation
-        run.log_metrics({"violations": len(violations), "records": sum(len(r) for r in records.values())})
+        run.log_metrics({"violations": len(violations), "records": total})
         run.set_tags({"validation.success": not violations})
     if violations:
         lines = "\n".join(f"  - {v.message()}" for v in violations)
         raise StageFailed(f"validation failed, {len(violations)} rule(s) broken; nothing was trained:\n{lines}\n"
                           f"  full result: {paths.metrics / 'validation.json'}")
-    print(f"validate: {sum(len(r) for r in records.values())} records in {len(SPLITS)} files passed every rule")
+    print(f"validate: {total} records in {len(SPLITS)} files passed every rule")
     return violations
 
 
