@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from components.config import PipelineConfig
 from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, split_path
@@ -108,13 +108,13 @@ def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int
     return suite
 
 
-def _run_suite(gx, split: str, df, build_suite):
+def _run_suite(gx, split: str, df, build_suite: Callable[[list[str]], Any]):
     """One chunk through one suite, in a fresh ephemeral context (a shared one keeps every batch alive)."""
     ctx = gx.get_context(mode="ephemeral")
     ctx.variables.progress_bars = {"globally": False}
     batch = ctx.data_sources.add_pandas("pipeline").add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")
     definition = ctx.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch,
-                                                                        suite=ctx.suites.add(build_suite())))
+                                                                        suite=ctx.suites.add(build_suite(list(df.columns)))))
     return definition.run(batch_parameters={"dataframe": df}, result_format="COMPLETE")
 
 
@@ -180,8 +180,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
                 keys = [_id_key(i) for i in df["id"]]
                 df["_id_seen_earlier"] = [k in seen_ids for k in keys]
                 seen_ids.update(keys)
-            result = _run_suite(gx, split, df, lambda: _suite(
-                gx, f"{split}_suite", list(df.columns), split, context - budget, context,
+            result = _run_suite(gx, split, df, lambda columns: _suite(
+                gx, f"{split}_suite", columns, split, context - budget, context,
                 heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
             for res in result.results:
                 idx = list((res.result or {}).get("unexpected_index_list") or [])

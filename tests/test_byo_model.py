@@ -57,16 +57,16 @@ def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
     # Validation counted tokens of the chat-formatted prompts, not the raw ones.
     assert (repo / "metrics" / "validation.json").exists()
 
-    check = f"""
+    check = """
 import mlflow, pandas as pd, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = mlflow.pyfunc.load_model("models:/tiny-qwen2-chat@champion")
 config = model.model_config
 assert config["chat"] is True and config["system"] == "Add the numbers.", config
-served = model.predict(pd.DataFrame({{"prompt": ["3+4="]}}))
+served = model.predict(pd.DataFrame({"prompt": ["3+4="]}))
 tok = AutoTokenizer.from_pretrained("models/grpo"); tok.padding_side = "left"
 lm = AutoModelForCausalLM.from_pretrained("models/grpo").eval()
-text = tok.apply_chat_template([{{"role": "system", "content": "Add the numbers."}}, {{"role": "user", "content": "3+4="}}],
+text = tok.apply_chat_template([{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": "3+4="}],
                                tokenize=False, add_generation_prompt=True)
 assert text.endswith("<|assistant|>"), text
 enc = tok([text], return_tensors="pt", add_special_tokens=False)

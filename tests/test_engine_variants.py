@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
-from components.grpo import (Policy, attach_lora, informative_groups, policy_updates, rows_of, train_grpo,
-                             update_reference)
+from components.grpo import (Policy, attach_lora, informative_groups, policy_updates, rows_of, update_reference)
 from components.objectives import group_advantages, policy_loss
 from components.rollout import Rollout, concat_rollouts
 from conftest import ROOT

@@ -4,11 +4,8 @@ register, two runs at once, and secrets in the environment."""
 from __future__ import annotations
 
 import os
-import re
-import resource
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
-from components.config import load_config
+from components.checkpoints import latest_checkpoint, load_checkpoint
 from components.grpo import train_grpo
 from components.stage_cli import StageFailed
 from conftest import BIN, FAST_PARAMS, ROOT, copy_project, run

@@ -8,7 +8,6 @@ up-to-date and selective re-run behaviour, and a bad dataset stopped at validate
 from __future__ import annotations
 
 import json
-import os
 import re
 import sqlite3
 import sys

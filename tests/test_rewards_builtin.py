@@ -1,7 +1,6 @@
 """Built-in rewards against hand-computed values; the judge model and code execution on real components."""
 
 import math
-import os
 
 import pytest
 import torch

@@ -3,7 +3,6 @@
 import os
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
