@@ -11,8 +11,8 @@ import sys
 
 from components.config import PipelineConfig
 from components.data import SPLITS, iter_jsonl, split_path
-from components.modeling import (build_char_tokenizer, build_tiny_model, count_parameters, resolve_model_dir,
-                                 save_model, write_pointer)
+from components.modeling import (build_char_tokenizer, build_tiny_model, count_parameters, hub_download_allowed,
+                                 resolve_model_dir, save_model, write_pointer)
 from components.paths import Paths
 from components.stage_cli import stage_main
 
@@ -32,8 +32,10 @@ def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
     out = paths.base_model
     with stage_run(cfg.tracking.experiment, "model") as run:
         if cfg.model.name_or_path:
-            resolve_model_dir(cfg.model.name_or_path)
-            write_pointer(out, cfg.model.name_or_path)
+            hub = hub_download_allowed(cfg.model.name_or_path, cfg.model.allow_download)
+            if not hub:
+                resolve_model_dir(cfg.model.name_or_path)
+            write_pointer(out, cfg.model.name_or_path, hub=hub)
             run.set_tags({"model.source": cfg.model.name_or_path})
             print(f"model: using {cfg.model.name_or_path}")
             return

@@ -99,6 +99,8 @@ class ModelConfig:
     """Weights dtype; `auto`: bfloat16 on a GPU that supports it, float32 otherwise."""
     trust_remote_code: bool = False
     """Allow model code shipped inside the model directory (off unless you trust it)."""
+    allow_download: bool = False
+    """Let a hub id in name_or_path be downloaded by transformers (also needs HF_HUB_OFFLINE unset or 0)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Architecture of the tiny default."""
 

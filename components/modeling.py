@@ -78,10 +78,21 @@ def build_tiny_model(tiny: TinyModelConfig, tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
-def write_pointer(out_dir: Path, target: str) -> None:
-    """Record that the base model lives elsewhere (a user's directory), without copying its weights."""
+def write_pointer(out_dir: Path, target: str, hub: bool = False) -> None:
+    """Record that the base model lives elsewhere (a user's directory or a hub id), without copying it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / POINTER_FILE).write_text(json.dumps({"name_or_path": target}, indent=2) + "\n")
+    (out_dir / POINTER_FILE).write_text(json.dumps({"name_or_path": target, "hub": hub}, indent=2) + "\n")
+
+
+def hub_download_allowed(name_or_path: str, allow_download: bool) -> bool:
+    """A hub id is used as such only when the user allowed it and hub access is not switched off."""
+    return allow_download and not Path(name_or_path).exists() and os.environ.get("HF_HUB_OFFLINE", "0") != "1"
+
+
+def check_model_source(name_or_path: str, allow_download: bool) -> None:
+    """Fail early, with the offline hint, unless the model is a usable local dir or an allowed hub id."""
+    if not hub_download_allowed(name_or_path, allow_download):
+        resolve_model_dir(name_or_path)
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -91,12 +102,16 @@ def resolve_model_dir(path: str | Path) -> Path:
         pointer = path / POINTER_FILE
         if not pointer.exists():
             break
-        path = Path(json.loads(pointer.read_text())["name_or_path"])
+        target = json.loads(pointer.read_text())
+        if target.get("hub"):
+            return Path(target["name_or_path"])  # transformers resolves (and downloads) the hub id
+        path = Path(target["name_or_path"])
     if not path.exists():
         hint = ""
         if os.environ.get("HF_HUB_OFFLINE") == "1" and "/" in str(path) and not str(path).startswith((".", "/")):
             hint = (" It looks like a hub id, and HF_HUB_OFFLINE=1: download it first "
-                    "(huggingface-cli download ID --local-dir DIR) and set model.name_or_path to DIR.")
+                    "(huggingface-cli download ID --local-dir DIR) and set model.name_or_path to DIR, or allow the "
+                    "download with model.allow_download: true and HF_HUB_OFFLINE=0.")
         raise ModelLoadError(f"model path {path} does not exist.{hint}")
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is not a directory")

@@ -45,10 +45,10 @@ def _run_locked(args: argparse.Namespace) -> int:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
         cfg = merged_config(params, overlays, args.overrides)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
-            from components.modeling import resolve_model_dir
+            from components.modeling import check_model_source
 
             os.chdir(root)
-            resolve_model_dir(cfg.model.name_or_path)
+            check_model_source(cfg.model.name_or_path, cfg.model.allow_download)
         if args.dry_run:
             from components.dry_run import dry_run
 

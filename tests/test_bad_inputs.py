@@ -70,11 +70,24 @@ DATA_CASES = [
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, mlflow_store):
+    """A repo-like folder whose registry already has a champion that no bad input may touch."""
+    from mlflow.tracking import MlflowClient
+
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "data" / "user").mkdir(parents=True)
     (tmp_path / "data" / "user" / "heldout.jsonl").write_text(jsonl(HELDOUT))
+    (tmp_path / "models" / "grpo").mkdir(parents=True)
+    (tmp_path / "models" / "grpo" / "weights.bin").write_bytes(b"earlier artifact")
+    client = MlflowClient(tracking_uri=mlflow_store)
+    client.create_registered_model("grpo-addition")
+    version = client.create_model_version("grpo-addition", "file:///earlier/model", tags={"registration": "complete"})
+    client.set_registered_model_alias("grpo-addition", "champion", version.version)
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    yield tmp_path
+    # After every case: the champion, the registry and earlier artifacts are exactly as before.
+    assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(version.version)
+    assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
+    assert (tmp_path / "models" / "grpo" / "weights.bin").read_bytes() == b"earlier artifact"
 
 
 def run_until_validate(overrides, capsys):
@@ -98,7 +111,7 @@ def test_bad_dataset_is_refused_before_training(workdir, capsys, name, filename,
     assert code == 1, err
     for fragment in expected:
         assert fragment in err, f"{fragment!r} not in:\n{err}"
-    assert not (workdir / "models" / "sft").exists() and not (workdir / "models" / "grpo").exists()
+    assert not (workdir / "models" / "sft").exists() and not (workdir / "checkpoints").exists()
 
 
 def test_missing_file_is_named(workdir, capsys):

@@ -90,3 +90,22 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
     assert (json.loads((dirs["straight"] / "metrics" / "grpo.json").read_text())
             == json.loads((dirs["killed"] / "metrics" / "grpo.json").read_text()))
+
+
+def test_dapo_dynamic_sampling_overlong_and_truncation_masking_in_training(tmp_path, mlflow_store):
+    import csv
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
+        "grpo.steps=4", "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.fill_batch=true",
+        "grpo.dynamic_sampling.max_tries=2", "grpo.overlong.enabled=true", "grpo.overlong.buffer=2",
+        "grpo.mask_truncated_completions=true", "grpo.max_completion_length=4"])
+    train_grpo(cfg, paths)
+    rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
+    for r in rows:
+        kept, sampled = float(r["kept_completions"]), float(r["sampled_completions"])
+        # Only informative groups are kept; filling samples extra groups when some were dropped.
+        assert kept <= sampled and kept % 8 == 0
+        assert float(r["zero_std_group_frac"]) == 0 or sampled > 64 or kept < 64
+        # A random model rarely emits EOS within 4 tokens: the overlong penalty is active.
+        assert float(r["reward/overlong_penalty/mean"]) < 0
+    assert any(float(r["sampled_completions"]) > 64 for r in rows), "batch filling never sampled extra prompts"

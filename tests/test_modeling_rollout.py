@@ -90,3 +90,18 @@ def test_missing_model_path_mentions_offline_download(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="download it first"):
         resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
+    from components.modeling import check_model_source, hub_download_allowed, write_pointer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not hub_download_allowed("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)
+    with pytest.raises(ModelLoadError, match="model.allow_download: true and HF_HUB_OFFLINE=0"):
+        check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=False)
+    check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)  # allowed: no error, nothing fetched yet
+    write_pointer(tmp_path / "base", "Qwen/Qwen2.5-0.5B-Instruct", hub=True)
+    assert str(resolve_model_dir(tmp_path / "base")) == "Qwen/Qwen2.5-0.5B-Instruct"
