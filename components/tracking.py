@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY", re.IGNORECASE)
+# Whole name parts (split on . _ - and case changes), so MLFLOW_TRACKING_TOKEN, api_token and
+# AWS_SECRET_ACCESS_KEY match while max_new_tokens (a token count, not a token) does not.
+_SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
+_SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key")}
 
 
 def tracking_uri(root: Path = Path(".")) -> str:
@@ -24,7 +27,8 @@ def tracking_uri(root: Path = Path(".")) -> str:
 
 def is_secret_key(name: str) -> bool:
     """Names that must never be logged (tokens, passwords, cloud keys)."""
-    return bool(_SECRET_NAME.search(name))
+    words = [w.lower() for w in re.split(r"[._\-\s]+|(?<=[a-z])(?=[A-Z])", name) if w]
+    return any(w in _SECRET_WORDS for w in words) or any(pair in _SECRET_PAIRS for pair in zip(words, words[1:]))
 
 
 # Bounded retries against a tracking server: about 15 s of backoff, then a clear failure.

@@ -75,3 +75,15 @@ def test_presets_are_valid(preset):
     from pipelines.params_io import merged_config
 
     assert merged_config(PARAMS, [preset], []).grpo.steps >= 1
+
+
+@pytest.mark.parametrize("name,secret", [
+    ("MLFLOW_TRACKING_TOKEN", True), ("HF_TOKEN", True), ("grpo.rewards.0.options.api_token", True),
+    ("AWS_SECRET_ACCESS_KEY", True), ("AWS_ACCESS_KEY_ID", True), ("db.password", True), ("openaiApiKey", True),
+    ("evaluate.max_new_tokens", False), ("grpo.max_completion_length", False), ("tokenizer.path", False),
+    ("grpo.kl_beta", False),
+])
+def test_secret_names_are_recognised_without_catching_token_counts(name, secret):
+    from components.tracking import is_secret_key
+
+    assert is_secret_key(name) is secret

@@ -71,6 +71,7 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0]
     assert parent.data.params["grpo.kl_beta"] == "0.04" and parent.data.params["grpo.steps"] == "6"
+    assert parent.data.params["evaluate.max_new_tokens"] == "6"  # a token count, not a secret token
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert {r.data.tags["grpo.stage"] for r in children} == STAGES
     grpo = next(r for r in children if r.data.tags["grpo.stage"] == "grpo")
@@ -167,7 +168,9 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     bad = [{"id": "a", "prompt": "1+2=", "answer": "3"}, {"id": "b", "prompt": "  ", "answer": "0"},
            {"id": "a", "prompt": "2+2=", "answer": "4"}, {"id": "c", "prompt": heldout_prompt, "answer": "1"}]
     (repo / "data" / "user" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
-    cli = [str(BIN / "grpo-pipeline"), "run", "--set", "data.train_path=data/user/train.jsonl"]
+    (repo / "data" / "user" / "heldout.jsonl").write_text((repo / "data" / "prepared" / "heldout.jsonl").read_text())
+    cli = [str(BIN / "grpo-pipeline"), "run", "--set", "data.train_path=data/user/train.jsonl",
+           "--set", "data.heldout_path=data/user/heldout.jsonl"]
     proc = run(cli, repo, env=env, check=False)
     out = proc.stdout
     assert proc.returncode != 0
