@@ -183,3 +183,20 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     assert client.get_model_version_by_alias("grpo-addition", "champion").version == champion
     assert (repo / "models" / "grpo" / "model.safetensors").read_bytes() == grpo_weights
     assert json.loads((repo / "metrics" / "validation.json").read_text())["success"] is False
+
+
+def test_registration_is_never_restored_from_dvc_run_cache(completed, tmp_path):
+    """With dvc.lock gone and a fresh tracking store, DVC may restore cached outputs, but it must
+    really run `register`: a registration exists only where MLflow recorded it."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.params_io import apply_to_params
+
+    repo = completed["repo"]
+    apply_to_params(repo / "params.yaml", [], ["data.train_path=null", "data.heldout_path=null"])  # undo the bad data
+    (repo / "dvc.lock").unlink()
+    env = {**completed["env"], "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'fresh-store.db'}"}
+    out = run([str(BIN / "dvc"), "repro", "register"], repo, env=env).stdout
+    assert "register" in ran_stages(out)
+    versions = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).search_model_versions("name = 'grpo-addition'")
+    assert len(versions) == 1
