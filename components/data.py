@@ -80,6 +80,11 @@ def dir_md5(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def normalise_prompt(text: Any) -> str:
+    """Lower-cased, whitespace-collapsed prompt: catches leakage that differs only in spacing/case."""
+    return " ".join(str(text).split()).lower()
+
+
 def split_path(data_dir: str | Path, split: str) -> Path:
     """Where the pipeline keeps a prepared split."""
     return Path(data_dir) / f"{split}.jsonl"

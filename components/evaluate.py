@@ -49,8 +49,9 @@ def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[
 
 
 def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
-    columns = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r} - {"prompt"})}
-    return rewards([r["prompt"] for r in records], completions, columns).total
+    from components.grpo import reward_columns
+
+    return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
 
 
 def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from components.data import DataError, read_jsonl
+from components.data import DataError, normalise_prompt, read_jsonl
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "hf")
 
@@ -134,9 +134,9 @@ def ensure_ids(records: list[dict[str, Any]], split: str) -> bool:
 
 def split_heldout(records: list[dict[str, Any]], ratio: float, seed: int) -> tuple[list[dict], list[dict]]:
     """Deterministic train/held-out split by prompt, so identical prompts never straddle the two."""
-    keys = sorted({" ".join(str(r.get("prompt")).split()).lower() for r in records})
+    keys = sorted({normalise_prompt(r.get("prompt")) for r in records})
     random.Random(seed).shuffle(keys)
     held = set(keys[: max(1, round(len(keys) * ratio))])
-    train = [r for r in records if " ".join(str(r.get("prompt")).split()).lower() not in held]
-    heldout = [r for r in records if " ".join(str(r.get("prompt")).split()).lower() in held]
+    train = [r for r in records if normalise_prompt(r.get("prompt")) not in held]
+    heldout = [r for r in records if normalise_prompt(r.get("prompt")) in held]
     return train, heldout

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from components.config import PipelineConfig
-from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, split_path
+from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
 from components.modeling import context_length, load_tokenizer, resolve_model_dir
 from components.paths import Paths
 from components.prompting import PromptFormatter
@@ -27,11 +27,6 @@ from components.stage_cli import StageFailed, stage_main
 
 MAX_IDS_SHOWN = 20
 CHUNK_ROWS = 50_000
-
-
-def normalise_prompt(text: Any) -> str:
-    """Lower-cased, whitespace-collapsed prompt: catches leakage that differs only in spacing/case."""
-    return " ".join(str(text).split()).lower()
 
 
 @dataclass
