@@ -237,6 +237,9 @@ class GRPOConfig:
     """Minibatches accumulated per optimizer step (0 = all of them: one step per pass)."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
+    prefix_sharing: bool = True
+    """Encode each prompt once per group in sampling, reference and policy forwards (components/fastlm.py).
+    Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)

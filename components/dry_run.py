@@ -24,7 +24,7 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     from components.paths import Paths
     from components.prepare import prepare
     from components.rewards import RewardModel
-    from components.rollout import completion_logprobs, decode_completions
+    from components.rollout import decode_completions
     from components.validate import validate
     from components.data import read_jsonl, split_path
 
@@ -42,11 +42,11 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             policy = build_policy(cfg, paths.base_model.resolve(), device)
             records = read_jsonl(split_path(paths.data, "train"))
             schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-            rollout, totals, scores, sampled = collect_batch(policy, records, schedule, 0, g,
+            rollout, totals, scores, sampled, _ = collect_batch(policy, records, schedule, 0, g,
                                                              RewardModel(reward_specs(g)),
                                                              torch.Generator(device=device).manual_seed(cfg.seed + 1))
             with torch.no_grad():
-                logp, _ = completion_logprobs(policy.model, rollout, g.temperature)
+                logp, _ = policy.logprobs(rollout, g.temperature)
                 rewards = torch.tensor(totals)
                 advantages = rewards if g.algorithm == "reinforce" else group_advantages(rewards, g.group_size,
                                                                                          g.scale_rewards)

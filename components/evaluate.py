@@ -39,7 +39,14 @@ def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[
                        batch_size: int, device: torch.device) -> list[str]:
     tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
     model = load_policy_model(cfg, model_dir, device)
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
+    return greedy_completions_of(model, tokenizer, PromptFormatter(cfg.prompt, tokenizer), records, max_new_tokens,
+                                 batch_size)
+
+
+@torch.no_grad()
+def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, Any]], max_new_tokens: int,
+                          batch_size: int) -> list[str]:
+    """Greedy completions of an in-memory model (benchmarks evaluate mid-training without saving)."""
     prompts = [formatter(r) for r in records]
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):

@@ -25,6 +25,7 @@ import torch
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
+from components.fastlm import PrefixSharedLM
 from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
@@ -124,13 +125,26 @@ class Policy:
     reference: Any | None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
     lora: bool
     format_prompt: Callable[[dict[str, Any]], str] = lambda record: record["prompt"]
+    fast: PrefixSharedLM | None = None  # prompt-once forwards over `model` (None: plain Hugging Face forward)
+    fast_reference: PrefixSharedLM | None = None
 
-    @torch.no_grad()
+    def logprobs(self, rollout: Rollout, temperature: float,
+                 return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.fast is not None:
+            return self.fast.completion_logprobs(rollout, temperature, return_logits)
+        return completion_logprobs(self.model, rollout, temperature, return_logits)
+
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
-        if self.lora:
-            with self.model.disable_adapter():
-                return completion_logprobs(self.model, rollout, temperature)[0]
-        return completion_logprobs(self.reference, rollout, temperature)[0]
+        """Once per rollout under inference_mode; cloned outside it so the loss can use the result."""
+        with torch.inference_mode():
+            if self.lora:
+                with self.model.disable_adapter():
+                    logp = self.logprobs(rollout, temperature)[0]
+            elif self.fast_reference is not None:
+                logp = self.fast_reference.completion_logprobs(rollout, temperature)[0]
+            else:
+                logp = completion_logprobs(self.reference, rollout, temperature)[0]
+        return logp.clone()
 
 
 def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> Policy:
@@ -143,7 +157,15 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> 
     elif g.kl_beta > 0:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    return Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
+    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
+    if g.prefix_sharing:
+        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer))
+        if policy.fast is None:
+            print(f"grpo: prefix sharing off: {type(model).__name__} is not a checked Llama-family model; "
+                  "using the plain Hugging Face forward")
+        elif reference is not None:
+            policy.fast_reference = PrefixSharedLM(reference)
+    return policy
 
 
 @dataclass
@@ -152,6 +174,7 @@ class ScoredRollout:
     prompts: list[str]  # one per completion
     completions: list[str]
     rewards: RewardResult
+    reward_seconds: float  # time spent in the reward functions (kept apart from generation in the step timings)
 
 
 def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfig, rewards: RewardModel,
@@ -159,12 +182,14 @@ def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfi
     prompts = [r["prompt"] for r in records]
     rollout = sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(r) for r in records], g.group_size,
                             g.max_completion_length,
-                            temperature=g.temperature, top_p=g.top_p, generator=generator)
+                            temperature=g.temperature, top_p=g.top_p, generator=generator, fast=policy.fast)
     completions = decode_completions(policy.tokenizer, rollout)
     columns = reward_columns(records, g.group_size)
     columns["completion_token_lengths"] = rollout.completion_mask.sum(-1).tolist()
     expanded = [p for p in prompts for _ in range(g.group_size)]
-    return ScoredRollout(rollout, expanded, completions, rewards(expanded, completions, columns))
+    t0 = time.perf_counter()
+    scores = rewards(expanded, completions, columns)
+    return ScoredRollout(rollout, expanded, completions, scores, time.perf_counter() - t0)
 
 
 def informative_groups(total: list[float], group_size: int) -> list[int]:
@@ -178,15 +203,17 @@ def rows_of(groups: list[int], group_size: int) -> list[int]:
 
 
 def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: PromptSchedule, step: int, g: GRPOConfig,
-                  rewards: RewardModel, generator: torch.Generator) -> tuple[Rollout, list[float], RewardResult, int]:
+                  rewards: RewardModel, generator: torch.Generator
+                  ) -> tuple[Rollout, list[float], RewardResult, int, float]:
     """The step's rollout and rewards; with dynamic sampling, only (and, when filling, enough) informative groups.
 
-    Returns (rollout, total rewards, the first round's scores for logging, completions sampled).
+    Returns (rollout, total rewards, the first round's scores for logging, completions sampled,
+    seconds spent in reward functions).
     """
     first = sample_and_score(policy, [records[i] for i in schedule.indices(step)], g, rewards, generator)
     if not g.dynamic_sampling.enabled:
-        return first.rollout, first.rewards.total, first.rewards, len(first.completions)
-    parts, totals, sampled = [], [], len(first.completions)
+        return first.rollout, first.rewards.total, first.rewards, len(first.completions), first.reward_seconds
+    parts, totals, sampled, reward_seconds = [], [], len(first.completions), first.reward_seconds
     keep = informative_groups(first.rewards.total, g.group_size)
     parts.append(first.rollout.select(rows_of(keep, g.group_size)))
     totals += [first.rewards.total[i] for i in rows_of(keep, g.group_size)]
@@ -195,12 +222,13 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
         extra = sample_and_score(policy, [records[i] for i in schedule.extra(step, attempt, g.prompts_per_step - kept)],
                                  g, rewards, generator)
         sampled += len(extra.completions)
+        reward_seconds += extra.reward_seconds
         more = informative_groups(extra.rewards.total, g.group_size)
         parts.append(extra.rollout.select(rows_of(more, g.group_size)))
         totals += [extra.rewards.total[i] for i in rows_of(more, g.group_size)]
         kept += len(more)
         attempt += 1
-    return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled
+    return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled, reward_seconds
 
 
 @dataclass
@@ -233,8 +261,7 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
     old_logp = None
     if g.num_iterations > 1 or len(chunks) > 1:
         with torch.no_grad():
-            old_logp = torch.cat([completion_logprobs(policy.model, rollout.select(mb), g.temperature)[0]
-                                  for mb in minibatches])
+            old_logp = torch.cat([policy.logprobs(rollout.select(mb), g.temperature)[0] for mb in minibatches])
     eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
     stats = UpdateStats()
     tokens_seen = 0.0
@@ -246,7 +273,7 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
             chunk_loss = torch.zeros(())
             for mb in chunk:
                 sub, sub_mask = rollout.select(mb), mask[mb]
-                logp, logits = completion_logprobs(policy.model, sub, g.temperature, return_logits=iteration == 0)
+                logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0)
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
@@ -337,8 +364,8 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
             t0 = time.perf_counter()
             try:
-                rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g, rewards,
-                                                                       rollout_gen)
+                rollout, totals, first_scores, sampled, t_scoring = collect_batch(policy, records, schedule, step, g,
+                                                                                  rewards, rollout_gen)
             except RewardError as err:
                 reward_failures += 1
                 run.log_metrics({"reward_failures": reward_failures}, step=step + 1)
@@ -348,7 +375,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                                       f"(grpo.max_reward_failures = {g.max_reward_failures}); last error: {err}") from err
                 continue
             reward_failures = 0
-            t_gen = time.perf_counter() - t0  # generation and scoring, both inside the rollout
+            t_gen = time.perf_counter() - t0 - t_scoring
 
             t0 = time.perf_counter()
             reward_t = torch.tensor(totals, dtype=torch.float32, device=device)
@@ -361,7 +388,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
             mask = rollout.completion_mask
             if g.mask_truncated_completions:
                 mask = mask * (~rollout.truncated).unsqueeze(-1).to(mask.dtype)
-            t_reward = time.perf_counter() - t0
+            t_reward = time.perf_counter() - t0 + t_scoring
 
             t0 = time.perf_counter()
             ref_logp = None

@@ -57,26 +57,28 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()  # not inference_mode: the sampled ids feed the autograd forward of the loss
 def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
                   temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                  generator: torch.Generator | None = None) -> Rollout:
-    """Sample `group_size` completions for each prompt (greedy decoding when `greedy`)."""
+                  generator: torch.Generator | None = None, fast=None) -> Rollout:
+    """Sample `group_size` completions for each prompt (greedy decoding when `greedy`).
+
+    With `fast` (a `components.fastlm.PrefixSharedLM` over `model`) decoding uses its preallocated
+    KV cache; otherwise the Hugging Face model's own cache.
+    """
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                use_cache=True)
-    cache, logits = out.past_key_values, out.logits[:, -1, :]
+    if fast is not None:
+        decoder = fast.start_decoding(prompt_ids, prompt_mask, group_size, max_new_tokens)
+        logits = decoder.logits
+        advance = lambda tokens, t: decoder.feed(tokens)  # noqa: E731
+    else:
+        logits, advance = _hf_decoder(model, prompt_ids, prompt_mask, group_size, max_new_tokens)
     if group_size > 1:
-        cache.batch_repeat_interleave(group_size)
-        logits = logits.repeat_interleave(group_size, dim=0)
         prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     n = prompt_ids.shape[0]
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(n, dtype=torch.bool, device=device)
-    attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype, device=device)], 1)
-    next_pos = prompt_mask.sum(-1, keepdim=True)
-    prompt_len = prompt_ids.shape[1]
     length = 0
     for t in range(max_new_tokens):
         if greedy:
@@ -92,9 +94,7 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
         finished |= next_tok == eos_id
         if bool(finished.all()) or t == max_new_tokens - 1:
             break
-        out = model(input_ids=next_tok[:, None], attention_mask=attention[:, : prompt_len + t + 1],
-                    position_ids=next_pos + t, past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        logits = advance(next_tok, t)
     tokens = tokens[:, :length]
     is_eos = tokens == eos_id
     # Mask: every token up to and including the first EOS (all tokens when there is none).
@@ -102,6 +102,30 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
     completion_mask = (~after_eos).long()
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
                    completion_mask=completion_mask, truncated=~is_eos.any(-1))
+
+
+def _hf_decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, max_new_tokens: int):
+    """The Hugging Face path: encode each prompt once, expand its cache G times, decode one token a step."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
+                use_cache=True)
+    state = {"cache": out.past_key_values}
+    logits = out.logits[:, -1, :]
+    if group_size > 1:
+        state["cache"].batch_repeat_interleave(group_size)
+        logits = logits.repeat_interleave(group_size, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    n, prompt_len = prompt_mask.shape
+    attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype,
+                                                   device=prompt_mask.device)], 1)
+    next_pos = prompt_mask.sum(-1, keepdim=True)
+
+    def advance(tokens: torch.Tensor, t: int) -> torch.Tensor:
+        step = model(input_ids=tokens[:, None], attention_mask=attention[:, : prompt_len + t + 1],
+                     position_ids=next_pos + t, past_key_values=state["cache"], use_cache=True)
+        state["cache"] = step.past_key_values
+        return step.logits[:, -1, :]
+
+    return logits, advance
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

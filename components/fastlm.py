@@ -1,0 +1,260 @@
+"""A lean forward for Llama-family models that computes each distinct prompt once.
+
+GRPO scores G completions of the same prompt, so a plain forward over `[prompt; completion]` rows
+spends most of its work re-encoding the same prompt G times. `PrefixSharedLM` runs the prompt rows
+once, keeps their keys/values, and lets every completion row attend to its prompt's cache. The last
+completion token is never fed (its output predicts nothing we score). Sampling uses the same pieces
+with a preallocated completion KV cache, so there is no general-purpose `generate` overhead.
+
+It calls the model's own submodules (projections, norms, MLP, rotary embedding), so the weights,
+gradients, optimizer state and LoRA adapters are the Hugging Face model's: nothing is copied.
+`PrefixSharedLM.for_model` checks itself against the Hugging Face forward once and returns None
+(callers fall back to the plain path) for architectures it does not know or does not match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SMALL_DECODE_KEYS = 64  # up to this many cached keys, decoding attention is a broadcast multiply-sum
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class PrefixSharedLM:
+    """Prompt-once forward, log-probs and sampling over a Hugging Face Llama/Qwen2/Qwen3/Mistral model."""
+
+    def __init__(self, model: Any):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA modules stay in
+        self.model = model
+        self.decoder = base.model
+        self.lm_head = base.lm_head
+        config = base.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+
+    @classmethod
+    def for_model(cls, model: Any, vocab_size: int | None = None) -> "PrefixSharedLM | None":
+        """A checked instance, or None when the architecture is unsupported or disagrees with Hugging Face."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", None)
+        if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            return None
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+            return None
+        fast = cls(model)
+        return fast if fast.matches_reference_forward(vocab_size or config.vocab_size) else None
+
+    # ----------------------------------------------------------------------------------------- pieces
+    def _positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.decoder.rotary_emb(x, position_ids)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, L, d]: broadcast over heads
+
+    def fused_weights(self) -> list[tuple[Any, Any]]:
+        """Per layer, (q|k|v weight and bias, gate|up weight) concatenated, so each is one matmul.
+
+        None where a projection is not a plain `nn.Linear` (e.g. a LoRA-wrapped one): it is then called
+        as a module. Built once per forward or decoding run; gradients flow back through the cat.
+        """
+        fused = []
+        for layer in self.decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            qkv = None
+            if all(type(m) is torch.nn.Linear for m in projections):
+                biases = [m.bias for m in projections]
+                qkv = (torch.cat([m.weight for m in projections]),
+                       None if any(b is None for b in biases) else torch.cat(biases))
+            gate_up = None
+            if all(type(m) is torch.nn.Linear and m.bias is None for m in (mlp.gate_proj, mlp.up_proj)):
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            fused.append((qkv, gate_up))
+        return fused
+
+    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+        return module(x)
+
+    def _qkv(self, layer: Any, fused: tuple[Any, Any], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        attn = layer.self_attn
+        b, length, _ = h.shape
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fused[0] is not None:
+            q, k, v = torch.nn.functional.linear(h, *fused[0]).split([heads * d, kv_heads * d, kv_heads * d], -1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.view(b, length, heads, d).transpose(1, 2)
+        k = k.view(b, length, kv_heads, d).transpose(1, 2)
+        v = v.view(b, length, kv_heads, d).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, d] -> [B, Hkv, rep, L, d] so grouped-query heads share their key/value head."""
+        b, _, length, d = q.shape
+        return q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, length, d)
+
+    def _finish_layer(self, layer: Any, fused: tuple[Any, Any], x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        b, _, length, _ = attn_out.shape
+        attn_out = attn_out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim)
+        x = x + layer.self_attn.o_proj(attn_out)
+        h = self._norm(layer.post_attention_layernorm, x)
+        mlp = layer.mlp
+        if fused[1] is not None:
+            gate, up = torch.nn.functional.linear(h, fused[1]).chunk(2, dim=-1)
+            return x + mlp.down_proj(mlp.act_fn(gate) * up)
+        return x + mlp(h)
+
+    @staticmethod
+    def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # A finite fill keeps fully masked rows (left padding) finite instead of NaN.
+        zero = torch.zeros((), dtype=dtype, device=keep.device)
+        return torch.where(keep, zero, torch.finfo(dtype).min)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention with an additive mask; returns [B, H, L, d]."""
+        qg, keys, values = self._grouped(q), keys.unsqueeze(2), values.unsqueeze(2)
+        if q.shape[2] == 1 and keys.shape[3] <= SMALL_DECODE_KEYS:
+            # One query over a short cache: broadcast multiply-sum beats hundreds of tiny batched matmuls.
+            scores = (qg * keys).sum(-1).unsqueeze(-2) * self.scaling + bias
+            probs = torch.softmax(scores, dim=-1)
+            return (probs.transpose(-1, -2) * values).sum(-2, keepdim=True).flatten(1, 2)
+        scores = qg @ keys.transpose(-1, -2) * self.scaling + bias
+        return (torch.softmax(scores, dim=-1) @ values).flatten(1, 2)
+
+    # ----------------------------------------------------------------------------------------- prompt
+    def encode_prompts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list):
+        """Run left-padded prompts once: (logits at the last position [U, V], per-layer (K, V) caches)."""
+        length = prompt_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=prompt_ids.device).tril()
+        x = self.decoder.embed_tokens(prompt_ids)
+        bias = self._bias(causal[None] & prompt_mask.bool()[:, None, :], x.dtype)[:, None, None]  # [U,1,1,P,P]
+        cos, sin = self._positions(x, (prompt_mask.long().cumsum(-1) - 1).clamp(min=0))
+        caches = []
+        for layer, fused in zip(self.decoder.layers, weights):
+            q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), cos, sin)
+            caches.append((k, v))
+            x = self._finish_layer(layer, fused, x, self._attend(q, k, v, bias))
+        last = self._norm(self.decoder.norm, x[:, -1:, :])
+        return self.lm_head(last)[:, 0, :], caches
+
+    # ------------------------------------------------------------------------------------- completion
+    def completion_logits(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          completion_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [N, T, V] predicting each completion token, each distinct prompt encoded once."""
+        unique, rows = torch.unique(prompt_ids, dim=0, return_inverse=True)
+        unique_mask = torch.zeros(unique.shape, dtype=prompt_mask.dtype, device=prompt_mask.device)
+        unique_mask[rows] = prompt_mask
+        weights = self.fused_weights()
+        first, caches = self.encode_prompts(unique, unique_mask, weights)
+        logits = [first.index_select(0, rows).unsqueeze(1)]
+        steps = completion_ids.shape[1] - 1  # the last token predicts nothing we score
+        if steps > 0:
+            inputs = completion_ids[:, :steps]
+            x = self.decoder.embed_tokens(inputs)
+            causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
+            keep = torch.cat([prompt_mask.bool()[:, None, :].expand(-1, steps, -1),
+                              causal[None].expand(len(rows), -1, -1)], dim=-1)
+            bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, S, P + S]
+            start = unique_mask.sum(-1, keepdim=True)[rows]
+            cos, sin = self._positions(x, start + torch.arange(steps, device=x.device))
+            for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
+                q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), cos, sin)
+                keys = torch.cat([kp.index_select(0, rows), k], dim=2)
+                values = torch.cat([vp.index_select(0, rows), v], dim=2)
+                x = self._finish_layer(layer, fused, x, self._attend(q, keys, values, bias))
+            logits.append(self.lm_head(self._norm(self.decoder.norm, x)))
+        return torch.cat(logits, dim=1)
+
+    def completion_logprobs(self, rollout: Any, temperature: float = 1.0,
+                            return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as `rollout.completion_logprobs`, computed prompt-once."""
+        logits = self.completion_logits(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+        return logp, (logits if return_logits else None)
+
+    # --------------------------------------------------------------------------------------- sampling
+    def start_decoding(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                       max_new_tokens: int) -> "_Decoder":
+        """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
+        weights = self.fused_weights()
+        first, caches = self.encode_prompts(prompt_ids, prompt_mask, weights)
+        rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
+        buffers = []
+        for k, v in caches:
+            n, heads, p_len, d = len(rows), k.shape[1], k.shape[2], k.shape[3]
+            kbuf, vbuf = k.new_empty(n, heads, p_len + max_new_tokens, d), v.new_empty(n, heads, p_len + max_new_tokens, d)
+            kbuf[:, :, :p_len], vbuf[:, :, :p_len] = k.index_select(0, rows), v.index_select(0, rows)
+            buffers.append((kbuf, vbuf))
+        keep = torch.cat([prompt_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
+                                                               device=prompt_ids.device)], dim=-1)
+        bias = self._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
+        return _Decoder(self, weights, buffers, bias, prompt_ids.shape[1], prompt_mask.sum(-1)[rows],
+                        first.index_select(0, rows))
+
+    # ------------------------------------------------------------------------------------------ check
+    @torch.no_grad()
+    def matches_reference_forward(self, vocab_size: int) -> bool:
+        """Compare log-probs with the Hugging Face forward on a small left-padded batch."""
+        param = next(self.model.parameters())
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab_size, (3, 5), generator=gen).to(param.device)
+        mask = torch.ones_like(prompt)
+        mask[1, :2] = 0
+        completion = torch.randint(0, vocab_size, (3, 4), generator=gen).to(param.device)
+        prompt = torch.cat([prompt, prompt[:1]])  # a repeated prompt exercises the shared path
+        mask = torch.cat([mask, mask[:1]])
+        completion = torch.cat([completion, completion[2:3]])
+        ids = torch.cat([prompt, completion], 1)
+        full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            reference = self.model(input_ids=ids, attention_mask=full_mask,
+                                   position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
+            reference = reference[:, prompt.shape[1] - 1:-1].float().log_softmax(-1)
+            ours = self.completion_logits(prompt, mask, completion).float().log_softmax(-1)
+        finally:
+            self.model.train(was_training)
+        tolerance = CHECK_TOLERANCE.get(param.dtype, 0.1)
+        return bool(torch.isfinite(ours).all()) and float((ours - reference).abs().max()) <= tolerance
+
+
+class _Decoder:
+    """Incremental decoding state for `PrefixSharedLM.start_decoding`: one token per row per `feed`."""
+
+    def __init__(self, lm: PrefixSharedLM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
+                 start: torch.Tensor, first_logits: torch.Tensor):
+        self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
+        self.start, self.logits, self.offset = start, first_logits, 0
+
+    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row; return the logits [N, V] for the next one."""
+        lm, end = self.lm, self.prompt_len + self.offset + 1
+        x = lm.decoder.embed_tokens(tokens[:, None])
+        cos, sin = lm._positions(x, (self.start + self.offset)[:, None])
+        bias = self.bias[..., :end]
+        for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
+            q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), cos, sin)
+            kbuf[:, :, end - 1:end], vbuf[:, :, end - 1:end] = k, v
+            x = lm._finish_layer(layer, fused, x, lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias))
+        self.offset += 1
+        self.logits = lm.lm_head(lm._norm(lm.decoder.norm, x))[:, 0, :]
+        return self.logits

@@ -1,0 +1,176 @@
+"""The prompt-once forward (components/fastlm.py) against the Hugging Face forward it replaces.
+
+Each architecture it accepts is built small with random weights; log-probs, gradients and decoded
+tokens must match the plain forward on left-padded batches with repeated prompts.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from components.fastlm import PrefixSharedLM
+from components.rollout import Rollout, completion_logprobs, sample_groups
+
+VOCAB = 24
+
+
+def _llama(**extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64, **extra)).eval()
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64)).eval()
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=64)).eval()
+
+
+ARCHITECTURES = {
+    "llama": lambda: _llama(),
+    "llama-gqa-tied": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2-bias-gqa": _qwen2,
+    "qwen3-qk-norm": _qwen3,
+}
+
+
+def _rollout() -> Rollout:
+    """Three distinct left-padded prompts, two of them repeated (groups), right-padded completions."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(4, VOCAB, (3, 6), generator=gen)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1, :3] = 0
+    prompt_mask[2, :1] = 0
+    prompts = prompts * prompt_mask  # pad id 0 in the padded slots
+    rows = torch.tensor([0, 0, 1, 1, 1, 2])
+    completions = torch.randint(4, VOCAB, (6, 5), generator=gen)
+    completion_mask = torch.ones_like(completions)
+    completion_mask[1, 3:] = 0
+    completions = completions * completion_mask
+    return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_logprobs_and_gradients_match_the_hugging_face_forward(arch):
+    model = ARCHITECTURES[arch]()
+    fast = PrefixSharedLM.for_model(model)
+    assert fast is not None, f"{arch}: the self-check refused a supported architecture"
+    rollout = _rollout()
+    weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
+
+    def loss_and_grads(logprobs):
+        model.zero_grad()
+        logp, _ = logprobs(rollout, 0.7)
+        (logp * weights).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_logp, ref_grads = loss_and_grads(lambda r, t: completion_logprobs(model, r, t))
+    fast_logp, fast_grads = loss_and_grads(fast.completion_logprobs)
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
+    for name, grad in ref_grads.items():
+        assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen3-qk-norm"])
+def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_path(arch):
+    model = ARCHITECTURES[arch]()
+    fast = PrefixSharedLM.for_model(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (prompts != 0).long()
+    decoder = fast.start_decoding(prompts, mask, group_size=3, max_new_tokens=4)
+    fed = torch.tensor([[13, 14, 15]] * 6)
+    seen = [decoder.logits]
+    for t in range(3):
+        seen.append(decoder.feed(fed[:, t]))
+    ids = torch.cat([prompts.repeat_interleave(3, 0), fed], 1)
+    full_mask = torch.cat([mask.repeat_interleave(3, 0), torch.ones_like(fed)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    for t, step_logits in enumerate(seen):
+        assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
+
+    class Tok:  # the sampler only needs ids and special tokens, so a stub tokenizer keeps this about the model
+        eos_token_id, pad_token_id = 3, 0
+
+        def __call__(self, texts, **_):
+            from types import SimpleNamespace
+            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
+
+    plain = sample_groups(model, Tok(), ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7))
+    quick = sample_groups(model, Tok(), ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7), fast=fast)
+    assert torch.equal(plain.completion_ids, quick.completion_ids)
+    assert torch.equal(plain.completion_mask, quick.completion_mask)
+
+
+def test_unsupported_or_mismatching_models_fall_back():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert PrefixSharedLM.for_model(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))) is None
+    model = _llama()
+    broken = PrefixSharedLM(model)
+    broken.scaling *= 2  # a wrong attention scale must fail the self-check, not train silently
+    assert not broken.matches_reference_forward(VOCAB)
+
+
+def test_lora_adapters_are_seen_and_can_be_disabled():
+    from components.config import LoRAConfig
+    from components.grpo import attach_lora
+
+    base = _llama()
+    model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # non-zero adapters, so they change the output
+    fast = PrefixSharedLM.for_model(model)
+    assert fast is not None
+    rollout = _rollout()
+    mask = rollout.completion_mask.bool()
+    with torch.no_grad():
+        with_adapters = fast.completion_logprobs(rollout)[0]
+        assert torch.allclose(with_adapters[mask], completion_logprobs(model, rollout)[0][mask], atol=1e-5)
+        with model.disable_adapter():
+            without = fast.completion_logprobs(rollout)[0]
+        assert torch.allclose(without[mask], completion_logprobs(base, rollout)[0][mask], atol=1e-5)
+        assert not torch.allclose(with_adapters[mask], without[mask], atol=1e-3)
+
+
+def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
+    from components.config import GRPOConfig
+    from components.grpo import Policy, policy_updates
+
+    base = _llama(num_key_value_heads=2)
+    rollout = _rollout()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.25, -0.25, 0.0])
+    g = GRPOConfig(group_size=2, prompts_per_step=3, kl_beta=0.05, loss_type="dapo", max_grad_norm=1e9)
+    reference = copy.deepcopy(base).requires_grad_(False)
+    results = []
+    for shared in (False, True):
+        model = copy.deepcopy(base).train()
+        policy = Policy(None, model, reference, False)
+        if shared:
+            policy.fast, policy.fast_reference = PrefixSharedLM(model), PrefixSharedLM(reference)
+        ref_logp = policy.reference_logprobs(rollout, 1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        stats = policy_updates(policy, opt, rollout, advantages, rollout.completion_mask, ref_logp, g)
+        results.append((stats.loss, stats.entropy, [p.detach().clone() for p in model.parameters()]))
+    (loss_a, ent_a, params_a), (loss_b, ent_b, params_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-4, abs=1e-6) and ent_a == pytest.approx(ent_b, rel=1e-4)
+    assert any(not torch.equal(p, q) for p, q in zip(params_a, base.parameters())), "no update happened"
+    assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(params_a, params_b))
