@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import sys
+import time
 from typing import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
+
+
+STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
+# Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
+HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
 
 
 class StageFailed(RuntimeError):
@@ -26,7 +35,10 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
 
     try:
         cfg = load_config(args.params, args.overrides)
+        _warm_up(cfg, run.__module__)
+        started = time.perf_counter()
         run(cfg)
+        _record_compute(run.__module__.rsplit(".", 1)[-1], time.perf_counter() - started)
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -39,6 +51,23 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
               f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back", file=sys.stderr)
         return 1
     return 0
+
+
+def _warm_up(cfg: PipelineConfig, module: str) -> None:
+    """Library imports and the tracking store's first connection: start-up, not the stage's own work."""
+    for name in HEAVY_IMPORTS + (("great_expectations",) if module.endswith(".validate") else ()):
+        importlib.import_module(name)
+    from components.tracking import experiment_id
+
+    experiment_id(cfg.tracking.experiment)
+
+
+def _record_compute(stage: str, seconds: float) -> None:
+    """Append the stage's compute time where the pipeline asked for it (its overhead report)."""
+    path = os.environ.get(STAGE_TIMINGS_ENV)
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3)}) + "\n")
 
 
 def _is_tracking_outage(err: BaseException) -> bool:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
+
+_IMPORTED_AT = time.perf_counter()
 
 QUIET_DEFAULTS = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -60,13 +63,21 @@ def _run_locked(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from pipelines.flow import grpo_pipeline
+    from components.stage_server import SERVER_ENV, start_server, stop_server
 
+    # Started before Prefect is imported, so its imports overlap Prefect's own start-up.
+    server = start_server(str(root))
+    os.environ[SERVER_ENV] = server[1]
     try:
+        from pipelines.flow import grpo_pipeline
+
         result = grpo_pipeline(root=str(root))
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         print(f"\npipeline failed: {err}", file=sys.stderr)
         return 1
+    finally:
+        os.environ.pop(SERVER_ENV, None)
+        stop_server(*server)
     ev, reg = result["evaluation"], result["registration"]
     imp = ev["improvement"]
     print("\n" + "=" * 72)
@@ -76,8 +87,40 @@ def _run_locked(args: argparse.Namespace) -> int:
     print(f"registered model: {reg['model_uri']} -> {'champion' if reg['promoted'] else 'challenger'} "
           f"({reg['reason']})")
     print(f"load it with: mlflow.pyfunc.load_model('{reg['champion_uri']}')")
+    report_overhead(result)
     print("=" * 72)
     return 0
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (Linux /proc), so the figure includes interpreter start-up."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
+
+
+def report_overhead(result: dict) -> dict[str, float]:
+    """Print and log what the run spent outside the stages' own compute (Prefect, MLflow, DVC, start-up)."""
+    wall = process_age_seconds()
+    compute = sum(t["compute_seconds"] for t in result.get("stage_compute", []))
+    figures = {"pipeline.wall_seconds": round(wall, 2), "pipeline.compute_seconds": round(compute, 2),
+               "pipeline.overhead_seconds": round(wall - compute, 2),
+               "pipeline.overhead_share": round((wall - compute) / wall, 4) if wall > 0 else 0.0}
+    print(f"orchestration overhead: {wall - compute:.1f} s of {wall:.1f} s wall "
+          f"({figures['pipeline.overhead_share']:.1%}); stages' own compute {compute:.1f} s")
+    try:
+        from components.tracking import client
+
+        for key, value in figures.items():
+            client().log_metric(result["parent_run_id"], key, value)
+    except Exception as err:  # noqa: BLE001 - a report, never a reason to fail a finished run
+        print(f"(overhead figures not logged to MLflow: {err})", file=sys.stderr)
+    return figures
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:

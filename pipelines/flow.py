@@ -108,9 +108,37 @@ def grpo_pipeline(root: str = ".") -> dict[str, Any]:
 
 
 def _run_stages(root_path: Path) -> dict[str, Any]:
+    """The stages in order, each in the warm stage server (components/stage_server.py) when one runs."""
+    from components.stage_server import SERVER_ENV, start_server, stop_server
+
+    own_server = None
+    if not os.environ.get(SERVER_ENV):  # the CLI starts one early; deployments and tests get one here
+        own_server = start_server(str(root_path))
+        os.environ[SERVER_ENV] = own_server[1]
+    try:
+        return _run_stages_with_server(root_path)
+    finally:
+        if own_server is not None:
+            os.environ.pop(SERVER_ENV, None)
+            stop_server(*own_server)
+
+
+def read_compute_times(path: Path) -> list[dict[str, Any]]:
+    """The compute seconds each stage that ran recorded (components/stage_cli.py)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run_stages_with_server(root_path: Path) -> dict[str, Any]:
+    import tempfile
+
+    from components.stage_cli import STAGE_TIMINGS_ENV
     from components.tracking import tracking_uri
 
     cfg = load_config(root_path / "params.yaml")
+    timings = Path(tempfile.mkstemp(prefix="grpo-stage-times-", suffix=".jsonl")[1])
+    os.environ[STAGE_TIMINGS_ENV] = str(timings)
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
     parent = start_run(cfg.tracking.experiment, "pipeline", tags={"grpo.stage": "pipeline"})
     parent.log_params(to_flat_dict(cfg))
@@ -124,6 +152,9 @@ def _run_stages(root_path: Path) -> dict[str, Any]:
                                                                                    parent.run_id))
         status = "FINISHED"
     finally:
+        os.environ.pop(STAGE_TIMINGS_ENV, None)
+        compute = read_compute_times(timings)
+        timings.unlink(missing_ok=True)
         parent.set_tags({"stages.ran": ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"})
         client().set_terminated(parent.run_id, status=status)
     evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
@@ -135,4 +166,4 @@ def _run_stages(root_path: Path) -> dict[str, Any]:
                              markdown=report_markdown(evaluation, registration, stages, parent.run_id,
                                                       os.environ["MLFLOW_TRACKING_URI"]))
     return {"evaluation": evaluation, "registration": registration, "stages": stages,
-            "parent_run_id": parent.run_id}
+            "parent_run_id": parent.run_id, "stage_compute": compute}

@@ -1,0 +1,210 @@
+"""A warm interpreter for stage processes: import torch, transformers and MLflow once, fork per stage.
+
+Every DVC stage is its own process, and each used to pay Python start-up plus 2-6 s of imports.
+The pipeline flow starts one `stage_server` per run; `python -m components.launch STAGE` (the
+dvc.yaml commands) then hands its argv, working directory, environment and stdio to the server,
+which forks a child that runs the stage exactly as `python -m components.<stage>` would, and
+relays the exit code. DVC still runs, times and records each stage; only the import cost goes.
+
+Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
+the server's, the launcher simply runs the stage itself.
+
+Fork safety: the server only imports; it never runs a torch op or opens a database connection, so
+no thread pool or connection exists to be inherited half-initialised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+
+SERVER_ENV = "GRPO_STAGE_SERVER"
+# Environment read when libraries are imported; a caller whose values differ gets its own process.
+IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL_", "CUDA", "TOKENIZERS_",
+                        "PYTHONHASHSEED", "LD_PRELOAD", "GX_", "DVC_")
+STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
+                 "evaluate": "evaluate", "register": "register"}
+WARM_IMPORTS = ("torch", "numpy", "pandas", "mlflow", "mlflow.pyfunc", "transformers",
+                "transformers.models.llama.modeling_llama", "great_expectations",
+                *(f"components.{m}" for m in STAGE_MODULES.values()))
+HEADER_LIMIT = 1 << 20
+
+
+def import_environment(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+
+
+# ---------------------------------------------------------------------------------------------- server
+def serve(path: str, parent_pid: int) -> None:
+    """Listen first (callers queue), import everything, then fork one child per request until the parent dies."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    for name in WARM_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional library missing: its stage imports (and fails) on its own
+            pass
+    own_environment = import_environment(dict(os.environ))
+    listener.settimeout(1.0)
+    while os.getppid() == parent_pid:
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        with conn:
+            _handle(conn, listener, own_environment)
+    listener.close()
+
+
+def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str]) -> None:
+    data, fds, _, _ = socket.recv_fds(conn, HEADER_LIMIT, 3)
+    try:
+        request = json.loads(data.decode())
+        if len(fds) != 3 or import_environment(request["env"]) != own_environment:
+            conn.sendall(b'{"accepted": false}\n')
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            _run_child(request, fds)  # never returns
+        conn.sendall(json.dumps({"accepted": True, "pid": pid}).encode() + b"\n")
+        conn.setblocking(False)
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn.setblocking(True)
+                conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                return
+            readable, _, _ = select.select([conn], [], [], 0.05)
+            if readable:
+                message = conn.recv(64)
+                if not message or message.startswith(b"kill"):  # the caller went away or was interrupted
+                    os.kill(pid, signal.SIGTERM)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_child(request: dict, fds: list[int]) -> None:
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [f"components.{STAGE_MODULES[request['stage']]}", *request["argv"]]
+        module = importlib.import_module(f"components.{STAGE_MODULES[request['stage']]}")
+        code = int(module.main(request["argv"]) or 0)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child reports like an uncaught exception would
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- client
+def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) -> int | None:
+    """Run `stage` in the server at `path`; None when it is unavailable or refuses (run it yourself then)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                conn.close()
+                return None
+            time.sleep(0.05)
+    request = {"stage": stage, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    conn.settimeout(wait_s)  # the server answers once its imports are done
+    reader = conn.makefile("rb")
+    try:
+        reply = json.loads(reader.readline() or b"{}")
+    except (socket.timeout, ValueError):
+        conn.close()
+        return None
+    if not reply.get("accepted"):
+        conn.close()
+        return None
+
+    def interrupt(signum, _frame):
+        conn.sendall(b"kill")
+        signal.signal(signum, signal.SIG_DFL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    conn.settimeout(None)
+    outcome = json.loads(reader.readline() or b'{"exit": 1}')
+    conn.close()
+    return int(outcome.get("exit", 1))
+
+
+def start_server(cwd: str) -> tuple["subprocess.Popen[bytes]", str]:
+    """Start a server owned by this process; returns it and the socket path to put in `SERVER_ENV`."""
+    import subprocess
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"grpo-stages-{os.getpid()}-{time.monotonic_ns()}.sock")
+    if os.path.exists(path):
+        os.unlink(path)
+    proc = subprocess.Popen([sys.executable, "-m", "components.stage_server", "--socket", path,
+                             "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, cwd=cwd)
+    deadline = time.monotonic() + 10.0
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # bound before imports, so this waits milliseconds
+    return proc, path
+
+
+def stop_server(proc: "subprocess.Popen[bytes]", path: str) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a stuck server is killed, never waited on forever
+            proc.kill()
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Warm stage interpreter (started by the pipeline flow).")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--parent-pid", type=int, default=os.getppid())
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(args.socket, args.parent_pid)
+    finally:
+        if os.path.exists(args.socket):
+            os.unlink(args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
