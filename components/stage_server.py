@@ -48,12 +48,12 @@ def serve(path: str, parent_pid: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(8)
+    own_environment = import_environment(dict(os.environ))  # what the imports below see (some add variables)
     for name in WARM_IMPORTS:
         try:
             importlib.import_module(name)
         except ImportError:  # an optional library missing: its stage imports (and fails) on its own
             pass
-    own_environment = import_environment(dict(os.environ))
     listener.settimeout(1.0)
     while os.getppid() == parent_pid:
         try:
@@ -69,8 +69,10 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
     data, fds, _, _ = socket.recv_fds(conn, HEADER_LIMIT, 3)
     try:
         request = json.loads(data.decode())
-        if len(fds) != 3 or import_environment(request["env"]) != own_environment:
-            conn.sendall(b'{"accepted": false}\n')
+        theirs = import_environment(request["env"])
+        if len(fds) != 3 or theirs != own_environment:
+            differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
+            conn.sendall(json.dumps({"accepted": False, "differing": differing}).encode() + b"\n")
             return
         sys.stdout.flush()
         sys.stderr.flush()
