@@ -29,7 +29,7 @@ import traceback
 SERVER_ENV = "GRPO_STAGE_SERVER"
 # Environment read when libraries are imported; a caller whose values differ gets its own process.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL_", "CUDA", "TOKENIZERS_",
-                        "PYTHONHASHSEED", "LD_PRELOAD", "GX_", "DVC_")
+                        "PYTHONHASHSEED", "LD_PRELOAD", "GX_")
 STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
                  "evaluate": "evaluate", "register": "register"}
 WARM_IMPORTS = ("torch", "numpy", "pandas", "mlflow", "mlflow.pyfunc", "transformers",
@@ -152,6 +152,8 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
         conn.close()
         return None
     if not reply.get("accepted"):
+        print(f"stage server: not used ({', '.join(reply.get('differing', [])) or 'refused'} differ); "
+              "running the stage in this process", file=sys.stderr)
         conn.close()
         return None
 

@@ -1,4 +1,4 @@
-"""The Prefect flow: one task per DVC stage, each executed by `dvc repro --single-item`.
+"""The Prefect flow: one task per DVC stage, each reproduced by DVC (`dvc repro --single-item`).
 
 Prefect decides *when* (schedules, triggers, retries, the `gpu` concurrency tag); DVC decides
 *whether* a stage must run (its deps and params changed) and records dvc.lock; the stages never
@@ -8,13 +8,13 @@ GRPO_PARENT_RUN_ID.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -41,27 +41,69 @@ def stage_env(parent_run_id: str | None) -> dict[str, str]:
 
 @task(name="stage", retries=0)
 def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any]:
-    """`dvc repro --single-item STAGE`, streaming its output; DVC skips it when nothing changed."""
+    """`dvc repro --single-item STAGE` through DVC's Python API; DVC skips the stage when nothing changed.
+
+    DVC is imported once per flow, not once per stage; it still hashes, runs the dvc.yaml command and
+    writes dvc.lock exactly as the CLI does. The stage's output is relayed as it comes and its last
+    lines kept for the error report.
+    """
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
     logger = get_run_logger()
     started = time.perf_counter()
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
-    proc = subprocess.Popen(cmd, cwd=root, env=stage_env(parent_run_id), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        lines.append(line)
-        if line.strip() and "Writing model shards" not in line and "Loading weights" not in line:
-            print(f"[{stage}] {line}", flush=True)
-    code = proc.wait()
-    seconds = time.perf_counter() - started
-    if code != 0:
+    previous_env = dict(os.environ)
+    os.environ.update(stage_env(parent_run_id))
+    try:
+        with captured_output() as lines, Repo(root) as repo:
+            ran = repo.reproduce(stage, single_item=True)
+    except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
-        raise StageError(f"stage '{stage}' failed (exit {code}):\n{tail}")
-    skipped = any("didn't change, skipping" in line for line in lines)
+        raise StageError(f"stage '{stage}' failed ({err}):\n{tail}") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(previous_env)
+    seconds = time.perf_counter() - started
+    skipped = not ran
     logger.info("stage %s %s in %.1fs", stage, "up to date" if skipped else "ran", seconds)
     return {"stage": stage, "skipped": skipped, "seconds": round(seconds, 2)}
+
+
+@contextlib.contextmanager
+def captured_output(keep: int = 200) -> Iterator[list[str]]:
+    """Relay everything written to fds 1 and 2 (by this process or its children) and keep the last lines."""
+    import collections
+    import threading
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    read_end, write_end = os.pipe()
+    tail: collections.deque[str] = collections.deque(maxlen=keep)
+    lines: list[str] = []
+
+    def relay() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for raw in pipe:
+                os.write(saved[0], raw)
+                tail.append(raw.decode(errors="replace").rstrip("\n"))
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield lines
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        reader.join(timeout=10)
+        for fd in saved:
+            os.close(fd)
+        lines.extend(tail)
 
 
 def log_environment(run_id: str) -> None:
