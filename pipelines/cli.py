@@ -36,13 +36,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace) -> int:
+    from components.stage_server import SERVER_ENV, start_server, stop_server
+
+    root = Path(args.root).resolve()
+    server = None
+    if not args.dry_run:
+        # First thing: the warm stage interpreter and Prefect's API start while the CLI checks the config.
+        server = start_server(str(root))
+        os.environ[SERVER_ENV] = server[1]
+    try:
+        return _check_and_run(args, root)
+    finally:
+        if server is not None:
+            os.environ.pop(SERVER_ENV, None)
+            stop_server(*server)
+
+
+def _check_and_run(args: argparse.Namespace, root: Path) -> int:
+    from pipelines import warmup
+
+    starting = [] if args.dry_run else [warmup.start_prefect_api()]
     from components.config import ConfigError
     from components.data import DataError
     from components.modeling import ModelLoadError
     from components.stage_cli import StageFailed
     from pipelines.params_io import apply_to_params, merged_config, preset_path
 
-    root = Path(args.root).resolve()
     params = root / "params.yaml"
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
@@ -62,22 +81,17 @@ def _run_locked(args: argparse.Namespace) -> int:
             print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
+        warmup.wait_for(starting)  # let a half-started Prefect server finish starting, so it stops cleanly
         return 2
-    from components.stage_server import SERVER_ENV, start_server, stop_server
+    starting.append(warmup.open_tracking_store(root, cfg.tracking.experiment))
+    from pipelines.flow import grpo_pipeline
 
-    # Started before Prefect is imported, so its imports overlap Prefect's own start-up.
-    server = start_server(str(root))
-    os.environ[SERVER_ENV] = server[1]
+    warmup.wait_for(starting)
     try:
-        from pipelines.flow import grpo_pipeline
-
         result = grpo_pipeline(root=str(root))
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         print(f"\npipeline failed: {err}", file=sys.stderr)
         return 1
-    finally:
-        os.environ.pop(SERVER_ENV, None)
-        stop_server(*server)
     ev, reg = result["evaluation"], result["registration"]
     imp = ev["improvement"]
     print("\n" + "=" * 72)
