@@ -37,25 +37,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace) -> int:
     from components.stage_server import SERVER_ENV, start_server, stop_server
+    from pipelines import warmup
 
     root = Path(args.root).resolve()
-    server = None
+    server = api = None
     if not args.dry_run:
-        # First thing: the warm stage interpreter and Prefect's API start while the CLI checks the config.
+        # First thing, before Prefect is imported: the warm stage interpreter and a temporary Prefect
+        # API (when none is configured) start while the CLI checks the config (pipelines/warmup.py).
         server = start_server(str(root))
         os.environ[SERVER_ENV] = server[1]
+        api = warmup.start_prefect_api()
     try:
-        return _check_and_run(args, root)
+        return _check_and_run(args, root, api)
     finally:
+        if api is not None:
+            api.stop()
+            os.environ.pop("PREFECT_API_URL", None)
         if server is not None:
             os.environ.pop(SERVER_ENV, None)
             stop_server(*server)
 
 
-def _check_and_run(args: argparse.Namespace, root: Path) -> int:
+def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from pipelines import warmup
 
-    starting = [] if args.dry_run else [warmup.start_prefect_api()]
+    starting: list = []
     from components.config import ConfigError
     from components.data import DataError
     from components.modeling import ModelLoadError
@@ -81,13 +87,14 @@ def _check_and_run(args: argparse.Namespace, root: Path) -> int:
             print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
-        warmup.wait_for(starting)  # let a half-started Prefect server finish starting, so it stops cleanly
         return 2
     starting.append(warmup.open_tracking_store(root, cfg.tracking.experiment))
     from pipelines.flow import grpo_pipeline
 
     warmup.wait_for(starting)
     try:
+        if api is not None:
+            api.wait_ready()
         result = grpo_pipeline(root=str(root))
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         print(f"\npipeline failed: {err}", file=sys.stderr)

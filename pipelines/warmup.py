@@ -13,21 +13,87 @@ import threading
 from pathlib import Path
 
 
-def start_prefect_api() -> threading.Thread | None:
-    """Prefect's temporary server, started early (the flow reuses the same singleton)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+def configured_prefect_api() -> str | None:
+    """PREFECT_API_URL from the environment or the active Prefect profile, read without importing Prefect."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
+    profiles = home / "profiles.toml"
+    if not profiles.exists():
         return None
+    import tomllib
 
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
+    try:
+        data = tomllib.loads(profiles.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    active = os.environ.get("PREFECT_PROFILE") or data.get("active", "ephemeral")
+    return data.get("profiles", {}).get(active, {}).get("PREFECT_API_URL")
 
-        SubprocessASGIServer().start()
 
-    thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
-    thread.start()
-    return thread
+class TemporaryPrefectAPI:
+    """What Prefect's ephemeral mode starts (the API on a free loopback port, UI off), started earlier.
+
+    Prefect starts it lazily inside the first flow call, after its server module is imported into
+    this process; started here first thing, it comes up while everything else is importing. Only
+    used when no API is configured; PREFECT_API_URL points the flow at it.
+    """
+
+    def __init__(self) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app", "--host",
+             "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"],
+            env=env, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the temporary Prefect API exited with {self.process.returncode} while starting")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"the temporary Prefect API on port {self.port} did not start in {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        try:
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler.flush()  # the run's last log lines reach the API before it goes
+        except Exception:  # noqa: BLE001 - logs are best effort; the run itself is finished
+            pass
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except Exception:  # noqa: BLE001
+                self.process.kill()
+
+
+def start_prefect_api() -> TemporaryPrefectAPI | None:
+    """A temporary API for this run unless one is configured or ephemeral mode is switched off."""
+    if configured_prefect_api():
+        return None
+    if os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() in ("0", "false"):
+        return None
+    api = TemporaryPrefectAPI()
+    os.environ["PREFECT_API_URL"] = api.url  # read when Prefect is first imported, below
+    return api
 
 
 def open_tracking_store(root: Path, experiment: str) -> threading.Thread:
