@@ -54,7 +54,7 @@ def serve(path: str, parent_pid: int) -> None:
             importlib.import_module(name)
         except ImportError:  # an optional library missing: its stage imports (and fails) on its own
             pass
-    listener.settimeout(1.0)
+    listener.settimeout(0.2)
     while os.getppid() == parent_pid:
         try:
             conn, _ = listener.accept()

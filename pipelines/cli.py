@@ -50,11 +50,13 @@ def _run_locked(args: argparse.Namespace) -> int:
     try:
         return _check_and_run(args, root, api)
     finally:
+        if server is not None:
+            server[0].terminate()  # both stop side by side
+            os.environ.pop(SERVER_ENV, None)
         if api is not None:
             api.stop()
             os.environ.pop("PREFECT_API_URL", None)
         if server is not None:
-            os.environ.pop(SERVER_ENV, None)
             stop_server(*server)
 
 
