@@ -28,6 +28,8 @@ def measure(work: Path) -> dict:
     work.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
     (work / ".venv").symlink_to(ROOT / ".venv")  # installed once already; `make run` then skips set-up
+    for name in ("requirements.lock", "constraints.txt", "pyproject.toml"):  # older than the install stamp
+        os.utime(work / name, (0, 0))
     started = time.perf_counter()
     proc = subprocess.run(["make", "run"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")})

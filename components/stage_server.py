@@ -189,9 +189,10 @@ def stop_server(proc: "subprocess.Popen[bytes]", path: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - a stuck server is killed, never waited on forever
+            proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - a server stuck (e.g. still importing) is killed
             proc.kill()
+            proc.wait(timeout=10)
     if os.path.exists(path):
         os.unlink(path)
 

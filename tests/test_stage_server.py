@@ -1,0 +1,62 @@
+"""The warm stage interpreter: stages forked from it behave like their own processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from components.stage_cli import STAGE_TIMINGS_ENV
+from components.stage_server import SERVER_ENV, run_remote, start_server, stop_server
+from conftest import run
+
+TINY = ["--set", "task.n_sft=20", "--set", "task.n_train=20", "--set", "task.n_heldout=10"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import copy_project
+
+    repo = copy_project(tmp_path_factory.mktemp("served") / "repo")
+    proc, path = start_server(str(repo))
+    yield repo, path
+    stop_server(proc, path)
+    assert proc.poll() is not None
+
+
+def test_a_served_stage_writes_its_outputs_reports_compute_and_relays_exit_codes(server, monkeypatch, tmp_path,
+                                                                                  capfd):
+    repo, path = server
+    monkeypatch.chdir(repo)
+    timings = tmp_path / "times.jsonl"
+    monkeypatch.setenv(STAGE_TIMINGS_ENV, str(timings))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    assert run_remote(path, "prepare", TINY) == 0  # an int, not None: the server ran it
+    out = capfd.readouterr()
+    assert "prepare: train: from generated:addition" in out.out  # the child wrote to our own stdout
+    assert len((repo / "data" / "prepared" / "train.jsonl").read_text().splitlines()) == 20
+    recorded = [json.loads(line) for line in timings.read_text().splitlines()]
+    assert [r["stage"] for r in recorded] == ["prepare"] and recorded[0]["compute_seconds"] >= 0
+    assert run_remote(path, "prepare", ["--set", "task.n_sft=-5"]) == 1  # the stage's own exit code
+    assert "error:" in capfd.readouterr().err
+
+
+def test_the_launcher_runs_the_stage_itself_when_import_settings_differ(server):
+    repo, path = server
+    proc = run([sys.executable, "-m", "components.launch", "prepare", *TINY], repo,
+               env={SERVER_ENV: path, "HF_HUB_OFFLINE": "0", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
+    assert "stage server: not used (HF_HUB_OFFLINE differ)" in proc.stdout
+    assert "prepare: heldout: from generated:addition" in proc.stdout
+
+
+def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
+    from conftest import copy_project
+
+    repo = copy_project(tmp_path / "repo")
+    proc = run([sys.executable, "-m", "components.launch", "prepare", *TINY], repo,
+               env={SERVER_ENV: "", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
+    assert "stage server" not in proc.stdout
+    assert (repo / "data" / "prepared" / "heldout.jsonl").exists()
+    bad = run([sys.executable, "-m", "components.launch", "nonsense"], repo, check=False)
+    assert bad.returncode == 2 and "usage:" in bad.stdout
