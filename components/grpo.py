@@ -336,7 +336,9 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     trainable = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay)
+    # The fused kernel updates every tensor in one pass (a per-tensor loop costs ~2 ms a step on the tiny model).
+    fused = device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay, fused=fused or None)
     rollout_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
 
