@@ -93,6 +93,12 @@ class PrefixSharedLM:
         attn = layer.self_attn
         b, length, _ = h.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fused[0] is not None and not hasattr(attn, "q_norm"):
+            # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
+            qkv = torch.nn.functional.linear(h, *fused[0])
+            qk = _rope(qkv[..., :(heads + kv_heads) * d].view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
+            v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
+            return qk[:, :heads], qk[:, heads:], v
         if fused[0] is not None:
             q, k, v = torch.nn.functional.linear(h, *fused[0]).split([heads * d, kv_heads * d, kv_heads * d], -1)
         else:
@@ -206,8 +212,10 @@ class PrefixSharedLM:
         keep = torch.cat([prompt_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
                                                                device=prompt_ids.device)], dim=-1)
         bias = self._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
-        return _Decoder(self, weights, buffers, bias, prompt_ids.shape[1], prompt_mask.sum(-1)[rows],
-                        first.index_select(0, rows))
+        start = prompt_mask.sum(-1)[rows]
+        positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
+        rope = self._positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
+        return _Decoder(self, weights, buffers, bias, prompt_ids.shape[1], rope, first.index_select(0, rows))
 
     # ------------------------------------------------------------------------------------------ check
     @torch.no_grad()
@@ -241,15 +249,15 @@ class _Decoder:
     """Incremental decoding state for `PrefixSharedLM.start_decoding`: one token per row per `feed`."""
 
     def __init__(self, lm: PrefixSharedLM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
-                 start: torch.Tensor, first_logits: torch.Tensor):
+                 rope: tuple[torch.Tensor, torch.Tensor], first_logits: torch.Tensor):
         self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
-        self.start, self.logits, self.offset = start, first_logits, 0
+        self.rope, self.logits, self.offset = rope, first_logits, 0
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; return the logits [N, V] for the next one."""
         lm, end = self.lm, self.prompt_len + self.offset + 1
         x = lm.decoder.embed_tokens(tokens[:, None])
-        cos, sin = lm._positions(x, (self.start + self.offset)[:, None])
+        cos, sin = (t[:, :, self.offset:self.offset + 1] for t in self.rope)
         bias = self.bias[..., :end]
         for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
             q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), cos, sin)
