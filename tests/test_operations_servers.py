@@ -108,7 +108,11 @@ def servers(tmp_path_factory):
 def api(servers, method: str, path: str, body: dict | None = None):
     import httpx
 
-    response = httpx.request(method, servers["api"] + path, json=body, timeout=30)
+    for attempt in range(5):  # a busy SQLite-backed server answers 503 now and then; Prefect's client retries too
+        response = httpx.request(method, servers["api"] + path, json=body, timeout=30)
+        if response.status_code < 500 or attempt == 4:
+            break
+        time.sleep(1 + attempt)
     response.raise_for_status()
     return response.json()
 
@@ -230,6 +234,21 @@ def test_markdown_report_links_run_and_model_version(served, servers):
     assert all("| baseline (before GRPO) |" in t and "**Decision:**" in t for t in texts)
 
 
+def test_deploy_registers_on_a_process_pool(servers, tmp_path):
+    repo = copy_project(tmp_path / "repo")
+    proc = run([str(BIN / "grpo-pipeline"), "deploy", "--pool", "grpo-process", "--name", "grpo-pooled",
+                "--cron", "0 3 * * *", "--param", "grpo.kl_beta=0.06", "--root", str(repo)], repo, env=servers["env"])
+    assert "registered on work pool 'grpo-process'" in proc.stdout
+    assert api(servers, "GET", "/work_pools/grpo-process")["type"] == "process"
+    dep = api(servers, "GET", "/deployments/name/grpo-pipeline/grpo-pooled")
+    assert dep["work_pool_name"] == "grpo-process" and dep["entrypoint"] == "pipelines.flow.grpo_pipeline"
+    assert dep["parameters"] == {"root": str(repo), "overrides": {"grpo.kl_beta": 0.06}}
+    assert [s["schedule"]["cron"] for s in dep["schedules"]] == ["0 3 * * *"]
+    bad = run([str(BIN / "grpo-pipeline"), "deploy", "--param", "grpo.kl_betta=1", "--root", str(repo)], repo,
+              env=servers["env"], check=False)
+    assert bad.returncode == 2 and "grpo.kl_betta: unknown key" in bad.stdout
+
+
 def mlflow_client(servers):
     from mlflow.tracking import MlflowClient
 
@@ -274,6 +293,40 @@ def test_dvc_plots_render_offline(served, tmp_path):
         assert name in html
     images = list((tmp_path / "plots").rglob("*.png"))
     assert len(images) == 3 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in images)
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def browse(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--virtual-time-budget=15000", *extra, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
+    if chromium() is None:
+        pytest.skip("headless browser missing: install Debian's chromium (apt-get install -y chromium)")
+    client = mlflow_client(servers)
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    model_page = f"{servers['mlflow']}/#/models/{MODEL}"
+    dom = browse(model_page, tmp_path / "profile", "--dump-dom").stdout
+    assert "champion" in dom and f"Version {champion.version}" in dom, dom[-2000:]
+    version_dom = browse(f"{model_page}/versions/{champion.version}", tmp_path / "profile", "--dump-dom").stdout
+    assert "champion" in version_dom
+    assert "heldout_mean_reward" in version_dom and champion.tags["heldout_mean_reward"] in version_dom
+    ARTIFACTS.mkdir(exist_ok=True)
+    # The model page (tall enough that both versions' rows, with their aliases, are in view) and the
+    # champion version's page (aliases and the held-out tags at the top).
+    for name, url, size in (("mlflow-model-champion.png", model_page, "1400,2600"),
+                            ("mlflow-model-champion-version.png", f"{model_page}/versions/{champion.version}",
+                             "1400,1400")):
+        shot = ARTIFACTS / name
+        shot.unlink(missing_ok=True)
+        browse(url, tmp_path / "profile", f"--screenshot={shot}", f"--window-size={size}")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
 def cli(served, servers, *args: str):
@@ -338,35 +391,6 @@ def test_promote_rollback_compare_against_the_server(served, servers):
         assert f"{parent.data.metrics['improvement_ci95_low']:+.4f}" in table
     assert re.search(r"data\.heldout\.md5\s+([0-9a-f]{12})\s+\1", table)
     assert re.search(r"duration\s+\d+\.\ds\s+\d+\.\ds", table)
-
-
-def chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def browse(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", "--virtual-time-budget=15000", *extra, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
-def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
-    if chromium() is None:
-        pytest.skip("headless browser missing: install Debian's chromium (apt-get install -y chromium)")
-    client = mlflow_client(servers)
-    champion = client.get_model_version_by_alias(MODEL, "champion")
-    model_page = f"{servers['mlflow']}/#/models/{MODEL}"
-    dom = browse(model_page, tmp_path / "profile", "--dump-dom").stdout
-    assert "champion" in dom and f"Version {champion.version}" in dom, dom[-2000:]
-    version_dom = browse(f"{model_page}/versions/{champion.version}", tmp_path / "profile", "--dump-dom").stdout
-    assert "champion" in version_dom
-    assert "heldout_mean_reward" in version_dom and champion.tags["heldout_mean_reward"] in version_dom
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "mlflow-model-champion.png"
-    shot.unlink(missing_ok=True)
-    browse(model_page, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1400,1600")
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
 # --------------------------------------------------------------------------- PostgreSQL
