@@ -329,7 +329,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     bad_steps = reward_failures = 0
     with stage_run(cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
-        reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports.samples_every, cfg.reports.samples_rows)
+        reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
         started = time.perf_counter()
         for step in range(start_step, g.steps):
             t_step = time.perf_counter()

@@ -1,8 +1,8 @@
 """Registry operations people run by hand: promote, roll back, compare runs.
 
 The `champion` alias only ever moves through `move_alias`, which records who moved it, when and
-why (version tags `alias.<alias>.*`, and the registered-model tag `alias.audit`, a JSON list) and keeps the stack of earlier champions
-in the registered-model tag `champion.history`, so `rollback` knows where to go back to. Promotion
+why (version tags `alias.<alias>.*`, and the registered-model tag `alias.audit`, a JSON list) and
+keeps the stack of earlier champions in the registered-model tag `champion.history`, so `rollback` knows where to go back to. Promotion
 applies the same comparability rule as `register`: a version without a held-out evaluation, or one
 evaluated on a different held-out file than the current champion, is refused.
 """

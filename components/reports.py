@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from components.config import ReportsConfig
+
 REWARD_CURVE = "grpo_reward.png"
 GROUP_REWARDS = "grpo_group_rewards.png"
 TRAINING_CURVES = "grpo_training.png"
@@ -30,9 +32,9 @@ def _pyplot():
 class GRPOReporter:
     """Collects what the figures and sample tables need, step by step; never touches training state."""
 
-    def __init__(self, run, tokenizer, group_size: int, samples_every: int, samples_rows: int):
+    def __init__(self, run, tokenizer, group_size: int, reports: ReportsConfig):
         self.run, self.tokenizer, self.group_size = run, tokenizer, group_size
-        self.samples_every, self.samples_rows = samples_every, samples_rows
+        self.samples_every, self.samples_rows = reports.samples_every, reports.samples_rows
         self.group_means: list[tuple[int, list[float]]] = []  # (step, mean reward of each group)
 
     def on_step(self, step: int, rollout, scores, advantages, final: bool = False) -> None:

@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--limit", type=int, help="most runs this process executes at once")
     serve.set_defaults(func=_cmd_serve)
     deploy.add_argument("--pool", default="grpo-process", help="work pool (created as --pool-type if missing)")
-    deploy.add_argument("--pool-type", default="process", help="type of a pool created here: process, docker, kubernetes")
+    deploy.add_argument("--pool-type", default="process",
+                        help="type of a pool created here: process, docker, kubernetes")
     deploy.add_argument("--job-variables", help='JSON job variables, e.g. \'{"image": "my/grpo:1"}\'')
     deploy.set_defaults(func=_cmd_deploy)
     setup = sub.add_parser("setup", help="create the Prefect `gpu` concurrency limit (operations.gpu_concurrency)")

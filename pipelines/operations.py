@@ -137,5 +137,6 @@ def emit_dataset_updated(root: Path, payload: dict[str, Any]) -> str:
                        payload=payload)
     EventsWorker.drain_all(timeout=30)
     if event is None:
-        raise RuntimeError("no Prefect API configured (set PREFECT_API_URL): the event could not be emitted")
+        raise RuntimeError("the data was copied and recorded, but no event was emitted: no Prefect API is "
+                           "configured (set PREFECT_API_URL)")
     return str(event.id)

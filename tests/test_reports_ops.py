@@ -13,7 +13,8 @@ from pipelines.retries import backoff_delays, is_transient, retry_transient
 
 
 def history(n: int) -> list[dict]:
-    return [{"step": i, "reward_mean": i / n, "reward_std": 0.1, "loss": 1.0 / i, "kl": 0.01 * i} for i in range(1, n + 1)]
+    return [{"step": i, "reward_mean": i / n, "reward_std": 0.1, "loss": 1.0 / i, "kl": 0.01 * i}
+            for i in range(1, n + 1)]
 
 
 def test_step_figures_are_pngs_and_byte_identical_for_the_same_history(tmp_path):
