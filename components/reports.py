@@ -4,7 +4,8 @@
   sampled completions (prompt, completion, reward per component, total, advantage) with
   `log_table`, so they can be browsed in the MLflow UI; at the end it draws the reward curve and the
   per-group reward distribution as PNGs into `plots/` (DVC plots: images render offline) and logs
-  them to the run.
+  them to the run. After a resume, the curves cover every step (from the checkpointed history) and
+  the group distribution the steps run since the resume.
 - `log_predictions_table`: evaluate's held-out predictions as an MLflow table.
 """
 
