@@ -292,6 +292,38 @@ class TrackingConfig:
 
 
 @dataclass
+class OperationsConfig:
+    """Served and deployed runs (`grpo-pipeline serve | deploy | setup | data update`)."""
+
+    deployment: str = "grpo-pipeline"
+    """Prefect deployment name."""
+    cron: str | None = None
+    """Cron schedule of the served/deployed pipeline (e.g. "0 3 * * *"); null = runs only on triggers."""
+    timezone: str = "UTC"
+    """Time zone the cron schedule is read in."""
+    trigger_event: str = "grpo.dataset.updated"
+    """Event (emitted by `grpo-pipeline data update`) that starts a run of this repository's deployment."""
+    gpu_concurrency: int = 1
+    """Task runs tagged `gpu` (sft, grpo, evaluate) allowed at once on the Prefect server."""
+    lock_wait_s: float = 21600.0
+    """How long a served run waits for another run of the same repository to finish before failing."""
+    stage_retries: int = 2
+    """Retries of a stage that failed for a transient reason (tracking server unreachable); never others."""
+    retry_delay_s: float = 10.0
+    """First retry delay; each further retry waits 3x longer (backoff)."""
+
+
+@dataclass
+class ReportsConfig:
+    """Pictures and tables for people: DVC plots, MLflow figures and completion tables."""
+
+    samples_every: int = 100
+    """Every N GRPO steps, log a table of sampled completions to MLflow (0 = never)."""
+    samples_rows: int = 32
+    """Completions per logged sample table."""
+
+
+@dataclass
 class PipelineConfig:
     """Everything a pipeline run needs; mirrors params.yaml key for key."""
 
@@ -310,6 +342,8 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    operations: OperationsConfig = field(default_factory=OperationsConfig)
+    reports: ReportsConfig = field(default_factory=ReportsConfig)
 
 
 # --------------------------------------------------------------------------- building
@@ -471,6 +505,16 @@ def validate_config(cfg: PipelineConfig) -> None:
     except (ValueError, IndexError) as err:
         raise ConfigError(f"prompt.template: not a valid format string ({err})") from err
     _require(s.epochs >= 1, "sft.epochs", "must be >= 1")
+    ops = cfg.operations
+    _require(ops.cron is None or len(ops.cron.split()) in (5, 6), "operations.cron",
+             "must be a cron expression with 5 fields (minute hour day month weekday), or null")
+    _require(ops.gpu_concurrency >= 1, "operations.gpu_concurrency", "must be >= 1")
+    _require(ops.lock_wait_s >= 0, "operations.lock_wait_s", "must be >= 0")
+    _require(ops.stage_retries >= 0, "operations.stage_retries", "must be >= 0")
+    _require(ops.retry_delay_s >= 0, "operations.retry_delay_s", "must be >= 0")
+    _require(bool(ops.deployment.strip()), "operations.deployment", "must not be empty")
+    _require(cfg.reports.samples_every >= 0, "reports.samples_every", "must be >= 0")
+    _require(cfg.reports.samples_rows >= 1, "reports.samples_rows", "must be >= 1")
     _require(s.batch_size >= 1, "sft.batch_size", "must be >= 1")
     _require(s.learning_rate > 0, "sft.learning_rate", "must be > 0")
     _require(g.steps >= 1, "grpo.steps", "must be >= 1")

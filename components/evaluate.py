@@ -98,6 +98,9 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
                          "improvement_ci95_high": improvement["ci95_high"]})
         run.log_artifact(paths.metrics / "eval.json")
         run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
+        from components.reports import log_predictions_table
+
+        log_predictions_table(run.run_id, read_jsonl(paths.eval_dir / "predictions.jsonl"))
     print(f"evaluate: improvement {improvement['mean']:+.4f} "
           f"(95% CI {improvement['ci95_low']:+.4f} .. {improvement['ci95_high']:+.4f})")
     return report

@@ -30,6 +30,7 @@ from components.modeling import load_policy_model, load_tokenizer, pick_device, 
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
 from components.prompting import PromptFormatter
+from components.reports import GRPOReporter
 from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
 from components.stage_cli import StageFailed, stage_main
@@ -357,6 +358,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     bad_steps = reward_failures = 0
     with stage_run(cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
+        reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
         started = time.perf_counter()
         for step in range(start_step, g.steps):
             t_step = time.perf_counter()
@@ -438,6 +440,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
             run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
             for callback in callbacks:
                 callback(step + 1, policy.model, metrics)
+            reporter.on_step(step + 1, rollout, first_scores, advantages, final=step + 1 == g.steps)
             if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
                 done = step + 1 - start_step
                 rate = done / (time.perf_counter() - started)
@@ -458,6 +461,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
         _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,
                                                       "start": str(start_dir), "lora_merged": policy.lora})
         summary = write_step_outputs(history, paths)
+        reporter.finish(history, paths.plots)
         run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
 

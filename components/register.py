@@ -189,15 +189,28 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
                     signature=ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
                                              outputs=Schema([ColSpec("string")])))
             if not client.search_registered_models(filter_string=f"name = '{name}'"):
-                client.create_registered_model(name)
-            version = client.create_model_version(name, info.model_uri, run_id=run.run_id, tags=tags)
+                from mlflow.exceptions import MlflowException
+
+                try:
+                    client.create_registered_model(name)
+                except MlflowException:  # another repository's run created it meanwhile
+                    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+                        raise
+            version = client.create_model_version(name, info.model_uri, run_id=run.run_id, tags=tags,
+                                                  model_id=info.model_id)  # a tracking server requires it
             # Only a version whose artifacts and tags are all in place is marked complete.
             client.set_model_version_tag(name, version.version, "registration", "complete")
             version = client.get_model_version(name, version.version)
         decision = decide(client, name, version.version, evaluation, predictions, cfg)
-        client.set_registered_model_alias(name, "challenger", version.version)
+        from components.registry_ops import alias_version, move_alias
+
+        aliases = [("challenger", f"registered by run {run.run_id}")]
         if decision["promote"]:
-            client.set_registered_model_alias(name, "champion", version.version)
+            aliases.append(("champion", decision["reason"]))
+        for alias, why in aliases:  # every move is recorded with who/when/why; champion keeps its history
+            held = alias_version(client, name, alias)
+            if held is None or str(held.version) != str(version.version):
+                move_alias(client, name, alias, str(version.version), why, "register")
         for key, value in (("promotion.decision", "champion" if decision["promote"] else "challenger"),
                            ("promotion.reason", decision["reason"])):
             client.set_model_version_tag(name, version.version, key, value)

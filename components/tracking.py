@@ -56,9 +56,20 @@ def client():
 
 
 def experiment_id(name: str) -> str:
+    """The experiment's id, created if missing (two runs starting at once may race: the loser reads it)."""
+    from mlflow.exceptions import MlflowException
+
     c = client()
     exp = c.get_experiment_by_name(name)
-    return exp.experiment_id if exp is not None else c.create_experiment(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return c.create_experiment(name)
+    except MlflowException:
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 class StageRun:

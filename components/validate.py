@@ -150,6 +150,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
     report: dict[str, Any] = {"success": True, "files": {}}
     total = 0
     checked: dict[str, str] = {}  # file md5 -> split already validated (SFT is often a copy of train)
+    docs: dict[str, Any] = {}  # split -> GX result of its first chunk, rendered as data docs
     for split in SPLITS:
         leak_check = split != "heldout"
         file_label = str(split_path(paths.data, split))
@@ -159,6 +160,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
         if leak_check and digest in checked:
             same = checked[digest]
             report["files"][split] = {**report["files"][same], "file": file_label, "same_content_as": same}
+            if same in docs:
+                docs[split] = docs[same]
             total += report["files"][split]["rows"]
             for (label, rule), v in list(found.items()):
                 if label == report["files"][same]["file"]:
@@ -178,6 +181,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
             result = _run_suite(gx, split, df, lambda columns: _suite(
                 gx, f"{split}_suite", columns, split, context - budget, context,
                 heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
+            if n == 0:
+                docs[split] = result
             for res in result.results:
                 idx = list((res.result or {}).get("unexpected_index_list") or [])
                 ids = [str(df["id"].iloc[i]) if "id" in df else f"row {offset + i + 1}" for i in idx]
@@ -212,6 +217,9 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
 
     with stage_run(cfg.tracking.experiment, "validate") as run:
         run.log_artifact(report_path)  # saved before failing: the report is the point of a failed validation
+        from components.reports import log_data_docs
+
+        log_data_docs(run, docs)
         run.log_metrics({"violations": len(violations), "records": total})
         run.set_tags({"validation.success": not violations})
     if violations:

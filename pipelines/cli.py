@@ -172,6 +172,125 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     return 0 if report.match else 1
 
 
+def _param_overrides(assignments: list[str]) -> dict[str, object]:
+    """`--param key=value` (repeatable) as deployment parameters {"key": value}; values parsed as YAML."""
+    import yaml
+
+    out: dict[str, object] = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--param {item}: expected KEY=VALUE, e.g. grpo.kl_beta=0.1")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _validated(root: Path, overrides: dict[str, object]):
+    """params.yaml with the deployment overrides applied, validated (nothing written)."""
+    from pipelines.flow import override_list
+    from pipelines.params_io import merged_config
+
+    return merged_config(root / "params.yaml", [], override_list(overrides))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from components.config import ConfigError
+    from pipelines.operations import serve
+
+    root = Path(args.root).resolve()
+    try:
+        overrides = _param_overrides(args.param)
+        _validated(root, overrides)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    serve(root, args.cron, args.interval, overrides, name=args.name, limit=args.limit)
+    return 0
+
+
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    import json
+
+    from components.config import ConfigError
+    from pipelines.operations import deploy
+
+    root = Path(args.root).resolve()
+    try:
+        overrides = _param_overrides(args.param)
+        _validated(root, overrides)
+        job_variables = json.loads(args.job_variables) if args.job_variables else {}
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    deployment_id = deploy(root, args.pool, args.pool_type, args.cron, overrides, job_variables, name=args.name)
+    print(f"deployment {deployment_id} registered on work pool '{args.pool}'; start a worker with: "
+          f"prefect worker start --pool {args.pool}")
+    return 0
+
+
+def _cmd_setup(args: argparse.Namespace) -> int:
+    from components.config import load_config
+    from pipelines.operations import setup
+
+    limit = setup(load_config(Path(args.root).resolve() / "params.yaml"))
+    print(f"concurrency limit for tag 'gpu': {limit} task run(s) at once")
+    return 0
+
+
+def _cmd_data_update(args: argparse.Namespace) -> int:
+    from components.config import ConfigError
+    from pipelines.operations import update_data
+
+    try:
+        info = update_data(Path(args.root).resolve(), Path(args.path), args.split, emit=not args.no_emit)
+    except (ConfigError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{info['path']} updated (md5 {info['md5']}), recorded with DVC"
+          + ("" if args.no_emit else "; event grpo.dataset.updated emitted"))
+    return 0
+
+
+def _registry_client(root: str):
+    from components.tracking import client
+
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(root).resolve() / 'mlflow.db'}")
+    return client()
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from components.locks import REGISTRY_LOCK, file_lock
+    from components.registry_ops import RegistryRefused, promote, rollback
+
+    try:
+        with file_lock(Path(args.root).resolve() / REGISTRY_LOCK, "a registry change in this repository", wait_s=60):
+            client = _registry_client(args.root)
+            if args.command == "promote":
+                record = promote(client, args.name, args.version, args.reason or "manual promotion")
+            else:
+                record = rollback(client, args.name, args.reason or "manual rollback")
+    except RegistryRefused as err:
+        print(f"refused: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.name}: champion moved from v{record['from']} to v{record['to']} by {record['who']} at "
+          f"{record['when']} ({record['why']})")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from components.config import load_config
+    from components.registry_ops import RegistryRefused, compare_table, pipeline_runs
+
+    client = _registry_client(args.root)
+    experiment = args.experiment or load_config(Path(args.root).resolve() / "params.yaml").tracking.experiment
+    try:
+        print(compare_table(pipeline_runs(client, experiment, args.run_ids, args.last)))
+    except RegistryRefused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-pipeline", description="GRPO fine-tuning pipeline.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -197,6 +316,48 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--root", default=".", help="repository root")
     repro.add_argument("--keep", action="store_true", help="keep the temporary worktree for inspection")
     repro.set_defaults(func=_cmd_reproduce)
+    serve = sub.add_parser("serve", help="serve the pipeline as a Prefect deployment: schedule + data-update trigger")
+    deploy = sub.add_parser("deploy", help="register the deployment on a Prefect work pool")
+    for p in (serve, deploy):
+        p.add_argument("--root", default=".", help="repository root")
+        p.add_argument("--cron", help="cron schedule (default: operations.cron in params.yaml)")
+        p.add_argument("--name", help="deployment name (default: operations.deployment)")
+        p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                       help="deployment parameter overriding a params key, e.g. grpo.kl_beta=0.1; repeatable")
+    serve.add_argument("--interval", type=float, metavar="SECONDS", help="run every SECONDS instead of a cron")
+    serve.add_argument("--limit", type=int, help="most runs this process executes at once")
+    serve.set_defaults(func=_cmd_serve)
+    deploy.add_argument("--pool", default="grpo-process", help="work pool (created as --pool-type if missing)")
+    deploy.add_argument("--pool-type", default="process",
+                        help="type of a pool created here: process, docker, kubernetes")
+    deploy.add_argument("--job-variables", help='JSON job variables, e.g. \'{"image": "my/grpo:1"}\'')
+    deploy.set_defaults(func=_cmd_deploy)
+    setup = sub.add_parser("setup", help="create the Prefect `gpu` concurrency limit (operations.gpu_concurrency)")
+    setup.add_argument("--root", default=".", help="repository root")
+    setup.set_defaults(func=_cmd_setup)
+    data = sub.add_parser("data", help="dataset operations")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    update = data_sub.add_parser("update", help="copy a new dataset in, record it with DVC, emit grpo.dataset.updated")
+    update.add_argument("path", help="the new dataset file")
+    update.add_argument("--split", default="train", choices=["train", "heldout", "sft"])
+    update.add_argument("--root", default=".", help="repository root")
+    update.add_argument("--no-emit", action="store_true", help="do not emit the event")
+    update.set_defaults(func=_cmd_data_update)
+    promote = sub.add_parser("promote", help="move the champion alias to VERSION (refused if not comparable)")
+    promote.add_argument("name")
+    promote.add_argument("version")
+    rollback = sub.add_parser("rollback", help="give the champion alias back to the previous champion")
+    rollback.add_argument("name")
+    for p in (promote, rollback):
+        p.add_argument("--reason", help="why (recorded with who and when)")
+        p.add_argument("--root", default=".", help="repository root (registry lock, default store)")
+        p.set_defaults(func=_cmd_promote)
+    compare = sub.add_parser("compare", help="table of pipeline runs: differing params, rewards, data, durations")
+    compare.add_argument("run_ids", nargs="*", help="MLflow run ids of pipeline runs (default: the --last N)")
+    compare.add_argument("--last", type=int, default=5, help="the N newest pipeline runs")
+    compare.add_argument("--experiment", help="experiment (default: tracking.experiment)")
+    compare.add_argument("--root", default=".", help="repository root")
+    compare.set_defaults(func=_cmd_compare)
     return parser
 
 

@@ -114,9 +114,19 @@ def log_environment(run_id: str) -> None:
     client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
 
 
+def mlflow_links(tracking: str, experiment_id: str, run_id: str, model_name: str, version: str) -> dict[str, str]:
+    """UI addresses of the run and the model version (a local store: as served by `mlflow ui` on :5000)."""
+    base = tracking.rstrip("/") if tracking.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return {"run": f"{base}/#/experiments/{experiment_id}/runs/{run_id}",
+            "model_version": f"{base}/#/models/{model_name}/versions/{version}",
+            "local": "" if base != "http://127.0.0.1:5000" else
+            f" (start the UI with `mlflow ui --backend-store-uri {tracking}`)"}
+
+
 def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], stages: list[dict[str, Any]],
-                    parent_run_id: str, tracking: str) -> str:
-    """Before/after table, the promotion decision, and where to find the run and the model."""
+                    parent_run_id: str, tracking: str, experiment_id: str = "0") -> str:
+    """Before/after table, the promotion decision, and links to the MLflow run and model version."""
+    links = mlflow_links(tracking, experiment_id, parent_run_id, registration["model_name"], registration["version"])
     imp = evaluation["improvement"]
     rows = "\n".join(f"| {s['stage']} | {'up to date' if s['skipped'] else 'ran'} | {s['seconds']:.1f} |"
                      for s in stages)
@@ -129,27 +139,38 @@ def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], st
         f"n = {evaluation['n']}.\n\n"
         f"**Decision:** version {registration['version']} of `{registration['model_name']}` is "
         f"**{'champion' if registration['promoted'] else 'challenger'}**: {registration['reason']}.\n\n"
-        f"- Model: `{registration['model_uri']}` (champion: `{registration['champion_uri']}`)\n"
-        f"- MLflow parent run: `{parent_run_id}` at `{tracking}`\n\n"
+        f"- Model version: [{registration['model_uri']}]({links['model_version']}) "
+        f"(champion: `{registration['champion_uri']}`)\n"
+        f"- MLflow run: [{parent_run_id}]({links['run']}) in `{tracking}`{links['local']}\n\n"
         "| stage | status | seconds |\n|---|---|---|\n" + rows + "\n"
     )
 
 
+def override_list(overrides: dict[str, Any] | None) -> list[str]:
+    """Deployment parameters {"grpo.kl_beta": 0.1} as `key=value` assignments (values YAML-quoted)."""
+    return [f"{key}={json.dumps(value)}" for key, value in (overrides or {}).items()]
+
+
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(root: str = ".") -> dict[str, Any]:
+def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """prepare -> model -> validate -> sft -> grpo -> evaluate -> register, on params.yaml in `root`.
 
-    One run per repository at a time: a second run started meanwhile is refused, never interleaved.
+    `overrides` ({"grpo.kl_beta": 0.1}) are written into params.yaml first, like `run --set`, so a
+    deployment's parameters override params keys and `dvc repro` still reproduces the run.
+    One run per repository at a time: `grpo-pipeline run` refuses a second one; a served or deployed
+    run waits up to `operations.lock_wait_s` for the running one (schedule and trigger may coincide).
     """
     from components.locks import LOCK_HELD_ENV, PIPELINE_LOCK, file_lock
 
+    root_path = Path(root).resolve()
     if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
-        return _run_stages(Path(root).resolve())
-    with file_lock(Path(root).resolve() / PIPELINE_LOCK, "a pipeline run in this repository"):
-        return _run_stages(Path(root).resolve())
+        return _run_stages(root_path, overrides)
+    wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
+    with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
+        return _run_stages(root_path, overrides)
 
 
-def _run_stages(root_path: Path) -> dict[str, Any]:
+def _run_stages(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The stages in order, each in the warm stage server (components/stage_server.py) when one runs."""
     from components.stage_server import SERVER_ENV, start_server, stop_server
 
@@ -158,7 +179,7 @@ def _run_stages(root_path: Path) -> dict[str, Any]:
         own_server = start_server(str(root_path))
         os.environ[SERVER_ENV] = own_server[1]
     try:
-        return _run_stages_with_server(root_path)
+        return _run_stages_with_server(root_path, overrides)
     finally:
         if own_server is not None:
             os.environ.pop(SERVER_ENV, None)
@@ -172,13 +193,19 @@ def read_compute_times(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _run_stages_with_server(root_path: Path) -> dict[str, Any]:
+def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     import tempfile
 
+    from components.data import SPLITS, file_md5, split_path
     from components.stage_cli import STAGE_TIMINGS_ENV
-    from components.tracking import tracking_uri
+    from components.tracking import experiment_id, tracking_uri
+    from pipelines.params_io import apply_to_params
+    from pipelines.retries import backoff_delays, retry_transient
 
+    if overrides and apply_to_params(root_path / "params.yaml", [], override_list(overrides)):
+        print(f"params.yaml updated with the deployment's overrides: {override_list(overrides)}")
     cfg = load_config(root_path / "params.yaml")
+    ops = cfg.operations
     timings = Path(tempfile.mkstemp(prefix="grpo-stage-times-", suffix=".jsonl")[1])
     os.environ[STAGE_TIMINGS_ENV] = str(timings)
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
@@ -190,8 +217,10 @@ def _run_stages_with_server(root_path: Path) -> dict[str, Any]:
     try:
         for stage in STAGES:
             tags = {"gpu"} if stage in GPU_STAGES else set()
-            stages.append(run_stage.with_options(name=f"stage-{stage}", tags=tags)(stage, str(root_path),
-                                                                                   parent.run_id))
+            task_ = run_stage.with_options(name=f"stage-{stage}", tags=tags, retries=ops.stage_retries,
+                                           retry_delay_seconds=backoff_delays(ops.retry_delay_s, ops.stage_retries),
+                                           retry_condition_fn=retry_transient)
+            stages.append(task_(stage, str(root_path), parent.run_id))
         status = "FINISHED"
     finally:
         os.environ.pop(STAGE_TIMINGS_ENV, None)
@@ -203,9 +232,15 @@ def _run_stages_with_server(root_path: Path) -> dict[str, Any]:
     registration = json.loads((root_path / "metrics" / "register.json").read_text())
     parent.log_metrics({"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
                         "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
-                        "improvement_mean": evaluation["improvement"]["mean"]})
+                        "improvement_mean": evaluation["improvement"]["mean"],
+                        "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
+                        "improvement_ci95_high": evaluation["improvement"]["ci95_high"]})
+    parent.set_tags({**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
+                        for split in SPLITS},
+                     "model_version": registration["version"], "model_name": registration["model_name"]})
     create_markdown_artifact(key="grpo-pipeline-report", description="Before/after and promotion decision",
                              markdown=report_markdown(evaluation, registration, stages, parent.run_id,
-                                                      os.environ["MLFLOW_TRACKING_URI"]))
+                                                      os.environ["MLFLOW_TRACKING_URI"],
+                                                      experiment_id(cfg.tracking.experiment)))
     return {"evaluation": evaluation, "registration": registration, "stages": stages,
             "parent_run_id": parent.run_id, "stage_compute": compute}

@@ -81,7 +81,9 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
                 "zero_std_group_frac", "grad_norm", "learning_rate", "step_seconds", "completions_per_s", "entropy"):
         assert key in grpo.data.metrics, key
     validate = next(r for r in children if r.data.tags["grpo.stage"] == "validate")
-    assert [a.path for a in client.list_artifacts(validate.info.run_id)] == ["validation.json"]
+    assert [a.path for a in client.list_artifacts(validate.info.run_id)] == ["data_docs", "validation.json"]
+    docs = {a.path for a in client.list_artifacts(validate.info.run_id, "data_docs")}
+    assert {"data_docs/index.html", "data_docs/train.html", "data_docs/heldout.html"} <= docs
 
 
 def test_registered_version_carries_lineage_and_champion_alias(completed):
