@@ -21,7 +21,6 @@ sys.path.insert(0, str(ROOT))
 
 
 def profile(prefix_sharing: bool, root: Path, steps: int, warmup: int) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from components.config import load_config

@@ -25,6 +25,10 @@ import socket
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
 
 SERVER_ENV = "GRPO_STAGE_SERVER"
 # Environment read when libraries are imported; a caller whose values differ gets its own process.
