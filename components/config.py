@@ -289,6 +289,19 @@ class TrackingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-process training of the sft and grpo stages on torch.distributed (DDP)."""
+
+    nproc: int = 1
+    """Processes per node; > 1 makes the stage re-launch itself under torchrun (one per GPU, or CPU gloo)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; `auto`: nccl on CUDA, gloo on CPU."""
+    per_group_sampling: bool = False
+    """Seed each prompt group's sampler from (seed, step, prompt position) so completions do not depend
+    on how prompts are sharded; always on with more than one process (slower than the batched sampler)."""
+
+
+@dataclass
 class PipelineConfig:
     """Everything a pipeline run needs; mirrors params.yaml key for key."""
 
@@ -307,6 +320,7 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # --------------------------------------------------------------------------- building
@@ -523,6 +537,9 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
     _require(e.batch_size >= 1, "evaluate.batch_size", "must be >= 1")
     _require(e.bootstrap_samples >= 100, "evaluate.bootstrap_samples", "must be >= 100")
+    _require(cfg.distributed.nproc >= 1, "distributed.nproc", "must be >= 1")
+    _require(not (cfg.distributed.backend == "nccl" and cfg.device == "cpu"), "distributed.backend",
+             "nccl needs CUDA devices; use gloo (or auto) with device: cpu")
     _require(bool(cfg.register.model_name.strip()), "register.model_name", "must not be empty")
     if cfg.model.name_or_path is None:
         longest_prompt = len(f"{t.max_operand}+{t.max_operand}=")

@@ -25,6 +25,8 @@ import torch
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
+from components.distributed import (DistContext, all_gather_objects, all_reduce_sum, barrier, group_seed, init,
+                                    launch, needs_launch, no_sync, shard, shutdown, tracking_run, wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
@@ -124,6 +126,11 @@ class Policy:
     reference: Any | None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
     lora: bool
     format_prompt: Callable[[dict[str, Any]], str] = lambda record: record["prompt"]
+    trainer: Any | None = None  # the module gradient forwards go through (DDP wrapper); default `model`
+
+    @property
+    def train_module(self):
+        return self.model if self.trainer is None else self.trainer
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
@@ -203,6 +210,90 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
     return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled
 
 
+def _on(rollout: Rollout, device: torch.device | str) -> Rollout:
+    return Rollout(rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
+                   rollout.completion_mask.to(device), rollout.truncated.to(device))
+
+
+@dataclass
+class GroupSample:
+    """One prompt's G completions and their scores; `position` is its place in the round's prompt list."""
+
+    position: int
+    rollout: Rollout  # on the CPU, so it can travel between ranks
+    totals: list[float]
+    components: dict[str, list[float | None]]
+
+
+def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[int], g: GRPOConfig,
+                 rewards: RewardModel, seed: int, step: int, attempt: int, ctx: DistContext) -> list[GroupSample]:
+    """Sample and score one round with a sampler per group; every rank returns all groups in prompt order.
+
+    Each group's generator is seeded from (seed, step, round, position), so its completions are the
+    same whichever rank samples it: one process and N processes see the same batch. Each rank samples
+    and scores only its groups (round-robin), then the groups are gathered.
+    """
+    local: list[GroupSample] = []
+    error = None
+    positions = shard(list(range(len(indices))), ctx)
+    try:
+        device = next(policy.model.parameters()).device
+        recs = [records[indices[p]] for p in positions]
+        parts = []
+        for p, rec in zip(positions, recs):
+            gen = torch.Generator(device=device).manual_seed(group_seed(seed, step, attempt, p))
+            parts.append(sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(rec)], g.group_size,
+                                       g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                                       generator=gen))
+        if parts:
+            completions = [text for part in parts for text in decode_completions(policy.tokenizer, part)]
+            columns = reward_columns(recs, g.group_size)
+            columns["completion_token_lengths"] = [int(x) for part in parts for x in part.completion_mask.sum(-1)]
+            scored = rewards([r["prompt"] for r in recs for _ in range(g.group_size)], completions, columns)
+            size = g.group_size
+            for i, (p, part) in enumerate(zip(positions, parts)):
+                local.append(GroupSample(p, _on(part, "cpu"), scored.total[i * size:(i + 1) * size],
+                                         {k: v[i * size:(i + 1) * size] for k, v in scored.components.items()}))
+    except RewardError as err:  # every rank must learn of it, or the others would wait forever
+        error = str(err)
+    gathered = all_gather_objects(ctx, (local, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RewardError(errors[0])
+    return sorted((s for items, _ in gathered for s in items), key=lambda s: s.position)
+
+
+def collect_batch_sharded(policy: Policy, records: list[dict[str, Any]], schedule: PromptSchedule, step: int,
+                          g: GRPOConfig, rewards: RewardModel, seed: int, ctx: DistContext
+                          ) -> tuple[Rollout, list[float], RewardResult, int]:
+    """`collect_batch` with per-group samplers, sampling sharded over ranks; the same batch for any N.
+
+    Dynamic sampling decides on the gathered (global) groups, so the kept count and the refill rounds
+    are global too.
+    """
+    groups = sample_round(policy, records, schedule.indices(step), g, rewards, seed, step, 0, ctx)
+    first = RewardResult(total=[x for s in groups for x in s.totals],
+                         components={k: [x for s in groups for x in s.components[k]] for k in groups[0].components})
+    sampled = len(first.total)
+
+    def informative(s: GroupSample) -> bool:
+        return max(s.totals) > min(s.totals)
+
+    ds = g.dynamic_sampling
+    kept = [s for s in groups if not ds.enabled or informative(s)]
+    attempt = 0
+    while ds.enabled and ds.fill_batch and len(kept) < g.prompts_per_step and attempt < ds.max_tries:
+        extra = sample_round(policy, records, schedule.extra(step, attempt, g.prompts_per_step - len(kept)), g,
+                             rewards, seed, step, attempt + 1, ctx)
+        sampled += len(extra) * g.group_size
+        kept += [s for s in extra if informative(s)]
+        attempt += 1
+    device = next(policy.model.parameters()).device
+    rollout = concat_rollouts([s.rollout for s in kept], policy.tokenizer.pad_token_id) if kept \
+        else groups[0].rollout.select([])
+    return _on(rollout, device), [x for s in kept for x in s.totals], first, sampled
+
+
 @dataclass
 class UpdateStats:
     loss: float = 0.0
@@ -217,48 +308,85 @@ class UpdateStats:
     updates: int = 0
 
 
+def minibatch_plan(n: int, g: GRPOConfig) -> list[list[int]]:
+    """The global minibatches (row lists) of an n-row rollout, the same for any number of processes."""
+    size = g.minibatch_size or n
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
+    """This rank's rows of a global minibatch: its groups, round-robin, each group whole on one rank."""
+    if not ctx.active:
+        return rows
+    groups = sorted({r // group_size for r in rows})[ctx.rank::ctx.world]
+    return [r for r in rows if r // group_size in set(groups)]
+
+
 def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
-                   ref_logp: torch.Tensor | None, g: GRPOConfig) -> UpdateStats:
+                   ref_logp: torch.Tensor | None, g: GRPOConfig, ctx: DistContext = DistContext()) -> UpdateStats:
     """`num_iterations` passes over the rollout in minibatches, accumulating gradients per optimizer step.
 
     Loss normalisers (tokens for dapo, sequences for grpo/dr_grpo) are those of the whole accumulated
     chunk, so the accumulated gradient equals the full-chunk gradient. With one pass and one optimizer
     step the old log-probs are the current ones detached (ratio exactly 1) and no extra forward runs.
+
+    With several processes every rank holds the whole (gathered) rollout but runs forward/backward only
+    on its groups of each minibatch; the normalisers are the global chunk's, and the loss is multiplied
+    by the world size because DDP averages gradients over ranks, so the summed update equals the
+    one-process update on the same batch. A rank with no group in a minibatch backpropagates a zero
+    loss so that DDP's collective still matches.
     """
     n = len(rollout)
-    size = g.minibatch_size or n
-    minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    minibatches = minibatch_plan(n, g)
+    mine = [local_rows(mb, g.group_size, ctx) for mb in minibatches]
     per_step = g.gradient_accumulation_steps or len(minibatches)
-    chunks = [minibatches[i:i + per_step] for i in range(0, len(minibatches), per_step)]
+    chunks = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
+    module = policy.train_module
     old_logp = None
     if g.num_iterations > 1 or len(chunks) > 1:
         with torch.no_grad():
-            old_logp = torch.cat([completion_logprobs(policy.model, rollout.select(mb), g.temperature)[0]
-                                  for mb in minibatches])
+            if ctx.active:
+                old_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32,
+                                       device=rollout.completion_ids.device)
+                for rows in mine:
+                    if rows:
+                        old_logp[rows] = completion_logprobs(policy.model, rollout.select(rows), g.temperature)[0]
+            else:
+                old_logp = torch.cat([completion_logprobs(policy.model, rollout.select(mb), g.temperature)[0]
+                                      for mb in minibatches])
     eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
     stats = UpdateStats()
     tokens_seen = 0.0
+    grad_scale = float(ctx.world)  # DDP averages gradients over ranks; the loss is already a global sum
     for iteration in range(g.num_iterations):
         for chunk in chunks:
-            rows = [r for mb in chunk for r in mb]
+            rows = [r for k in chunk for r in minibatches[k]]
             n_tokens, n_seq = float(mask[rows].sum()), float(len(rows))
             optimizer.zero_grad(set_to_none=True)
             chunk_loss = torch.zeros(())
-            for mb in chunk:
+            for j, k in enumerate(chunk):
+                mb = mine[k]
+                last = j == len(chunk) - 1
+                if not mb:  # no group of this minibatch on this rank: a zero loss keeps DDP in step
+                    with no_sync(module, skip=not last):
+                        logp, _ = completion_logprobs(module, rollout.select(minibatches[k][:1]), g.temperature)
+                        (torch.nan_to_num(logp).sum() * 0.0).backward()
+                    continue
                 sub, sub_mask = rollout.select(mb), mask[mb]
-                logp, logits = completion_logprobs(policy.model, sub, g.temperature, return_logits=iteration == 0)
+                with no_sync(module, skip=ctx.active and not last):
+                    logp, logits = completion_logprobs(module, sub, g.temperature, return_logits=iteration == 0)
+                    out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                      sub_mask, loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
+                                      importance_sampling_level=g.importance_sampling_level,
+                                      ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
+                                      kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
+                                      num_sequences=n_seq, num_tokens=n_tokens)
+                    (out.loss * grad_scale if ctx.active else out.loss).backward()
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
                     stats.logprob_mean += float((logp.detach() * sub_mask).sum())
                     tokens_seen += weight
-                out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
-                                  sub_mask, loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
-                                  importance_sampling_level=g.importance_sampling_level,
-                                  ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
-                                  kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
-                                  num_sequences=n_seq, num_tokens=n_tokens)
-                out.loss.backward()
                 chunk_loss = chunk_loss + out.loss.detach()
                 stats.pg_loss += float(out.pg_loss)
                 stats.kl += float(out.kl)
@@ -267,6 +395,8 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
             stats.updates += 1
+            if ctx.active:  # the global chunk loss, so every rank takes the same skip decision
+                chunk_loss = torch.tensor(all_reduce_sum(ctx, [float(chunk_loss)])[0])
             stats.loss += float(chunk_loss)
             stats.grad_norm = float(grad_norm)
             if not (torch.isfinite(chunk_loss) and torch.isfinite(grad_norm)):
@@ -274,6 +404,11 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 optimizer.zero_grad(set_to_none=True)
                 continue
             optimizer.step()
+    if ctx.active:  # each rank saw part of every chunk: sum the parts (normalisers were already global)
+        sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
+                                    stats.entropy, stats.logprob_mean, tokens_seen])
+        stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
+        stats.entropy, stats.logprob_mean, tokens_seen = sums[4:]
     passes = max(1, stats.updates)
     stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
     stats.clip_low_frac /= g.num_iterations
@@ -297,12 +432,27 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
     `callbacks(step, policy, metrics)` run after each step (extra evaluation, logging); the rollout
     sampler has its own generator, so whatever they do with global RNGs never shifts training.
-    """
-    from components.tracking import stage_run
 
+    With `distributed.nproc > 1` it re-launches itself under torchrun; under torchrun each rank
+    samples its share of the prompt groups, trains through DDP, and only rank 0 logs and writes.
+    """
+    if needs_launch(cfg.distributed):
+        launch("components.grpo", cfg, paths.root)
+        return json.loads((paths.metrics / "grpo.json").read_text())
+    ctx = init(cfg.distributed, pick_device(cfg.device))
+    try:
+        return _train_grpo(cfg, paths, callbacks, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallback], ctx: DistContext
+                ) -> dict[str, Any]:
     g = cfg.grpo
     seed_everything(cfg.seed, cfg.threads)
-    device = pick_device(cfg.device)
+    device = ctx.device
+    per_group = ctx.active or cfg.distributed.per_group_sampling
+    say = print if ctx.is_main else (lambda *args, **kwargs: None)
     start_dir = resolve_model_dir(paths.sft_model)
     policy = build_policy(cfg, start_dir, device)
     records = read_jsonl(split_path(paths.data, "train"))
@@ -314,8 +464,10 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     moving_reference = policy.reference is not None and g.reference.mode != "static"
 
     run_hash = section_hash(g, cfg.seed, dir_md5(start_dir), file_md5(split_path(paths.data, "train")))
-    for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
-        print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
+    if ctx.is_main:
+        for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
+            print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
+    barrier(ctx)
     start_step, history = 0, []
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)
     if resume_from is not None:
@@ -323,10 +475,14 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
         start_step, history = int(state["step"]), list(state["history"])
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
-        print(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
+        say(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
+    if ctx.active:
+        policy.trainer = wrap_ddp(policy.model, ctx)
+        say(f"grpo: {ctx.world} processes (DDP, {'nccl' if device.type == 'cuda' else 'gloo'}), "
+            f"{g.prompts_per_step} prompts per step shared between them")
 
     bad_steps = reward_failures = 0
-    with stage_run(cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
+    with tracking_run(ctx, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         started = time.perf_counter()
         for step in range(start_step, g.steps):
@@ -337,12 +493,16 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
             t0 = time.perf_counter()
             try:
-                rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g, rewards,
-                                                                       rollout_gen)
+                if per_group:
+                    rollout, totals, first_scores, sampled = collect_batch_sharded(policy, records, schedule, step, g,
+                                                                                   rewards, cfg.seed, ctx)
+                else:
+                    rollout, totals, first_scores, sampled = collect_batch(policy, records, schedule, step, g,
+                                                                           rewards, rollout_gen)
             except RewardError as err:
                 reward_failures += 1
                 run.log_metrics({"reward_failures": reward_failures}, step=step + 1)
-                print(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
+                say(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
                 if reward_failures > g.max_reward_failures:
                     raise StageFailed(f"grpo: rewards failed on {reward_failures} steps in a row "
                                       f"(grpo.max_reward_failures = {g.max_reward_failures}); last error: {err}") from err
@@ -365,17 +525,22 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
             t0 = time.perf_counter()
             ref_logp = None
-            if g.kl_beta > 0 and len(rollout):
+            if g.kl_beta > 0 and len(rollout) and ctx.active:  # only the rows this rank trains on
+                mine = sorted({r for mb in minibatch_plan(len(rollout), g) for r in local_rows(mb, g.group_size, ctx)})
+                ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
+                if mine:
+                    ref_logp[mine] = policy.reference_logprobs(rollout.select(mine), g.temperature)
+            elif g.kl_beta > 0 and len(rollout):
                 ref_logp = policy.reference_logprobs(rollout, g.temperature)
             t_ref = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g) if len(rollout) \
+            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g, ctx) if len(rollout) \
                 else UpdateStats()
             t_policy = time.perf_counter() - t0
             if stats.skipped_updates:
                 bad_steps += 1
-                print(f"grpo: step {step + 1}: non-finite loss or gradient, {stats.skipped_updates} update(s) "
+                say(f"grpo: step {step + 1}: non-finite loss or gradient, {stats.skipped_updates} update(s) "
                       f"skipped ({bad_steps} step(s) in a row)")
                 if bad_steps > MAX_BAD_STEPS:
                     raise StageFailed(f"grpo: more than {MAX_BAD_STEPS} consecutive steps with non-finite loss or "
@@ -407,9 +572,9 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
             metrics.update({f"reward/{k}/mean": v for k, v in first_scores.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
-            for callback in callbacks:
+            for callback in callbacks if ctx.is_main else ():
                 callback(step + 1, policy.model, metrics)
-            if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
+            if ctx.is_main and ((step + 1) % g.log_every == 0 or step + 1 == g.steps):
                 done = step + 1 - start_step
                 rate = done / (time.perf_counter() - started)
                 eta = (g.steps - step - 1) / rate if rate > 0 else float("inf")
@@ -419,13 +584,15 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                       f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                       f"completions/s, ETA {eta:.0f}s", flush=True)
             checkpoint_due = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
-            if checkpoint_due and bad_steps == 0:  # never checkpoint inside a non-finite streak
+            if checkpoint_due and bad_steps == 0 and ctx.is_main:  # never inside a non-finite streak
                 save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
                                 {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
                                  "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
                                  "torch_rng": torch.get_rng_state()},
                                 policy.reference if moving_reference else None)
 
+        if not ctx.is_main:
+            return {}
         _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,
                                                       "start": str(start_dir), "lora_merged": policy.lora})
         summary = write_step_outputs(history, paths)
