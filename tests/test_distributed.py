@@ -1,0 +1,136 @@
+"""Training on torch.distributed: 2 processes (gloo, CPU) give the 1-process result on the same global batch;
+a 2-process run killed after a checkpoint resumes with 1 process; NCCL when there are GPUs for it.
+
+The 2-process runs are real: the stage re-launches itself under `python -m torch.distributed.run`.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components.config import load_config
+from components.grpo import train_grpo
+from components.paths import Paths
+from conftest import ROOT
+from test_grpo_training import LEARN, setup_stage_inputs
+
+# A reward a random tiny model gets right about 5/16 of the time: mixed groups from the first step.
+DENSE = ["grpo.rewards=[{name: regex_format, weight: 1.0, options: {pattern: '^[0-4]', mode: search}}]"]
+# The `grpo` loss (per-sequence means over a global sequence count), KL to the reference, two passes
+# over two minibatches per step: every normaliser and the old log-prob cache cross ranks.
+EQUIV = LEARN + DENSE + ["grpo.steps=4", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.kl_beta=0.05",
+                         "grpo.loss_type=grpo", "grpo.minibatch_size=8", "grpo.num_iterations=2",
+                         "grpo.checkpoint_every=2", "grpo.log_every=1"]
+COMPARED = ("loss", "pg_loss", "kl", "reward_mean", "advantage_mean", "entropy", "grad_norm", "completion_length")
+
+
+@pytest.fixture
+def worker_env(monkeypatch):
+    """torchrun workers import the reward fixtures from tests/ and this tree's components."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+
+
+def steps_csv(root):
+    return list(csv.DictReader((root / "plots" / "grpo_steps.csv").open()))
+
+
+def weights(root):
+    return load_file(root / "models" / "grpo" / "model.safetensors")
+
+
+def two_roots(tmp_path, overrides):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root in (one, two):
+        root.mkdir()
+        (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    setup_stage_inputs(one, overrides)
+    for sub in ("data", "models"):
+        shutil.copytree(one / sub, two / sub)
+    return one, two
+
+
+def assert_same_training(one, two, atol=5e-5):
+    rows_1, rows_2 = steps_csv(one), steps_csv(two)
+    assert len(rows_1) == len(rows_2) > 0
+    for r1, r2 in zip(rows_1, rows_2):
+        # The same completions (same reward and length), the same loss, step by step.
+        for key in COMPARED:
+            assert float(r2[key]) == pytest.approx(float(r1[key]), rel=1e-4, abs=1e-5), (r1["step"], key)
+    a, b = weights(one), weights(two)
+    start = load_file(one / "models" / "base" / "model.safetensors")
+    assert a.keys() == b.keys()
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    assert moved > 1e-3, "training did not move the weights: the comparison would prove nothing"
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < atol, f"weights differ by {worst} after {len(rows_1)} steps"
+
+
+def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    one, two = two_roots(tmp_path, EQUIV + ["distributed.per_group_sampling=true"])
+    train_grpo(load_config(ROOT / "params.yaml", EQUIV + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    summary = train_grpo(load_config(ROOT / "params.yaml", EQUIV + ["distributed.nproc=2"]), Paths(root=two))
+    out = capfd.readouterr().out
+    assert "grpo: 2 processes (DDP, gloo)" in out and "--nproc_per_node=2" in out
+    assert summary["steps"] == 4
+    assert_same_training(one, two)
+    # Rank 0 alone wrote the outputs: one checkpoint (step 2), one MLflow run per stage invocation.
+    assert [p.name for p in (two / "checkpoints" / "grpo").iterdir()] == ["step-0000002"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_store)
+    runs = client.search_runs([client.get_experiment_by_name("grpo-pipeline").experiment_id])
+    assert sorted(r.data.tags["grpo.stage"] for r in runs) == ["grpo", "grpo", "model", "prepare"]
+
+
+@pytest.mark.slow
+def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_path, mlflow_store, worker_env):
+    overrides = LEARN + DENSE + ["grpo.steps=24", "grpo.prompts_per_step=4", "grpo.group_size=4",
+                                 "grpo.kl_beta=0.05", "grpo.reference.mode=ema", "grpo.checkpoint_every=2"]
+    straight, killed = two_roots(tmp_path, overrides)
+    train_grpo(load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"]),
+               Paths(root=straight))
+
+    cmd = [sys.executable, "-m", "components.grpo"] + [x for o in overrides + ["distributed.nproc=2"]
+                                                       for x in ("--set", o)]
+    proc = subprocess.Popen(cmd, cwd=killed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    ckpts = killed / "checkpoints" / "grpo"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun's agent and both workers
+    proc.wait()
+    assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
+
+    cfg = load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"])
+    resumed = subprocess.run([sys.executable, "-m", "components.grpo", "--set", "distributed.per_group_sampling=true"]
+                             + [x for o in overrides for x in ("--set", o)], cwd=killed, capture_output=True,
+                             text=True, env={**os.environ})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "processes (DDP" not in resumed.stdout
+    assert len(steps_csv(killed)) == cfg.grpo.steps
+    # Same global batches whatever the process count: the resumed run ends where the straight one does.
+    a, b = weights(straight), weights(killed)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"NCCL with 2 processes needs 2 CUDA devices (found {torch.cuda.device_count()})")
+def test_grpo_two_nccl_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    gpu = EQUIV + ["device=cuda", "model.dtype=float32"]
+    one, two = two_roots(tmp_path, gpu + ["distributed.per_group_sampling=true"])
+    train_grpo(load_config(ROOT / "params.yaml", gpu + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    train_grpo(load_config(ROOT / "params.yaml", gpu + ["distributed.nproc=2", "distributed.backend=nccl"]),
+               Paths(root=two))
+    assert "grpo: 2 processes (DDP, nccl)" in capfd.readouterr().out
+    assert_same_training(one, two, atol=1e-4)
