@@ -152,7 +152,7 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=ids)
 
 
 @contextlib.contextmanager
