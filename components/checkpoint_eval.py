@@ -51,9 +51,9 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     e = cfg.evaluate
     seed_everything(cfg.seed, cfg.threads)
     device = pick_device(cfg.device)
+    tokenizer, model = load_for_eval(cfg, Path(path), paths, device)
     heldout = split_path(paths.data, "heldout")
     records = read_jsonl(heldout)
-    tokenizer, model = load_for_eval(cfg, Path(path), paths, device)
     formatter = PromptFormatter(cfg.prompt, tokenizer)
     prompts = [formatter(r) for r in records]
     completions: list[str] = []
