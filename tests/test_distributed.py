@@ -31,7 +31,13 @@ DENSE = ["grpo.rewards=[{name: regex_format, weight: 1.0, options: {pattern: '^[
 EQUIV = LEARN + DENSE + ["grpo.steps=4", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.kl_beta=0.05",
                          "grpo.loss_type=grpo", "grpo.minibatch_size=8", "grpo.num_iterations=2",
                          "grpo.checkpoint_every=2", "grpo.log_every=1"]
-COMPARED = ("loss", "pg_loss", "kl", "reward_mean", "advantage_mean", "entropy", "grad_norm", "completion_length")
+# DAPO dynamic sampling with refills (the kept-group count is global), the constant dr_grpo normaliser,
+# batch-std advantages, and one-group minibatches: each rank sits out every other minibatch.
+DYNAMIC = ["grpo.loss_type=dr_grpo", "grpo.scale_rewards=batch", "grpo.num_iterations=1", "grpo.minibatch_size=4",
+           "grpo.gradient_accumulation_steps=3", "grpo.dynamic_sampling.enabled=true",
+           "grpo.dynamic_sampling.fill_batch=true"]
+COMPARED = ("loss", "pg_loss", "kl", "reward_mean", "advantage_mean", "entropy", "grad_norm", "completion_length",
+            "kept_completions", "sampled_completions")
 
 
 @pytest.fixture
@@ -75,14 +81,18 @@ def assert_same_training(one, two, atol=5e-5):
     assert worst < atol, f"weights differ by {worst} after {len(rows_1)} steps"
 
 
-def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
-    one, two = two_roots(tmp_path, EQUIV + ["distributed.per_group_sampling=true"])
-    train_grpo(load_config(ROOT / "params.yaml", EQUIV + ["distributed.per_group_sampling=true"]), Paths(root=one))
-    summary = train_grpo(load_config(ROOT / "params.yaml", EQUIV + ["distributed.nproc=2"]), Paths(root=two))
+@pytest.mark.parametrize("variant", [[], pytest.param(DYNAMIC, marks=pytest.mark.slow)], ids=["grpo", "dynamic"])
+def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd, variant):
+    settings = EQUIV + variant
+    one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])
+    train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    summary = train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.nproc=2"]), Paths(root=two))
     out = capfd.readouterr().out
     assert "grpo: 2 processes (DDP, gloo)" in out and "--nproc_per_node=2" in out
     assert summary["steps"] == 4
     assert_same_training(one, two)
+    if variant:  # groups were dropped and refilled: the dynamic path really ran
+        assert any(float(r["sampled_completions"]) > 16 for r in steps_csv(two))
     # Rank 0 alone wrote the outputs: one checkpoint (step 2), one MLflow run per stage invocation.
     assert [p.name for p in (two / "checkpoints" / "grpo").iterdir()] == ["step-0000002"]
     from mlflow.tracking import MlflowClient
@@ -134,3 +144,15 @@ def test_grpo_two_nccl_processes_equal_one_process(tmp_path, mlflow_store, worke
                Paths(root=two))
     assert "grpo: 2 processes (DDP, nccl)" in capfd.readouterr().out
     assert_same_training(one, two, atol=1e-4)
+
+
+@pytest.mark.parametrize("override,rule", [
+    (["distributed.nproc=0"], "distributed.nproc: must be >= 1"),
+    (["device=cpu", "distributed.backend=nccl"], "distributed.backend: nccl needs CUDA devices"),
+    (["distributed.backend=mpi"], "distributed.backend: 'mpi' is not one of"),
+])
+def test_bad_distributed_settings_name_the_key(override, rule):
+    from components.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rule):
+        load_config(ROOT / "params.yaml", override)
