@@ -25,8 +25,8 @@ import torch
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
-from components.distributed import (DistContext, all_gather_objects, all_reduce_sum, barrier, group_seed, init,
-                                    launch, needs_launch, no_sync, shard, shutdown, tracking_run, wrap_ddp)
+from components.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
+                                    tracking_run, wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
 from components.paths import Paths
@@ -208,90 +208,6 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
         kept += len(more)
         attempt += 1
     return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled
-
-
-def _on(rollout: Rollout, device: torch.device | str) -> Rollout:
-    return Rollout(rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
-                   rollout.completion_mask.to(device), rollout.truncated.to(device))
-
-
-@dataclass
-class GroupSample:
-    """One prompt's G completions and their scores; `position` is its place in the round's prompt list."""
-
-    position: int
-    rollout: Rollout  # on the CPU, so it can travel between ranks
-    totals: list[float]
-    components: dict[str, list[float | None]]
-
-
-def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[int], g: GRPOConfig,
-                 rewards: RewardModel, seed: int, step: int, attempt: int, ctx: DistContext) -> list[GroupSample]:
-    """Sample and score one round with a sampler per group; every rank returns all groups in prompt order.
-
-    Each group's generator is seeded from (seed, step, round, position), so its completions are the
-    same whichever rank samples it: one process and N processes see the same batch. Each rank samples
-    and scores only its groups (round-robin), then the groups are gathered.
-    """
-    local: list[GroupSample] = []
-    error = None
-    positions = shard(list(range(len(indices))), ctx)
-    try:
-        device = next(policy.model.parameters()).device
-        recs = [records[indices[p]] for p in positions]
-        parts = []
-        for p, rec in zip(positions, recs):
-            gen = torch.Generator(device=device).manual_seed(group_seed(seed, step, attempt, p))
-            parts.append(sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(rec)], g.group_size,
-                                       g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
-                                       generator=gen))
-        if parts:
-            completions = [text for part in parts for text in decode_completions(policy.tokenizer, part)]
-            columns = reward_columns(recs, g.group_size)
-            columns["completion_token_lengths"] = [int(x) for part in parts for x in part.completion_mask.sum(-1)]
-            scored = rewards([r["prompt"] for r in recs for _ in range(g.group_size)], completions, columns)
-            size = g.group_size
-            for i, (p, part) in enumerate(zip(positions, parts)):
-                local.append(GroupSample(p, _on(part, "cpu"), scored.total[i * size:(i + 1) * size],
-                                         {k: v[i * size:(i + 1) * size] for k, v in scored.components.items()}))
-    except RewardError as err:  # every rank must learn of it, or the others would wait forever
-        error = str(err)
-    gathered = all_gather_objects(ctx, (local, error))
-    errors = [e for _, e in gathered if e]
-    if errors:
-        raise RewardError(errors[0])
-    return sorted((s for items, _ in gathered for s in items), key=lambda s: s.position)
-
-
-def collect_batch_sharded(policy: Policy, records: list[dict[str, Any]], schedule: PromptSchedule, step: int,
-                          g: GRPOConfig, rewards: RewardModel, seed: int, ctx: DistContext
-                          ) -> tuple[Rollout, list[float], RewardResult, int]:
-    """`collect_batch` with per-group samplers, sampling sharded over ranks; the same batch for any N.
-
-    Dynamic sampling decides on the gathered (global) groups, so the kept count and the refill rounds
-    are global too.
-    """
-    groups = sample_round(policy, records, schedule.indices(step), g, rewards, seed, step, 0, ctx)
-    first = RewardResult(total=[x for s in groups for x in s.totals],
-                         components={k: [x for s in groups for x in s.components[k]] for k in groups[0].components})
-    sampled = len(first.total)
-
-    def informative(s: GroupSample) -> bool:
-        return max(s.totals) > min(s.totals)
-
-    ds = g.dynamic_sampling
-    kept = [s for s in groups if not ds.enabled or informative(s)]
-    attempt = 0
-    while ds.enabled and ds.fill_batch and len(kept) < g.prompts_per_step and attempt < ds.max_tries:
-        extra = sample_round(policy, records, schedule.extra(step, attempt, g.prompts_per_step - len(kept)), g,
-                             rewards, seed, step, attempt + 1, ctx)
-        sampled += len(extra) * g.group_size
-        kept += [s for s in extra if informative(s)]
-        attempt += 1
-    device = next(policy.model.parameters()).device
-    rollout = concat_rollouts([s.rollout for s in kept], policy.tokenizer.pad_token_id) if kept \
-        else groups[0].rollout.select([])
-    return _on(rollout, device), [x for s in kept for x in s.totals], first, sampled
 
 
 @dataclass
@@ -494,6 +410,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             t0 = time.perf_counter()
             try:
                 if per_group:
+                    from components.sharded_rollout import collect_batch_sharded
+
                     rollout, totals, first_scores, sampled = collect_batch_sharded(policy, records, schedule, step, g,
                                                                                    rewards, cfg.seed, ctx)
                 else:
