@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,29 @@ COMPARED = ("loss", "pg_loss", "kl", "reward_mean", "advantage_mean", "entropy",
 def worker_env(monkeypatch):
     """torchrun workers import the reward fixtures from tests/ and this tree's components."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def steps_csv(root):
@@ -118,8 +142,15 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None and not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun's agent and both workers
+    tree = process_tree(proc.pid)  # the stage, torchrun's agent and both workers: the whole job dies
+    assert len(tree) >= 4, f"expected launcher, torchrun and 2 workers, found {tree}"
+    for pid in tree:
+        os.kill(pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and not all(gone(pid) for pid in tree):
+        time.sleep(0.05)
+    assert all(gone(pid) for pid in tree)
     assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
 
     cfg = load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"])
