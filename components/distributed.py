@@ -33,10 +33,16 @@ class DistContext:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    strategy: str = "ddp"  # distributed.strategy: ddp | fsdp2
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def lockstep(self) -> bool:
+        """FSDP2: every forward all-gathers weights, so all ranks must make the same forward calls."""
+        return self.active and self.strategy == "fsdp2"
 
     @property
     def active(self) -> bool:
@@ -89,7 +95,8 @@ def init(d: DistributedConfig, fallback_device: torch.device) -> DistContext:
     backend = d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    return DistContext(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device)
+    return DistContext(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device,
+                       strategy=d.strategy)
 
 
 def shutdown(ctx: DistContext) -> None:
@@ -128,6 +135,17 @@ def all_reduce_sum(ctx: DistContext, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_true(ctx: DistContext, flag: bool) -> bool:
+    """True when `flag` holds on every rank (a MIN all-reduce); lets ranks stop a loop together."""
+    if not ctx.active:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def shard(items: list[Any], ctx: DistContext) -> list[Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -94,6 +95,9 @@ def reward_specs(g: GRPOConfig) -> list[RewardSpec]:
 @torch.no_grad()
 def update_reference(reference, policy, mode: str, step: int, ema_alpha: float, sync_every: int) -> bool:
     """ema: ref <- (1 - a) ref + a policy every step; periodic: copy every `sync_every` steps; static: never."""
+    for module in (reference, policy):
+        if hasattr(module, "reshard"):  # fsdp2: a root may stay gathered after forward; work on the shards
+            module.reshard()
     if mode == "ema":
         for r, p in zip(reference.parameters(), policy.parameters()):
             r.mul_(1.0 - ema_alpha).add_(p.detach(), alpha=ema_alpha)
@@ -265,8 +269,10 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 old_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32,
                                        device=rollout.completion_ids.device)
                 for rows in mine:
-                    if rows:
-                        old_logp[rows] = completion_logprobs(policy.model, rollout.select(rows), g.temperature)[0]
+                    if rows or ctx.lockstep:  # fsdp2: a rank without rows still joins the forward
+                        part = completion_logprobs(policy.model, rollout.select(rows or [0]), g.temperature)[0]
+                        if rows:
+                            old_logp[rows] = part
             else:
                 old_logp = torch.cat([completion_logprobs(policy.model, rollout.select(mb), g.temperature)[0]
                                       for mb in minibatches])
@@ -310,6 +316,8 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # fsdp2: a DTensor over the shards
+                grad_norm = grad_norm.full_tensor()
             stats.updates += 1
             if ctx.active:  # the global chunk loss, so every rank takes the same skip decision
                 chunk_loss = torch.tensor(all_reduce_sum(ctx, [float(chunk_loss)])[0])
@@ -370,12 +378,14 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     per_group = ctx.active or cfg.distributed.per_group_sampling
     say = print if ctx.is_main else (lambda *args, **kwargs: None)
     start_dir = resolve_model_dir(paths.sft_model)
-    policy = build_policy(cfg, start_dir, device)
+    if ctx.lockstep and g.prompts_per_step % ctx.world:
+        raise ConfigError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be divisible by the {ctx.world} "
+                          "processes with distributed.strategy fsdp2 (lockstep sampling)")
+    # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
+    policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else device)
     records = read_jsonl(split_path(paths.data, "train"))
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-    trainable = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay)
     rollout_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
 
@@ -386,13 +396,31 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     barrier(ctx)
     start_step, history = 0, []
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)
-    if resume_from is not None:
+    held = None
+    if ctx.lockstep:  # resume into the whole model, then shard it; the optimizer state follows once built
+        from components.fsdp import HeldOptimizerState, load_optimizer_state, shard_model
+
+        if resume_from is not None:
+            held = HeldOptimizerState()
+            state = load_checkpoint(resume_from, policy.model, held, policy.reference if moving_reference else None)
+        shard_model(policy.model, ctx)
+        if policy.reference is not None:
+            shard_model(policy.reference, ctx)
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay)
+    if held is not None:
+        load_optimizer_state(policy.model, optimizer, held.state)
+    elif resume_from is not None:
         state = load_checkpoint(resume_from, policy.model, optimizer, policy.reference if moving_reference else None)
+    if resume_from is not None:
         start_step, history = int(state["step"]), list(state["history"])
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
         say(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
-    if ctx.active:
+    if ctx.lockstep:
+        say(f"grpo: {ctx.world} processes (FSDP2, {'nccl' if device.type == 'cuda' else 'gloo'}): weights, "
+            f"gradients and optimizer state sharded; {g.prompts_per_step} prompts per step shared between them")
+    elif ctx.active:
         policy.trainer = wrap_ddp(policy.model, ctx)
         say(f"grpo: {ctx.world} processes (DDP, {'nccl' if device.type == 'cuda' else 'gloo'}), "
             f"{g.prompts_per_step} prompts per step shared between them")
@@ -446,8 +474,10 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             if g.kl_beta > 0 and len(rollout) and ctx.active:  # only the rows this rank trains on
                 mine = sorted({r for mb in minibatch_plan(len(rollout), g) for r in local_rows(mb, g.group_size, ctx)})
                 ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
-                if mine:
-                    ref_logp[mine] = policy.reference_logprobs(rollout.select(mine), g.temperature)
+                if mine or ctx.lockstep:  # fsdp2: a rank without rows still joins the forward
+                    part = policy.reference_logprobs(rollout.select(mine or [0]), g.temperature)
+                    if mine:
+                        ref_logp[mine] = part
             elif g.kl_beta > 0 and len(rollout):
                 ref_logp = policy.reference_logprobs(rollout, g.temperature)
             t_ref = time.perf_counter() - t0
@@ -502,13 +532,27 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                       f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                       f"completions/s, ETA {eta:.0f}s", flush=True)
             checkpoint_due = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
-            if checkpoint_due and bad_steps == 0 and ctx.is_main:  # never inside a non-finite streak
-                save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
-                                {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
-                                 "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
-                                 "torch_rng": torch.get_rng_state()},
-                                policy.reference if moving_reference else None)
+            if checkpoint_due and bad_steps == 0:  # never inside a non-finite streak
+                saved = {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
+                         "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
+                         "torch_rng": torch.get_rng_state()}
+                if ctx.lockstep:  # every rank gathers its shards; rank 0 writes the usual format
+                    from components.fsdp import save_sharded_checkpoint
 
+                    save_sharded_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
+                                            saved, policy.reference if moving_reference else None,
+                                            lambda: load_policy_model(cfg, start_dir, torch.device("cpu")), ctx)
+                elif ctx.is_main:
+                    save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer, saved,
+                                    policy.reference if moving_reference else None)
+
+        if ctx.lockstep:  # the final model, gathered whole, saved by rank 0 as a normal HF directory
+            from components.fsdp import full_model_state, plain_copy
+
+            weights = full_model_state(policy.model)
+            if ctx.is_main:
+                policy = dataclasses.replace(policy, model=plain_copy(
+                    lambda: load_policy_model(cfg, start_dir, torch.device("cpu")), weights), reference=None)
         if not ctx.is_main:
             return {}
         _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,

@@ -92,7 +92,12 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     seed_everything(cfg.seed, cfg.threads)
     device = ctx.device
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
-    model = load_policy_model(cfg, paths.base_model, device).train()
+    # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
+    model = load_policy_model(cfg, paths.base_model, torch.device("cpu") if ctx.lockstep else device).train()
+    if ctx.lockstep:
+        from components.fsdp import shard_model
+
+        shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
     ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer)))
     n = ids.shape[0]
@@ -102,7 +107,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, k / max(1, total)))))
     gen = torch.Generator().manual_seed(cfg.seed + 2)
-    trainer = wrap_ddp(model, ctx)
+    trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
     started = time.perf_counter()
     with tracking_run(ctx, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
         step = 0
@@ -126,6 +131,12 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                       f"ETA {(total - step) / rate:.0f}s", flush=True)
         summary = {"enabled": True, "final_loss": round(epoch_loss / n, 6), "examples": n, "steps": step}
         run.log_metrics({"final_loss": epoch_loss / n})
+    if ctx.lockstep:  # gathered whole; rank 0 saves a normal HF directory
+        from components.fsdp import full_model_state, plain_copy
+
+        weights = full_model_state(model)
+        if ctx.is_main:
+            model = plain_copy(lambda: load_policy_model(cfg, paths.base_model, torch.device("cpu")), weights)
     if not ctx.is_main:
         return summary
     save_model(model, tokenizer, paths.sft_model, extra={"stage": "sft", "steps": step})

@@ -13,10 +13,18 @@ from typing import Any
 import torch
 
 from components.config import GRPOConfig
-from components.distributed import DistContext, all_gather_objects, group_seed, shard
+from components.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
 from components.grpo import Policy, PromptSchedule, reward_columns
 from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
+
+
+def _trim(rollout: Rollout) -> Rollout:
+    """Drop trailing all-padding completion columns (decoding in lockstep runs past this group's EOS)."""
+    used = rollout.completion_mask.any(0).nonzero()
+    width = int(used[-1]) + 1 if len(used) else 0
+    return Rollout(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids[:, :width],
+                   rollout.completion_mask[:, :width], rollout.truncated)
 
 
 def _on(rollout: Rollout, device: torch.device | str) -> Rollout:
@@ -41,19 +49,27 @@ def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[in
     Each group's generator is seeded from (seed, step, round, position), so its completions are the
     same whichever rank samples it: one process and N processes see the same batch. Each rank samples
     and scores only its groups (round-robin), then the groups are gathered.
+
+    With a sharded model (`ctx.lockstep`) every rank decodes the same number of groups (a rank short
+    of one samples a throwaway group) and stops a group only when all ranks' groups are done.
     """
     local: list[GroupSample] = []
     error = None
     positions = shard(list(range(len(indices))), ctx)
+    stop_together = (lambda done: all_true(ctx, done)) if ctx.lockstep else None
+    rounds = -(-len(indices) // ctx.world) if ctx.lockstep else len(positions)
     try:
         device = next(policy.model.parameters()).device
         recs = [records[indices[p]] for p in positions]
         parts = []
-        for p, rec in zip(positions, recs):
+        for k in range(rounds):
+            p, rec = (positions[k], recs[k]) if k < len(positions) else (0, records[indices[0]])  # or a throwaway
             gen = torch.Generator(device=device).manual_seed(group_seed(seed, step, attempt, p))
-            parts.append(sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(rec)], g.group_size,
-                                       g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
-                                       generator=gen))
+            part = sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(rec)], g.group_size,
+                                 g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                                 generator=gen, stop_together=stop_together)
+            if k < len(positions):
+                parts.append(_trim(part) if ctx.lockstep else part)
         if parts:
             completions = [text for part in parts for text in decode_completions(policy.tokenizer, part)]
             columns = reward_columns(recs, g.group_size)

@@ -1,5 +1,6 @@
-"""Training on torch.distributed: 2 processes (gloo, CPU) give the 1-process result on the same global batch;
-a 2-process run killed after a checkpoint resumes with 1 process; NCCL when there are GPUs for it.
+"""Training on torch.distributed: 2 processes (gloo, CPU) give the 1-process result on the same global batch,
+with DDP and with FSDP2 (sharded weights); a 2-process run killed after a checkpoint resumes with 1
+process; NCCL when there are GPUs for it.
 
 The 2-process runs are real: the stage re-launches itself under `python -m torch.distributed.run`.
 """
@@ -177,7 +178,61 @@ def test_grpo_two_nccl_processes_equal_one_process(tmp_path, mlflow_store, worke
     assert_same_training(one, two, atol=1e-4)
 
 
+# fsdp2 on top of EQUIV: an EMA reference, sharded like the policy and carried in the gathered checkpoint.
+FSDP_EQUIV = EQUIV + ["grpo.reference.mode=ema"]
+
+
+def fsdp2_run(one, two, settings, backend_overrides, capfd):
+    """1 process, then 2 FSDP2 processes, on the same global batches; returns the 2-process stdout."""
+    train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    summary = train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.nproc=2",
+                                                                       "distributed.strategy=fsdp2"]
+                                     + backend_overrides), Paths(root=two))
+    assert summary["steps"] == 4
+    return capfd.readouterr().out
+
+
+def test_grpo_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    one, two = two_roots(tmp_path, FSDP_EQUIV + ["distributed.per_group_sampling=true"])
+    out = fsdp2_run(one, two, FSDP_EQUIV, [], capfd)
+    assert "grpo: 2 processes (FSDP2, gloo)" in out
+    assert_same_training(one, two)
+    # The checkpoint was gathered from the shards into the one-process format: a plain single process
+    # resumes it (weights, EMA reference, AdamW moments) and ends with the weights of the straight run.
+    assert [p.name for p in (two / "checkpoints" / "grpo").iterdir()] == ["step-0000002"]
+    shutil.rmtree(two / "models" / "grpo")
+    train_grpo(load_config(ROOT / "params.yaml", FSDP_EQUIV + ["distributed.per_group_sampling=true"]),
+               Paths(root=two))
+    assert "grpo: resumed from" in capfd.readouterr().out
+    assert_same_training(one, two)
+    # And the other way: 2 FSDP2 processes shard the one-process checkpoint (optimizer state included).
+    shutil.rmtree(two / "models" / "grpo")
+    shutil.rmtree(two / "checkpoints" / "grpo")
+    shutil.copytree(one / "checkpoints" / "grpo", two / "checkpoints" / "grpo")
+    train_grpo(load_config(ROOT / "params.yaml", FSDP_EQUIV + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
+               Paths(root=two))
+    out = capfd.readouterr().out
+    assert "grpo: resumed from" in out and "at step 2/4" in out and "(FSDP2, gloo)" in out
+    assert_same_training(one, two)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"FSDP2 over NCCL with 2 processes needs 2 CUDA devices (found {torch.cuda.device_count()})")
+def test_grpo_two_fsdp2_nccl_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    gpu = FSDP_EQUIV + ["device=cuda", "model.dtype=float32"]
+    one, two = two_roots(tmp_path, gpu + ["distributed.per_group_sampling=true"])
+    out = fsdp2_run(one, two, gpu, ["distributed.backend=nccl"], capfd)
+    assert "grpo: 2 processes (FSDP2, nccl)" in out
+    assert_same_training(one, two, atol=1e-4)
+
+
 @pytest.mark.parametrize("override,rule", [
+    (["distributed.strategy=fsdp2"], "distributed.strategy: fsdp2 shards the model over processes"),
+    (["distributed.strategy=fsdp2", "distributed.nproc=2", "grpo.lora.enabled=true"],
+     "distributed.strategy: fsdp2 with LoRA is not supported"),
+    (["distributed.strategy=fsdp2", "distributed.nproc=3", "grpo.prompts_per_step=4"],
+     r"grpo.prompts_per_step: must be divisible by distributed.nproc \(3\)"),
+    (["distributed.strategy=zero3"], "distributed.strategy: 'zero3' is not one of"),
     (["distributed.nproc=0"], "distributed.nproc: must be >= 1"),
     (["device=cpu", "distributed.backend=nccl"], "distributed.backend: nccl needs CUDA devices"),
     (["distributed.backend=mpi"], "distributed.backend: 'mpi' is not one of"),
