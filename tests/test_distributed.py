@@ -216,6 +216,19 @@ def test_grpo_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store,
     assert_same_training(one, two)
 
 
+@pytest.mark.slow
+def test_grpo_fsdp2_dynamic_sampling_equals_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    # Refill rounds of odd sizes (a rank samples a throwaway group to keep the all-gathers in step) and
+    # one-group minibatches (each rank sits out every other one with a zero-loss forward).
+    settings = FSDP_EQUIV + DYNAMIC
+    one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])
+    assert "(FSDP2, gloo)" in fsdp2_run(one, two, settings, [], capfd)
+    assert_same_training(one, two)
+    refilled_groups = [(float(r["sampled_completions"]) - 16) / 4 for r in steps_csv(two)]  # 4 groups of 4 first
+    assert any(k % 2 == 1 for k in refilled_groups), \
+        f"no refill round with an odd group count {refilled_groups}: the throwaway-group path never ran"
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason=f"FSDP2 over NCCL with 2 processes needs 2 CUDA devices (found {torch.cuda.device_count()})")
 def test_grpo_two_fsdp2_nccl_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
@@ -242,3 +255,22 @@ def test_bad_distributed_settings_name_the_key(override, rule):
 
     with pytest.raises(ConfigError, match=rule):
         load_config(ROOT / "params.yaml", override)
+
+
+@pytest.mark.slow
+def test_sft_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    from components.sft import train_sft
+
+    # 50 rows in batches of 16: the last batch has 2 rows, one per rank.
+    sft = ["task.n_sft=50", "task.n_train=40", "task.n_heldout=20", "threads=1", "sft.epochs=3", "sft.batch_size=16"]
+    one, two = two_roots(tmp_path, sft + ["sft.enabled=false"])
+    a = train_sft(load_config(ROOT / "params.yaml", sft), Paths(root=one))
+    b = train_sft(load_config(ROOT / "params.yaml", sft + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
+                  Paths(root=two))
+    assert "--nproc_per_node=2" in capfd.readouterr().out
+    assert b["steps"] == a["steps"] == 12 and b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
+    wa, wb = (load_file(root / "models" / "sft" / "model.safetensors") for root in (one, two))
+    start = load_file(one / "models" / "base" / "model.safetensors")
+    assert wa.keys() == wb.keys() == start.keys()
+    assert max(float((wa[k] - start[k]).abs().max()) for k in wa) > 1e-3
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 5e-5
