@@ -378,6 +378,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     per_group = ctx.active or cfg.distributed.per_group_sampling
     say = print if ctx.is_main else (lambda *args, **kwargs: None)
     start_dir = resolve_model_dir(paths.sft_model)
+    if ctx.lockstep and callbacks:  # they run on rank 0 only: a forward there would wait for the others forever
+        raise ConfigError("grpo: step callbacks are not supported with distributed.strategy fsdp2 (sharded model)")
     if ctx.lockstep and g.prompts_per_step % ctx.world:
         raise ConfigError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be divisible by the {ctx.world} "
                           "processes with distributed.strategy fsdp2 (lockstep sampling)")
