@@ -45,7 +45,8 @@ SIZES: dict[str, dict[str, Any]] = {
 # Hyper-parameters both engines share (TRL names in trl_config below).
 SHARED = {"prompts_per_step": 16, "group_size": 8, "max_completion_length": 6, "temperature": 1.0, "top_p": 1.0,
           "learning_rate": 5e-4, "kl_beta": 0.04, "loss_type": "dapo", "scale_rewards": "group", "epsilon": 0.2,
-          "max_grad_norm": 1.0, "weight_decay": 0.0, "warmup_steps": 10}  # then a constant learning rate
+          "max_grad_norm": 1.0, "weight_decay": 0.0,
+          "warmup_steps": 10, "min_lr_ratio": 0.1}  # the pipeline's schedule: linear warm-up, cosine to 10% of the peak
 PER_STEP = SHARED["prompts_per_step"] * SHARED["group_size"]  # completions per step
 ENGINES = ("ours", "trl")
 
@@ -165,7 +166,8 @@ def worker_config(spec: dict[str, Any]):
         f"grpo.top_p={s['top_p']}", f"grpo.learning_rate={s['learning_rate']}", f"grpo.kl_beta={s['kl_beta']}",
         f"grpo.loss_type={s['loss_type']}", f"grpo.scale_rewards={s['scale_rewards']}",
         f"grpo.epsilon={s['epsilon']}", f"grpo.max_grad_norm={s['max_grad_norm']}",
-        f"grpo.weight_decay={s['weight_decay']}", f"grpo.warmup_steps={s['warmup_steps']}", "grpo.min_lr_ratio=1.0",
+        f"grpo.weight_decay={s['weight_decay']}", f"grpo.warmup_steps={s['warmup_steps']}",
+        f"grpo.min_lr_ratio={s['min_lr_ratio']}",
         "grpo.checkpoint_every=0", f"grpo.log_every={spec['steps']}", *spec.get("ours_overrides", [])])
 
 
@@ -226,8 +228,8 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
         output_dir=str(root / "trl-out"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=s["prompts_per_step"] * s["group_size"], num_generations=s["group_size"],
         max_completion_length=s["max_completion_length"], temperature=s["temperature"], top_p=s["top_p"], top_k=0,
-        beta=s["kl_beta"], learning_rate=s["learning_rate"], lr_scheduler_type="constant_with_warmup",
-        warmup_steps=s["warmup_steps"],
+        beta=s["kl_beta"], learning_rate=s["learning_rate"], lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]}, warmup_steps=s["warmup_steps"],
         loss_type=s["loss_type"], scale_rewards=s["scale_rewards"], epsilon=s["epsilon"],
         max_grad_norm=s["max_grad_norm"], weight_decay=s["weight_decay"], num_iterations=1,
         use_bias_correction_kl=False,  # our KL term is plain k3, as in DeepSeekMath

@@ -321,6 +321,19 @@ class ReportsConfig:
     """Every N GRPO steps, log a table of sampled completions to MLflow (0 = never)."""
     samples_rows: int = 32
     """Completions per logged sample table."""
+class DistributedConfig:
+    """Multi-process training of the sft and grpo stages on torch.distributed (DDP)."""
+
+    nproc: int = 1
+    """Processes per node; > 1 makes the stage re-launch itself under torchrun (one per GPU, or CPU gloo)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; `auto`: nccl on CUDA, gloo on CPU."""
+    per_group_sampling: bool = False
+    """Seed each prompt group's sampler from (seed, step, prompt position) so completions do not depend
+    on how prompts are sharded; always on with more than one process (slower than the batched sampler)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """ddp: a whole model per process; fsdp2: weights, gradients and optimizer state sharded over the
+    processes (torch fully_shard per decoder layer) for models that do not fit one GPU. Not with LoRA."""
 
 
 @dataclass
@@ -344,6 +357,7 @@ class PipelineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     operations: OperationsConfig = field(default_factory=OperationsConfig)
     reports: ReportsConfig = field(default_factory=ReportsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # --------------------------------------------------------------------------- building
@@ -570,6 +584,17 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
     _require(e.batch_size >= 1, "evaluate.batch_size", "must be >= 1")
     _require(e.bootstrap_samples >= 100, "evaluate.bootstrap_samples", "must be >= 100")
+    _require(cfg.distributed.nproc >= 1, "distributed.nproc", "must be >= 1")
+    _require(not (cfg.distributed.backend == "nccl" and cfg.device == "cpu"), "distributed.backend",
+             "nccl needs CUDA devices; use gloo (or auto) with device: cpu")
+    if cfg.distributed.strategy == "fsdp2":
+        _require(cfg.distributed.nproc > 1, "distributed.strategy",
+                 "fsdp2 shards the model over processes: set distributed.nproc > 1 (or use ddp)")
+        _require(not cfg.grpo.lora.enabled, "distributed.strategy",
+                 "fsdp2 with LoRA is not supported (LoRA's small trainable set fits DDP): use ddp")
+        _require(cfg.grpo.prompts_per_step % cfg.distributed.nproc == 0, "grpo.prompts_per_step",
+                 f"must be divisible by distributed.nproc ({cfg.distributed.nproc}) with fsdp2, so every "
+                 "process samples the same number of groups in lockstep")
     _require(bool(cfg.register.model_name.strip()), "register.model_name", "must not be empty")
     if cfg.model.name_or_path is None:
         longest_prompt = len(f"{t.max_operand}+{t.max_operand}=")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -25,6 +26,8 @@ import torch
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
 from components.data import dir_md5, file_md5, read_jsonl, split_path
+from components.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
+                                    tracking_run, wrap_ddp)
 from components.fastlm import PrefixSharedLM
 from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
 from components.objectives import group_advantages, masked_entropy, policy_loss
@@ -94,6 +97,9 @@ def reward_specs(g: GRPOConfig) -> list[RewardSpec]:
 @torch.no_grad()
 def update_reference(reference, policy, mode: str, step: int, ema_alpha: float, sync_every: int) -> bool:
     """ema: ref <- (1 - a) ref + a policy every step; periodic: copy every `sync_every` steps; static: never."""
+    for module in (reference, policy):
+        if hasattr(module, "reshard"):  # fsdp2: a root may stay gathered after forward; work on the shards
+            module.reshard()
     if mode == "ema":
         for r, p in zip(reference.parameters(), policy.parameters()):
             r.mul_(1.0 - ema_alpha).add_(p.detach(), alpha=ema_alpha)
@@ -128,12 +134,21 @@ class Policy:
     format_prompt: Callable[[dict[str, Any]], str] = lambda record: record["prompt"]
     fast: PrefixSharedLM | None = None  # prompt-once forwards over `model` (None: plain Hugging Face forward)
     fast_reference: PrefixSharedLM | None = None
+    trainer: Any | None = None  # the module gradient forwards go through (DDP wrapper); default `model`
 
-    def logprobs(self, rollout: Rollout, temperature: float,
-                 return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def train_module(self):
+        return self.model if self.trainer is None else self.trainer
+
+    def logprobs(self, rollout: Rollout, temperature: float, return_logits: bool = False,
+                 module: Any | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion log-probs through `module` (default: `model`), prompt-once when `fast` is set.
+
+        Distributed runs clear `fast`: DDP and FSDP need every forward to go through their wrapper.
+        """
         if self.fast is not None:
             return self.fast.completion_logprobs(rollout, temperature, return_logits)
-        return completion_logprobs(self.model, rollout, temperature, return_logits)
+        return completion_logprobs(self.model if module is None else module, rollout, temperature, return_logits)
 
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """Once per rollout under inference_mode; cloned outside it so the loss can use the result."""
@@ -246,47 +261,86 @@ class UpdateStats:
     updates: int = 0
 
 
+def minibatch_plan(n: int, g: GRPOConfig) -> list[list[int]]:
+    """The global minibatches (row lists) of an n-row rollout, the same for any number of processes."""
+    size = g.minibatch_size or n
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
+    """This rank's rows of a global minibatch: its groups, round-robin, each group whole on one rank."""
+    if not ctx.active:
+        return rows
+    groups = sorted({r // group_size for r in rows})[ctx.rank::ctx.world]
+    return [r for r in rows if r // group_size in set(groups)]
+
+
 def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
-                   ref_logp: torch.Tensor | None, g: GRPOConfig) -> UpdateStats:
+                   ref_logp: torch.Tensor | None, g: GRPOConfig, ctx: DistContext = DistContext()) -> UpdateStats:
     """`num_iterations` passes over the rollout in minibatches, accumulating gradients per optimizer step.
 
     Loss normalisers (tokens for dapo, sequences for grpo/dr_grpo) are those of the whole accumulated
     chunk, so the accumulated gradient equals the full-chunk gradient. With one pass and one optimizer
     step the old log-probs are the current ones detached (ratio exactly 1) and no extra forward runs.
+
+    With several processes every rank holds the whole (gathered) rollout but runs forward/backward only
+    on its groups of each minibatch; the normalisers are the global chunk's, and the loss is multiplied
+    by the world size because DDP averages gradients over ranks, so the summed update equals the
+    one-process update on the same batch. A rank with no group in a minibatch backpropagates a zero
+    loss so that DDP's collective still matches.
     """
     n = len(rollout)
-    size = g.minibatch_size or n
-    minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    minibatches = minibatch_plan(n, g)
+    mine = [local_rows(mb, g.group_size, ctx) for mb in minibatches]
     per_step = g.gradient_accumulation_steps or len(minibatches)
-    chunks = [minibatches[i:i + per_step] for i in range(0, len(minibatches), per_step)]
+    chunks = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
+    module = policy.train_module
     old_logp = None
     if g.num_iterations > 1 or len(chunks) > 1:
         with torch.no_grad():
-            old_logp = torch.cat([policy.logprobs(rollout.select(mb), g.temperature)[0] for mb in minibatches])
+            if ctx.active:
+                old_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32,
+                                       device=rollout.completion_ids.device)
+                for rows in mine:
+                    if rows or ctx.lockstep:  # fsdp2: a rank without rows still joins the forward
+                        part = completion_logprobs(policy.model, rollout.select(rows or [0]), g.temperature)[0]
+                        if rows:
+                            old_logp[rows] = part
+            else:
+                old_logp = torch.cat([policy.logprobs(rollout.select(mb), g.temperature)[0] for mb in minibatches])
     eps_high = g.epsilon if g.epsilon_high is None else g.epsilon_high
     stats = UpdateStats()
     tokens_seen = 0.0
+    grad_scale = float(ctx.world)  # DDP averages gradients over ranks; the loss is already a global sum
     for iteration in range(g.num_iterations):
         for chunk in chunks:
-            rows = [r for mb in chunk for r in mb]
+            rows = [r for k in chunk for r in minibatches[k]]
             n_tokens, n_seq = float(mask[rows].sum()), float(len(rows))
             optimizer.zero_grad(set_to_none=True)
             chunk_loss = torch.zeros(())
-            for mb in chunk:
+            for j, k in enumerate(chunk):
+                mb = mine[k]
+                last = j == len(chunk) - 1
+                if not mb:  # no group of this minibatch on this rank: a zero loss keeps DDP in step
+                    with no_sync(module, skip=not last):
+                        logp, _ = completion_logprobs(module, rollout.select(minibatches[k][:1]), g.temperature)
+                        (torch.nan_to_num(logp).sum() * 0.0).backward()
+                    continue
                 sub, sub_mask = rollout.select(mb), mask[mb]
-                logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0)
+                with no_sync(module, skip=ctx.active and not last):
+                    logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
+                    out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                      sub_mask, loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
+                                      importance_sampling_level=g.importance_sampling_level,
+                                      ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
+                                      kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
+                                      num_sequences=n_seq, num_tokens=n_tokens)
+                    (out.loss * grad_scale if ctx.active else out.loss).backward()
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
                     stats.logprob_mean += float((logp.detach() * sub_mask).sum())
                     tokens_seen += weight
-                out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
-                                  sub_mask, loss_type=g.loss_type, epsilon_low=g.epsilon, epsilon_high=eps_high,
-                                  importance_sampling_level=g.importance_sampling_level,
-                                  ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
-                                  kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
-                                  num_sequences=n_seq, num_tokens=n_tokens)
-                out.loss.backward()
                 chunk_loss = chunk_loss + out.loss.detach()
                 stats.pg_loss += float(out.pg_loss)
                 stats.kl += float(out.kl)
@@ -294,7 +348,11 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # fsdp2: a DTensor over the shards
+                grad_norm = grad_norm.full_tensor()
             stats.updates += 1
+            if ctx.active:  # the global chunk loss, so every rank takes the same skip decision
+                chunk_loss = torch.tensor(all_reduce_sum(ctx, [float(chunk_loss)])[0])
             stats.loss += float(chunk_loss)
             stats.grad_norm = float(grad_norm)
             if not (torch.isfinite(chunk_loss) and torch.isfinite(grad_norm)):
@@ -302,6 +360,11 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 optimizer.zero_grad(set_to_none=True)
                 continue
             optimizer.step()
+    if ctx.active:  # each rank saw part of every chunk: sum the parts (normalisers were already global)
+        sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
+                                    stats.entropy, stats.logprob_mean, tokens_seen])
+        stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
+        stats.entropy, stats.logprob_mean, tokens_seen = sums[4:]
     passes = max(1, stats.updates)
     stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
     stats.clip_low_frac /= g.num_iterations
@@ -325,38 +388,83 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
     `callbacks(step, policy, metrics)` run after each step (extra evaluation, logging); the rollout
     sampler has its own generator, so whatever they do with global RNGs never shifts training.
-    """
-    from components.tracking import stage_run
 
+    With `distributed.nproc > 1` it re-launches itself under torchrun; under torchrun each rank
+    samples its share of the prompt groups, trains through DDP, and only rank 0 logs and writes.
+    """
+    if needs_launch(cfg.distributed):
+        launch("components.grpo", cfg, paths.root)
+        return json.loads((paths.metrics / "grpo.json").read_text())
+    ctx = init(cfg.distributed, pick_device(cfg.device))
+    try:
+        return _train_grpo(cfg, paths, callbacks, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallback], ctx: DistContext
+                ) -> dict[str, Any]:
     g = cfg.grpo
     seed_everything(cfg.seed, cfg.threads)
-    device = pick_device(cfg.device)
+    device = ctx.device
+    per_group = ctx.active or cfg.distributed.per_group_sampling
+    say = print if ctx.is_main else (lambda *args, **kwargs: None)
     start_dir = resolve_model_dir(paths.sft_model)
-    policy = build_policy(cfg, start_dir, device)
+    if ctx.lockstep and callbacks:  # they run on rank 0 only: a forward there would wait for the others forever
+        raise ConfigError("grpo: step callbacks are not supported with distributed.strategy fsdp2 (sharded model)")
+    if ctx.lockstep and g.prompts_per_step % ctx.world:
+        raise ConfigError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be divisible by the {ctx.world} "
+                          "processes with distributed.strategy fsdp2 (lockstep sampling)")
+    # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
+    policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else device)
     records = read_jsonl(split_path(paths.data, "train"))
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-    trainable = [p for p in policy.model.parameters() if p.requires_grad]
-    # The fused kernel updates every tensor in one pass (a per-tensor loop costs ~2 ms a step on the tiny model).
-    fused = device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay, fused=fused or None)
     rollout_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
 
     run_hash = section_hash(g, cfg.seed, dir_md5(start_dir), file_md5(split_path(paths.data, "train")))
-    for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
-        print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
+    if ctx.is_main:
+        for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
+            print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
+    barrier(ctx)
     start_step, history = 0, []
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)
-    if resume_from is not None:
+    held = None
+    if ctx.lockstep:  # resume into the whole model, then shard it; the optimizer state follows once built
+        from components.fsdp import HeldOptimizerState, load_optimizer_state, shard_model
+
+        if resume_from is not None:
+            held = HeldOptimizerState()
+            state = load_checkpoint(resume_from, policy.model, held, policy.reference if moving_reference else None)
+        shard_model(policy.model, ctx)
+        if policy.reference is not None:
+            shard_model(policy.reference, ctx)
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    # The fused kernel updates every tensor in one pass (a per-tensor loop costs ~2 ms a step on the tiny model).
+    fused = device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=g.learning_rate, weight_decay=g.weight_decay, fused=fused or None)
+    if held is not None:
+        load_optimizer_state(policy.model, optimizer, held.state)
+    elif resume_from is not None:
         state = load_checkpoint(resume_from, policy.model, optimizer, policy.reference if moving_reference else None)
+    if resume_from is not None:
         start_step, history = int(state["step"]), list(state["history"])
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
-        print(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
+        say(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
+    if ctx.active:  # DDP and FSDP need every forward through their wrapper: no prompt-once shortcut
+        policy.fast = policy.fast_reference = None
+    if ctx.lockstep:
+        say(f"grpo: {ctx.world} processes (FSDP2, {'nccl' if device.type == 'cuda' else 'gloo'}): weights, "
+            f"gradients and optimizer state sharded; {g.prompts_per_step} prompts per step shared between them")
+    elif ctx.active:
+        policy.trainer = wrap_ddp(policy.model, ctx)
+        say(f"grpo: {ctx.world} processes (DDP, {'nccl' if device.type == 'cuda' else 'gloo'}), "
+            f"{g.prompts_per_step} prompts per step shared between them")
 
     bad_steps = reward_failures = 0
-    with stage_run(cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
+    with tracking_run(ctx, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
         started = time.perf_counter()
@@ -368,12 +476,19 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
             t0 = time.perf_counter()
             try:
-                rollout, totals, first_scores, sampled, t_scoring = collect_batch(policy, records, schedule, step, g,
-                                                                                  rewards, rollout_gen)
+                if per_group:
+                    from components.sharded_rollout import collect_batch_sharded
+
+                    t_scoring = 0.0  # per-group sampling scores inside its loop: counted as generation
+                    rollout, totals, first_scores, sampled = collect_batch_sharded(policy, records, schedule, step, g,
+                                                                                   rewards, cfg.seed, ctx)
+                else:
+                    rollout, totals, first_scores, sampled, t_scoring = collect_batch(policy, records, schedule, step,
+                                                                                      g, rewards, rollout_gen)
             except RewardError as err:
                 reward_failures += 1
                 run.log_metrics({"reward_failures": reward_failures}, step=step + 1)
-                print(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
+                say(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
                 if reward_failures > g.max_reward_failures:
                     raise StageFailed(f"grpo: rewards failed on {reward_failures} steps in a row "
                                       f"(grpo.max_reward_failures = {g.max_reward_failures}); last error: {err}") from err
@@ -396,17 +511,24 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
 
             t0 = time.perf_counter()
             ref_logp = None
-            if g.kl_beta > 0 and len(rollout):
+            if g.kl_beta > 0 and len(rollout) and ctx.active:  # only the rows this rank trains on
+                mine = sorted({r for mb in minibatch_plan(len(rollout), g) for r in local_rows(mb, g.group_size, ctx)})
+                ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
+                if mine or ctx.lockstep:  # fsdp2: a rank without rows still joins the forward
+                    part = policy.reference_logprobs(rollout.select(mine or [0]), g.temperature)
+                    if mine:
+                        ref_logp[mine] = part
+            elif g.kl_beta > 0 and len(rollout):
                 ref_logp = policy.reference_logprobs(rollout, g.temperature)
             t_ref = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g) if len(rollout) \
+            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g, ctx) if len(rollout) \
                 else UpdateStats()
             t_policy = time.perf_counter() - t0
             if stats.skipped_updates:
                 bad_steps += 1
-                print(f"grpo: step {step + 1}: non-finite loss or gradient, {stats.skipped_updates} update(s) "
+                say(f"grpo: step {step + 1}: non-finite loss or gradient, {stats.skipped_updates} update(s) "
                       f"skipped ({bad_steps} step(s) in a row)")
                 if bad_steps > MAX_BAD_STEPS:
                     raise StageFailed(f"grpo: more than {MAX_BAD_STEPS} consecutive steps with non-finite loss or "
@@ -438,10 +560,11 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
             metrics.update({f"reward/{k}/mean": v for k, v in first_scores.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
-            for callback in callbacks:
+            for callback in callbacks if ctx.is_main else ():
                 callback(step + 1, policy.model, metrics)
-            reporter.on_step(step + 1, rollout, first_scores, advantages, final=step + 1 == g.steps)
-            if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
+            if ctx.is_main:
+                reporter.on_step(step + 1, rollout, first_scores, advantages, final=step + 1 == g.steps)
+            if ctx.is_main and ((step + 1) % g.log_every == 0 or step + 1 == g.steps):
                 done = step + 1 - start_step
                 rate = done / (time.perf_counter() - started)
                 eta = (g.steps - step - 1) / rate if rate > 0 else float("inf")
@@ -451,13 +574,29 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
                       f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                       f"completions/s, ETA {eta:.0f}s", flush=True)
             checkpoint_due = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
-            if checkpoint_due and bad_steps == 0:  # never checkpoint inside a non-finite streak
-                save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
-                                {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
-                                 "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
-                                 "torch_rng": torch.get_rng_state()},
-                                policy.reference if moving_reference else None)
+            if checkpoint_due and bad_steps == 0:  # never inside a non-finite streak
+                saved = {"step": step + 1, "rollout_rng": rollout_gen.get_state(),
+                         "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
+                         "torch_rng": torch.get_rng_state()}
+                if ctx.lockstep:  # every rank gathers its shards; rank 0 writes the usual format
+                    from components.fsdp import save_sharded_checkpoint
 
+                    save_sharded_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
+                                            saved, policy.reference if moving_reference else None,
+                                            lambda: load_policy_model(cfg, start_dir, torch.device("cpu")), ctx)
+                elif ctx.is_main:
+                    save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer, saved,
+                                    policy.reference if moving_reference else None)
+
+        if ctx.lockstep:  # the final model, gathered whole, saved by rank 0 as a normal HF directory
+            from components.fsdp import full_model_state, plain_copy
+
+            weights = full_model_state(policy.model)
+            if ctx.is_main:
+                policy = dataclasses.replace(policy, model=plain_copy(
+                    lambda: load_policy_model(cfg, start_dir, torch.device("cpu")), weights), reference=None)
+        if not ctx.is_main:
+            return {}
         _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,
                                                       "start": str(start_dir), "lora_merged": policy.lora})
         summary = write_step_outputs(history, paths)

@@ -9,6 +9,7 @@ left-padded and position ids follow the attention mask, so the log-probs recompu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,11 +58,14 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()  # not inference_mode: the sampled ids feed the autograd forward of the loss
 def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
                   temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                  generator: torch.Generator | None = None, fast=None) -> Rollout:
+                  generator: torch.Generator | None = None, fast=None,
+                  stop_together: Callable[[bool], bool] | None = None) -> Rollout:
     """Sample `group_size` completions for each prompt (greedy decoding when `greedy`).
 
     With `fast` (a `components.fastlm.PrefixSharedLM` over `model`) decoding uses its preallocated
-    KV cache; otherwise the Hugging Face model's own cache.
+    KV cache; otherwise the Hugging Face model's own cache. `stop_together(all_done_here)` -> all
+    done everywhere: with a sharded (FSDP) model every rank must make the same forward calls, so
+    decoding stops at EOS only when all ranks are done.
     """
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -92,7 +96,10 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
         tokens[:, t] = next_tok
         length = t + 1
         finished |= next_tok == eos_id
-        if bool(finished.all()) or t == max_new_tokens - 1:
+        done = bool(finished.all())
+        if stop_together is not None:
+            done = stop_together(done)
+        if done or t == max_new_tokens - 1:
             break
         logits = advance(next_tok, t)
     tokens = tokens[:, :length]

@@ -15,6 +15,8 @@ import torch
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data import read_jsonl, split_path
+from components.distributed import (DistContext, all_reduce_sum, init, launch, needs_launch, shutdown, tracking_run,
+                                    wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
 from components.paths import Paths
 from components.prompting import PromptFormatter
@@ -41,8 +43,7 @@ def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt
 
 
 def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
-    from components.tracking import stage_run
-
+    """Warm start; with `distributed.nproc > 1` under torchrun, each rank takes a share of every batch."""
     s = cfg.sft
     paths.metrics.mkdir(parents=True, exist_ok=True)
     if not s.enabled:
@@ -51,10 +52,52 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
         (paths.metrics / "sft.json").write_text(json.dumps(summary) + "\n")
         print("sft: disabled; GRPO starts from the base model")
         return summary
+    if needs_launch(cfg.distributed):
+        launch("components.sft", cfg, paths.root)
+        return json.loads((paths.metrics / "sft.json").read_text())
+    ctx = init(cfg.distributed, pick_device(cfg.device))
+    try:
+        return _train_sft(cfg, paths, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor,
+               ctx: DistContext) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, the batch's mean token loss). One process: plain mean cross-entropy.
+
+    With several ranks each takes rows idx[rank::world]; its token-loss sum is divided by the whole
+    batch's answer-token count and multiplied by the world size (DDP averages gradients), so the
+    update equals the one-process update on the same batch.
+    """
+    if not ctx.active:
+        m = mask[idx]
+        logits = model(input_ids=ids[idx], attention_mask=m, position_ids=positions_from_mask(m)).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                 labels[idx][:, 1:].reshape(-1), ignore_index=-100)
+        return loss, loss.item()
+    n_tokens = float((labels[idx][:, 1:] != -100).sum())
+    mine = idx[ctx.rank::ctx.world]
+    rows, weight = (mine, 1.0) if len(mine) else (idx[:1], 0.0)  # no rows here: a zero loss keeps DDP in step
+    m = mask[rows]
+    logits = model(input_ids=ids[rows], attention_mask=m, position_ids=positions_from_mask(m)).logits
+    total = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                              labels[rows][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    local = total * weight / max(n_tokens, 1.0)
+    return local * ctx.world, all_reduce_sum(ctx, [local.item()])[0]
+
+
+def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
+    s = cfg.sft
     seed_everything(cfg.seed, cfg.threads)
-    device = pick_device(cfg.device)
+    device = ctx.device
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
-    model = load_policy_model(cfg, paths.base_model, device).train()
+    # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
+    model = load_policy_model(cfg, paths.base_model, torch.device("cpu") if ctx.lockstep else device).train()
+    if ctx.lockstep:
+        from components.fsdp import shard_model
+
+        shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
     ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer)))
     n = ids.shape[0]
@@ -64,32 +107,38 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, k / max(1, total)))))
     gen = torch.Generator().manual_seed(cfg.seed + 2)
+    trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
     started = time.perf_counter()
-    with stage_run(cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
+    with tracking_run(ctx, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
         step = 0
         for epoch in range(s.epochs):
             order = torch.randperm(n, generator=gen).to(device)
             epoch_loss = 0.0
             for start in range(0, n, s.batch_size):
                 idx = order[start: start + s.batch_size]
-                m = mask[idx]
-                logits = model(input_ids=ids[idx], attention_mask=m, position_ids=positions_from_mask(m)).logits
-                loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                                         labels[idx][:, 1:].reshape(-1), ignore_index=-100)
+                loss, loss_value = batch_loss(trainer, ids, mask, labels, idx, ctx)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 scheduler.step()
                 step += 1
-                epoch_loss += loss.item() * len(idx)
+                epoch_loss += loss_value * len(idx)
             run.log_metrics({"loss": epoch_loss / n}, step=epoch + 1, flush=False)
-            if (epoch + 1) % max(1, s.epochs // 5) == 0 or epoch + 1 == s.epochs:
+            if ctx.is_main and ((epoch + 1) % max(1, s.epochs // 5) == 0 or epoch + 1 == s.epochs):
                 rate = step / (time.perf_counter() - started)
                 print(f"sft: epoch {epoch + 1}/{s.epochs} loss {epoch_loss / n:.4f} | {rate:.1f} steps/s, "
                       f"ETA {(total - step) / rate:.0f}s", flush=True)
         summary = {"enabled": True, "final_loss": round(epoch_loss / n, 6), "examples": n, "steps": step}
         run.log_metrics({"final_loss": epoch_loss / n})
+    if ctx.lockstep:  # gathered whole; rank 0 saves a normal HF directory
+        from components.fsdp import full_model_state, plain_copy
+
+        weights = full_model_state(model)
+        if ctx.is_main:
+            model = plain_copy(lambda: load_policy_model(cfg, paths.base_model, torch.device("cpu")), weights)
+    if not ctx.is_main:
+        return summary
     save_model(model, tokenizer, paths.sft_model, extra={"stage": "sft", "steps": step})
     (paths.metrics / "sft.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary

@@ -288,6 +288,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except RegistryRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+def _cmd_evaluate_many(args: argparse.Namespace) -> int:
+    import json
+
+    from components.config import ConfigError
+    from components.data import DataError
+    from components.modeling import ModelLoadError
+    from pipelines.evaluate_many import evaluate_many, table
+
+    try:
+        results = evaluate_many(args.checkpoints, root=args.root, params=args.params_file, runner=args.runner,
+                                workers=args.workers)
+    except (ConfigError, DataError, ModelLoadError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(table(results))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        report = {"runner": args.runner, "cli_pid": os.getpid(), "results": results}
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"per-prompt results: {args.out}")
     return 0
 
 
@@ -358,6 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--experiment", help="experiment (default: tracking.experiment)")
     compare.add_argument("--root", default=".", help="repository root")
     compare.set_defaults(func=_cmd_compare)
+    many = sub.add_parser("evaluate-many", help="held-out reward of several checkpoints at once (Prefect task runner)")
+    many.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                      help="model directories (models/grpo) or training checkpoints (checkpoints/grpo/step-N)")
+    many.add_argument("--root", default=".", help="repository root (data/prepared, models/sft, params.yaml)")
+    many.add_argument("--params", dest="params_file", default="params.yaml")
+    many.add_argument("--runner", choices=["process", "thread", "ray", "sequential"], default="process",
+                      help="Prefect task runner: process pool (default), thread pool, Ray (prefect-ray), or none")
+    many.add_argument("--workers", type=int, help="parallel workers (default: one per checkpoint)")
+    many.add_argument("--out", help="write every checkpoint's metrics and per-prompt results to this JSON file")
+    many.set_defaults(func=_cmd_evaluate_many)
     return parser
 
 

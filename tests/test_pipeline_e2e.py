@@ -145,6 +145,30 @@ def test_prefect_markdown_artifact_has_table_and_decision(completed):
     assert "**Decision:** version 1 of `grpo-addition` is **champion**" in markdown
 
 
+def test_dvc_push_then_pull_into_a_fresh_clone_restores_data_and_checkpoints(completed, tmp_path):
+    """A run is restorable from git + a DVC remote: cached outs (data, models, checkpoints) travel through
+    `dvc push`/`dvc pull`; the small uncached metrics and plots are committed with dvc.lock."""
+    repo, env = completed["repo"], completed["env"]
+    dvc = str(BIN / "dvc")
+    run([dvc, "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], repo)
+    run(["git", "add", "-f", "dvc.lock", "params.yaml", ".dvc/config", "metrics", "plots"], repo)
+    run(["git", "commit", "-qm", "pipeline run"], repo)
+    pushed = run([dvc, "push"], repo).stdout
+    assert re.search(r"\d+ files? pushed", pushed), pushed
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    assert not (clone / "models").exists() and not (clone / "checkpoints").exists()
+    run([dvc, "pull"], clone)
+    restored = ["data/prepared/train.jsonl", "data/prepared/heldout.jsonl", "models/base/model.safetensors",
+                "models/sft/model.safetensors", "models/grpo/model.safetensors", "eval/predictions.jsonl",
+                "checkpoints/grpo/step-0000003/model.safetensors", "checkpoints/grpo/step-0000003/state.pt"]
+    for rel in restored:
+        assert (clone / rel).read_bytes() == (repo / rel).read_bytes(), rel
+    fresh = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'clone-store.db'}"}
+    out = run([dvc, "repro"], clone, env=fresh).stdout
+    assert ran_stages(out) == set() and "Data and pipelines are up to date." in out, out
+
+
 def test_dvc_repro_is_up_to_date_then_kl_beta_reruns_only_downstream(completed):
     repo, env = completed["repo"], completed["env"]
     second = run([str(BIN / "dvc"), "repro"], repo, env=env)
