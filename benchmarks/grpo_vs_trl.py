@@ -40,7 +40,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # ~25M parameters, random init, same character tokenizer: matrix work dominates.
     "medium": {"model": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408,
                          "max_position_embeddings": 32},
-               "sft": {"epochs": 6, "learning_rate": 1e-3}},
+               "sft": {"epochs": 15, "learning_rate": 1e-3}},
 }
 # Hyper-parameters both engines share (TRL names in trl_config below).
 SHARED = {"prompts_per_step": 16, "group_size": 8, "max_completion_length": 6, "temperature": 1.0, "top_p": 1.0,

@@ -321,6 +321,9 @@ class ReportsConfig:
     """Every N GRPO steps, log a table of sampled completions to MLflow (0 = never)."""
     samples_rows: int = 32
     """Completions per logged sample table."""
+
+
+@dataclass
 class DistributedConfig:
     """Multi-process training of the sft and grpo stages on torch.distributed (DDP)."""
 
