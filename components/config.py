@@ -239,7 +239,8 @@ class GRPOConfig:
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
     prefix_sharing: bool = True
     """Encode each prompt once per group in sampling, reference and policy forwards (components/fastlm.py).
-    Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back."""
+    Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back.
+    Not used with several processes or per-group sampling (those need the wrapped, N-independent forward)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)

@@ -453,7 +453,9 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
         say(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
-    if ctx.active:  # DDP and FSDP need every forward through their wrapper: no prompt-once shortcut
+    if per_group:
+        # DDP and FSDP need every forward through their wrapper, and per-group sampling promises the
+        # same result for any number of processes: both use the plain forward, not the prompt-once one.
         policy.fast = policy.fast_reference = None
     if ctx.lockstep:
         say(f"grpo: {ctx.world} processes (FSDP2, {'nccl' if device.type == 'cuda' else 'gloo'}): weights, "
