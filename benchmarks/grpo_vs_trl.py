@@ -81,6 +81,18 @@ def prepare_start(size: str, work: Path, threads: int) -> Path:
     return root
 
 
+def grpo_run_dir(root: Path, name: str) -> Path:
+    """A grpo stage folder of its own that reads the shared warm start and data (symlinks, no copies)."""
+    run_dir = root / name
+    (run_dir / "models").mkdir(parents=True, exist_ok=True)
+    (run_dir / "data").mkdir(exist_ok=True)
+    for link, target in ((run_dir / "models" / "sft", root / "models" / "sft"),
+                         (run_dir / "data" / "prepared", root / "data" / "prepared")):
+        if not link.exists():
+            link.symlink_to(target)
+    return run_dir
+
+
 # ------------------------------------------------------------------------------------------ the worker
 class Channel:
     """The worker's end of its two pipes to the controller (commands in, JSON reports out)."""
@@ -177,13 +189,8 @@ def run_ours(spec: dict[str, Any], channel: Channel) -> None:
     from components.paths import Paths
 
     cfg = worker_config(spec)
-    root, mine = Path(spec["root"]), Path(spec["root"]) / "ours"
-    (mine / "models").mkdir(parents=True, exist_ok=True)
-    (mine / "data").mkdir(exist_ok=True)
-    for link, target in ((mine / "models" / "sft", root / "models" / "sft"),
-                         (mine / "data" / "prepared", root / "data" / "prepared")):
-        if not link.exists():
-            link.symlink_to(target)
+    root = Path(spec["root"])
+    mine = grpo_run_dir(root, "ours")
     gate = Gate(channel, spec["round_steps"], heldout_evaluator(cfg, root, load_tokenizer(root / "models" / "sft"),
                                                                  spec["heldout"]))
 

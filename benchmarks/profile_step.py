@@ -27,13 +27,9 @@ def profile(prefix_sharing: bool, root: Path, steps: int, warmup: int) -> dict:
     from components.grpo import train_grpo
     from components.paths import Paths
 
-    run_dir = root / f"profile-{'after' if prefix_sharing else 'before'}"
-    (run_dir / "models").mkdir(parents=True, exist_ok=True)
-    (run_dir / "data").mkdir(exist_ok=True)
-    for link, target in ((run_dir / "models" / "sft", root / "models" / "sft"),
-                         (run_dir / "data" / "prepared", root / "data" / "prepared")):
-        if not link.exists():
-            link.symlink_to(target)
+    from benchmarks.grpo_vs_trl import grpo_run_dir
+
+    run_dir = grpo_run_dir(root, f"profile-{'after' if prefix_sharing else 'before'}")
     cfg = load_config(ROOT / "params.yaml", [f"grpo.steps={warmup + steps}", "grpo.checkpoint_every=0",
                                              f"grpo.log_every={warmup + steps}",
                                              f"grpo.prefix_sharing={str(prefix_sharing).lower()}"])
