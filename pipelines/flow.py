@@ -52,15 +52,18 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
 
     logger = get_run_logger()
     started = time.perf_counter()
-    previous_env = dict(os.environ)
+    previous_env, previous_cwd = dict(os.environ), os.getcwd()
     os.environ.update(stage_env(parent_run_id))
+    os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
         with captured_output() as lines, Repo(root) as repo:
             ran = repo.reproduce(stage, single_item=True)
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
-        raise StageError(f"stage '{stage}' failed ({err}):\n{tail}") from None
+        cause = f": {err.__cause__}" if err.__cause__ else ""
+        raise StageError(f"stage '{stage}' failed ({err}{cause}):\n{tail}") from None
     finally:
+        os.chdir(previous_cwd)
         os.environ.clear()
         os.environ.update(previous_env)
     seconds = time.perf_counter() - started
