@@ -36,6 +36,17 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
     return proc
 
 
+def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster)."""
+    from components.stage_server import SERVER_ENV, start_server, stop_server
+
+    server = start_server(str(repo))
+    try:
+        return run([str(BIN / "dvc"), "repro", *args], repo, env={**env, SERVER_ENV: server[1]})
+    finally:
+        stop_server(*server)
+
+
 def copy_project(dest: Path) -> Path:
     """This working tree's tracked and untracked-but-not-ignored files, as a fresh git + DVC repo."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,

@@ -17,7 +17,7 @@ import torch
 from components.checkpoints import latest_checkpoint, load_checkpoint
 from components.grpo import train_grpo
 from components.stage_cli import StageFailed
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, run
+from conftest import BIN, FAST_PARAMS, ROOT, copy_project, dvc_repro_warm, run
 from test_grpo_training import LEARN, setup_stage_inputs
 
 
@@ -177,7 +177,7 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     from pipelines.params_io import apply_to_params
 
     apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
-    run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=env)
+    dvc_repro_warm(repo, ["evaluate"], env)
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     register = [sys.executable, "-m", "components.register"]
     for delay in (2.0, 3.5, 5.0, 6.5):

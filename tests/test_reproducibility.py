@@ -18,7 +18,7 @@ from components.paths import Paths
 from components.prepare import prepare
 from components.rollout import sample_groups
 from components.sft import train_sft
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, run
+from conftest import FAST_PARAMS, ROOT, copy_project, dvc_repro_warm
 
 SMALL = ["task.n_sft=200", "task.n_train=200", "task.n_heldout=50", "sft.epochs=2", "grpo.steps=5",
          "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.checkpoint_every=0", "grpo.kl_beta=0.05",
@@ -83,19 +83,11 @@ def test_make_targets_install_from_the_lock():
 def test_two_fresh_clones_give_identical_dvc_lock_hashes(tmp_path):
     from pipelines.params_io import apply_to_params
 
-    from components.stage_server import SERVER_ENV, start_server, stop_server
-
     locks = []
     for name in ("one", "two"):
         repo = copy_project(tmp_path / name)
         apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
-        # Plain `dvc repro`, its stages handed to a warm stage interpreter as the pipeline does (faster).
-        server = start_server(str(repo))
-        try:
-            run([str(BIN / "dvc"), "repro", "--force"], repo,
-                env={"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", SERVER_ENV: server[1]})
-        finally:
-            stop_server(*server)
+        dvc_repro_warm(repo, ["--force"], {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
         stages = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
         locks.append({out["path"]: out["md5"] for stage in stages.values() for out in stage.get("outs", [])})
     # Wall-clock columns make the step-metrics plot differ; every data and model output must not.
