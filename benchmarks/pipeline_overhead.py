@@ -27,11 +27,11 @@ def measure(work: Path) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
-    (work / ".venv").symlink_to(ROOT / ".venv")  # installed once already; `make run` then skips set-up
-    for name in ("requirements.lock", "constraints.txt", "pyproject.toml"):  # older than the install stamp
-        os.utime(work / name, (0, 0))
+    (work / ".venv").symlink_to(ROOT / ".venv")  # this checkout's installed stack, shared
     started = time.perf_counter()
-    proc = subprocess.run(["make", "run"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # `-o .venv/.installed`: the shared .venv is already installed; never reinstall it (that would also
+    # point its editable install at the scratch clone). What is timed is the `make run` a user repeats.
+    proc = subprocess.run(["make", "-o", ".venv/.installed", "run"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")})
     wall = time.perf_counter() - started
     (work.parent / "pipeline-make-run.log").write_text(proc.stdout)
@@ -42,7 +42,7 @@ def measure(work: Path) -> dict:
         raise RuntimeError("make run printed no overhead line")
     compute = float(match.group(3))
     eval_report = json.loads((work / "metrics" / "eval.json").read_text())
-    return {"command": "make run (fresh clone, installed .venv)", "wall_seconds": round(wall, 1),
+    return {"command": "make -o .venv/.installed run (fresh clone, fresh outputs, installed .venv)", "wall_seconds": round(wall, 1),
             "compute_seconds": round(compute, 1), "overhead_seconds": round(wall - compute, 1),
             "overhead_share": round((wall - compute) / wall, 4), "cli_reported_wall_seconds": float(match.group(2)),
             "heldout_before": eval_report["baseline"]["mean_reward"],
