@@ -35,10 +35,12 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
 
     try:
         cfg = load_config(args.params, args.overrides)
+        entered = time.time()
         _warm_up(cfg, run.__module__)
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         run(cfg)
-        _record_compute(run.__module__.rsplit(".", 1)[-1], time.perf_counter() - started)
+        _record_compute(run.__module__.rsplit(".", 1)[-1], time.perf_counter() - started,
+                        entered=entered, started_at=started_at)
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -62,12 +64,17 @@ def _warm_up(cfg: PipelineConfig, module: str) -> None:
     experiment_id(cfg.tracking.experiment)
 
 
-def _record_compute(stage: str, seconds: float) -> None:
-    """Append the stage's compute time where the pipeline asked for it (its overhead report)."""
+def _record_compute(stage: str, seconds: float, entered: float, started_at: float) -> None:
+    """Append the stage's compute time where the pipeline asked for it (its overhead report).
+
+    `entered`, `started_at` and `ended_at` are wall-clock stamps (entry, end of warm-up, end of work),
+    so the report can say where the rest of the run's time went.
+    """
     path = os.environ.get(STAGE_TIMINGS_ENV)
     if path:
         with open(path, "a") as fh:
-            fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3)}) + "\n")
+            fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3), "entered": round(entered, 3),
+                                 "started_at": round(started_at, 3), "ended_at": round(time.time(), 3)}) + "\n")
 
 
 def _is_tracking_outage(err: BaseException) -> bool:

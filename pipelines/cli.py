@@ -127,6 +127,24 @@ def process_age_seconds() -> float:
         return time.perf_counter() - _IMPORTED_AT
 
 
+def overhead_breakdown(stage_times: list[dict], process_started: float) -> dict[str, float]:
+    """Split the overhead by when it happened, from the stages' wall-clock stamps (components/stage_cli.py).
+
+    before first stage: CLI start-up, config checks, Prefect API, MLflow parent run, first DVC check;
+    stage warm-ups: each stage's imports and tracking-store connection; between stages: Prefect task
+    runs and DVC's hashing and dvc.lock writes; after last stage: reports, artifacts and shutdown.
+    """
+    stamped = [t for t in stage_times if "entered" in t]
+    if not stamped:
+        return {}
+    now = time.time()
+    between = sum(b["entered"] - a["ended_at"] for a, b in zip(stamped, stamped[1:]))
+    return {"before_first_stage": round(stamped[0]["entered"] - process_started, 2),
+            "stage_warm_ups": round(sum(t["started_at"] - t["entered"] for t in stamped), 2),
+            "between_stages": round(between, 2),
+            "after_last_stage": round(now - stamped[-1]["ended_at"], 2)}
+
+
 def report_overhead(result: dict) -> dict[str, float]:
     """Print and log what the run spent outside the stages' own compute (Prefect, MLflow, DVC, start-up)."""
     wall = process_age_seconds()
@@ -136,6 +154,10 @@ def report_overhead(result: dict) -> dict[str, float]:
                "pipeline.overhead_share": round((wall - compute) / wall, 4) if wall > 0 else 0.0}
     print(f"orchestration overhead: {wall - compute:.1f} s of {wall:.1f} s wall "
           f"({figures['pipeline.overhead_share']:.1%}); stages' own compute {compute:.1f} s")
+    breakdown = overhead_breakdown(result.get("stage_compute", []), time.time() - wall)
+    if breakdown:
+        figures.update({f"pipeline.overhead_{k}_seconds": v for k, v in breakdown.items()})
+        print("  where: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in breakdown.items()))
     try:
         from components.tracking import client
 
