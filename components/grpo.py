@@ -427,6 +427,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     if ctx.is_main:
         for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
             print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
+        # A DVC output even when the run is shorter than checkpoint_every (or checkpointing is off).
+        paths.grpo_checkpoints.mkdir(parents=True, exist_ok=True)
     barrier(ctx)
     start_step, history = 0, []
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)

@@ -38,6 +38,9 @@ STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "valid
                  "evaluate": "evaluate", "register": "register"}
 WARM_IMPORTS = ("torch", "numpy", "pandas", "mlflow", "mlflow.pyfunc", "transformers",
                 "transformers.models.llama.modeling_llama", "great_expectations",
+                # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
+                # about a second in every stage that opens the tracking store.
+                "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
                 *(f"components.{m}" for m in STAGE_MODULES.values()))
 HEADER_LIMIT = 1 << 20
 

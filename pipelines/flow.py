@@ -113,8 +113,24 @@ def log_environment(run_id: str) -> None:
     """The installed package list (name==version), so a run's stack can be recovered."""
     from importlib.metadata import distributions
 
-    packages = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions() if d.metadata["Name"]})
+    packages = sorted({p for p in (installed_name_version(d) for d in distributions()) if p})
     client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
+
+
+def installed_name_version(dist) -> str | None:
+    """`name==version`, from the `name-version.dist-info` folder name where there is one.
+
+    Parsing every package's METADATA file cost about a second per run; the folder name carries the
+    same two fields. Names are written in their normalised form (PEP 503), so each package appears once.
+    """
+    import re
+
+    folder = getattr(dist, "_path", None)
+    if folder is not None and folder.name.endswith(".dist-info") and "-" in folder.name:
+        name, version = folder.name[: -len(".dist-info")].split("-", 1)
+    else:
+        name, version = dist.metadata["Name"], dist.version
+    return f"{re.sub(r'[-_.]+', '-', name).lower()}=={version}" if name else None
 
 
 def mlflow_links(tracking: str, experiment_id: str, run_id: str, model_name: str, version: str) -> dict[str, str]:

@@ -71,18 +71,39 @@ class TemporaryPrefectAPI:
         raise RuntimeError(f"the temporary Prefect API on port {self.port} did not start in {timeout_s:.0f} s")
 
     def stop(self) -> None:
-        try:
-            from prefect.logging.handlers import APILogHandler
-
-            APILogHandler.flush()  # the run's last log lines reach the API before it goes
-        except Exception:  # noqa: BLE001 - logs are best effort; the run itself is finished
-            pass
+        detach_api_logging()
         if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=15)
             except Exception:  # noqa: BLE001
                 self.process.kill()
+
+
+def detach_api_logging() -> None:
+    """Send the run's last log lines and events to the API, then stop sending logs: the API is going away.
+
+    Without this, Prefect's log worker retries lines logged after the API stopped until the process
+    exits, which held a finished run's exit for over a minute.
+    """
+    import logging
+    import sys
+
+    if "prefect.logging.handlers" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler, APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=5)
+        except Exception:  # noqa: BLE001 - logs and events are best effort; the run itself is finished
+            pass
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in [h for h in logger.handlers if isinstance(h, APILogHandler)]:
+            logger.removeHandler(handler)
 
 
 def start_prefect_api() -> TemporaryPrefectAPI | None:

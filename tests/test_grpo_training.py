@@ -43,6 +43,7 @@ def test_grpo_raises_a_learnable_reward(tmp_path, mlflow_store):
     assert summary["reward_mean_last10pct"] > summary["reward_mean_first10pct"] + 0.4
     assert (paths.grpo_model / "model.safetensors").exists()
     assert json.loads((paths.metrics / "grpo.json").read_text())["steps"] == 30
+    assert paths.grpo_checkpoints.is_dir()  # a DVC output even with checkpointing off (checkpoint_every=0)
 
 
 def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
