@@ -88,6 +88,8 @@ def grpo_run_dir(root: Path, name: str) -> Path:
     (run_dir / "data").mkdir(exist_ok=True)
     for link, target in ((run_dir / "models" / "sft", root / "models" / "sft"),
                          (run_dir / "data" / "prepared", root / "data" / "prepared")):
+        if link.is_symlink() and link.readlink() != target:  # left by a work folder that was moved
+            link.unlink()
         if not link.exists():
             link.symlink_to(target)
     return run_dir
