@@ -50,6 +50,15 @@ def test_run_prints_before_after_and_model_uri(completed):
     assert ran_stages(out) == STAGES
 
 
+def test_run_reports_overhead_and_shuts_down_without_prefect_log_errors(completed):
+    out = completed["output"]
+    assert re.search(r"orchestration overhead: [\d.]+ s of [\d.]+ s wall", out)
+    assert re.search(r"where: before first stage [\d.]+ s, stage warm ups [\d.]+ s, between stages [\d.]+ s, "
+                     r"after last stage [\d.]+ s", out)
+    # Prefect's log worker used to retry against the stopped temporary API until exit (over a minute).
+    assert "Error logging to API" not in out and "All connection attempts failed" not in out
+
+
 def test_eval_and_register_metrics_files(completed):
     repo = completed["repo"]
     ev = json.loads((repo / "metrics" / "eval.json").read_text())

@@ -60,3 +60,17 @@ def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
     assert (repo / "data" / "prepared" / "heldout.jsonl").exists()
     bad = run([sys.executable, "-m", "components.launch", "nonsense"], repo, check=False)
     assert bad.returncode == 2 and "usage:" in bad.stdout
+
+
+def test_overhead_breakdown_from_stage_stamps():
+    from pipelines.cli import overhead_breakdown
+
+    # Process start 100.0; stage A entered 110, compute 111..120; stage B entered 121.5, compute 122..130.
+    stamps = [{"stage": "a", "entered": 110.0, "started_at": 111.0, "ended_at": 120.0, "compute_seconds": 9.0},
+              {"stage": "b", "entered": 121.5, "started_at": 122.0, "ended_at": 130.0, "compute_seconds": 8.0}]
+    got = overhead_breakdown(stamps, process_started=100.0)
+    assert got["before_first_stage"] == 10.0
+    assert got["stage_warm_ups"] == 1.5  # 1.0 + 0.5
+    assert got["between_stages"] == 1.5  # 121.5 - 120.0
+    assert got["after_last_stage"] > 0  # until now, long after 130.0
+    assert overhead_breakdown([{"stage": "old", "compute_seconds": 1.0}], 0.0) == {}  # records without stamps
