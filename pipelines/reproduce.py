@@ -9,6 +9,7 @@ exactly on CPU; on a GPU the weight difference and reward difference are reporte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from components.data import SPLITS, dir_md5, file_md5, split_path
 from components.paths import Paths
@@ -96,13 +98,32 @@ def reproduce(root: Path, name: str, version: str | None = None, run_id: str | N
         dvc = [sys.executable, "-m", "dvc"]
         _run(dvc + ["cache", "dir", "--local", str((root / ".dvc" / "cache").resolve())], tree, env)
         print(f"reproduce: re-running {report.model} from commit {commit} in {tree}", flush=True)
-        _run(dvc + ["repro", "--force", "evaluate"], tree, env)
+        with warm_stage_server(tree, env):
+            _run(dvc + ["repro", "--force", "evaluate"], tree, env)
         compare(report, tags, Paths(root=tree))
     finally:
         if not keep:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, capture_output=True)
             shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+@contextlib.contextmanager
+def warm_stage_server(tree: Path, env: dict[str, str]) -> Iterator[None]:
+    """The recorded commit's own stage server for the re-run, when that commit has one (the stages then
+    skip their imports, as in a pipeline run); older commits simply run their stages as DVC starts them."""
+    if not (tree / "components" / "stage_server.py").exists():
+        yield
+        return
+    from components.stage_server import SERVER_ENV, start_server, stop_server
+
+    server = start_server(str(tree))  # `python -m components.stage_server` in the tree: its code, not ours
+    env[SERVER_ENV] = server[1]
+    try:
+        yield
+    finally:
+        env.pop(SERVER_ENV, None)
+        stop_server(*server)
 
 
 def compare(report: ReproduceReport, tags: dict[str, str], paths: Paths) -> None:

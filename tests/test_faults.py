@@ -138,7 +138,10 @@ def test_tracking_server_down_at_start_and_mid_run(tmp_path, mlflow_store):
     setup_stage_inputs(tmp_path, LEARN + steps)
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     port = _free_port()
+    # A shorter retry budget than the default's ~15 s of backoff (components/tracking.py RETRY_DEFAULTS);
+    # the retry-then-fail path is the same, twice per test.
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     cmd = [sys.executable, "-m", "components.grpo"] + [x for o in LEARN + steps for x in ("--set", o)]
 

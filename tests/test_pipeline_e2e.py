@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, copy_project, run
+from conftest import BIN, FAST_PARAMS, copy_project, dvc_repro_warm, run
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def test_dvc_repro_is_up_to_date_then_kl_beta_reruns_only_downstream(completed):
     assert "Data and pipelines are up to date." in second.stdout
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("kl_beta: 0.04", "kl_beta: 0.08"))
-    third = run([str(BIN / "dvc"), "repro"], repo, env=env)
+    third = dvc_repro_warm(repo, [], env)  # the stages that rerun skip their imports (the server is not under test)
     assert ran_stages(third.stdout) == {"grpo", "evaluate", "register"}
     client = mlflow_client(env)
     versions = client.search_model_versions("name = 'grpo-addition'")
@@ -231,7 +231,7 @@ def test_registration_is_never_restored_from_dvc_run_cache(completed, tmp_path):
     apply_to_params(repo / "params.yaml", [], ["data.train_path=null", "data.heldout_path=null"])  # undo the bad data
     (repo / "dvc.lock").unlink()
     env = {**completed["env"], "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'fresh-store.db'}"}
-    out = run([str(BIN / "dvc"), "repro", "register"], repo, env=env).stdout
+    out = dvc_repro_warm(repo, ["register"], env).stdout
     assert "register" in ran_stages(out)
     versions = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"]).search_model_versions("name = 'grpo-addition'")
     assert len(versions) == 1
