@@ -379,12 +379,19 @@ def test_promote_rollback_compare_against_the_server(served, servers):
     assert proc.returncode == 2 and "version 99 of 'grpo-addition' does not exist" in proc.stdout
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == champion
 
+    exp = client.get_experiment_by_name("grpo-pipeline")
+    newest = client.search_runs([exp.experiment_id], filter_string="tags.`grpo.stage` = 'pipeline'",
+                                order_by=["attributes.start_time DESC"])
     proc = cli(served, servers, "compare", "--last", "2")
     assert proc.returncode == 0, proc.stdout
+    assert all(p.info.run_id[:12] in proc.stdout for p in newest[:2]), proc.stdout
+    assert not any(p.info.run_id[:12] in proc.stdout for p in newest[2:]), proc.stdout
+    # A's event run and B's run differ in kl_beta; the scheduled run may start before or after them.
+    by_beta = {p.data.params["grpo.kl_beta"]: p for p in reversed(newest)}
+    parents = [by_beta["0.04"], by_beta["0.08"]]
+    proc = cli(served, servers, "compare", *(p.info.run_id for p in parents))
+    assert proc.returncode == 0, proc.stdout
     table = proc.stdout
-    exp = client.get_experiment_by_name("grpo-pipeline")
-    parents = client.search_runs([exp.experiment_id], filter_string="tags.`grpo.stage` = 'pipeline'",
-                                 order_by=["attributes.start_time DESC"], max_results=2)
     assert re.search(r"param grpo\.kl_beta\s+(0\.04\s+0\.08|0\.08\s+0\.04)", table), table
     assert "param task.n_train" not in table  # equal params are not listed
     for parent in parents:
