@@ -24,6 +24,7 @@ from components.tracking import PARENT_RUN_ENV, client, start_run
 
 STAGES = ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")
 GPU_STAGES = {"sft", "grpo", "evaluate"}
+GPU_TAG = "gpu"
 
 
 class StageError(RuntimeError):
@@ -107,6 +108,25 @@ def captured_output(keep: int = 200) -> Iterator[list[str]]:
         for fd in saved:
             os.close(fd)
         lines.extend(tail)
+
+
+def tag_limit_exists(tag: str) -> bool:
+    """Whether the Prefect API has a concurrency limit on `tag` (`grpo-pipeline setup` creates `gpu`'s).
+
+    GPU stages carry the tag only where the limit exists. A tagged task asks the API for a slot
+    even when there is no limit, and on a SQLite-backed API that request races the server's own
+    event writes: it is answered 503 now and then, and Prefect's client retries 2 s later. That cost
+    up to 2 s before each of sft, grpo and evaluate, for a limit that was not there.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as prefect_client:
+        try:
+            prefect_client.read_concurrency_limit_by_tag(tag)
+        except ObjectNotFound:
+            return False
+    return True
 
 
 def log_environment(run_id: str) -> None:
@@ -233,9 +253,10 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     log_environment(parent.run_id)
     stages: list[dict[str, Any]] = []
     status = "FAILED"
+    gpu_tags = {GPU_TAG} if tag_limit_exists(GPU_TAG) else set()
     try:
         for stage in STAGES:
-            tags = {"gpu"} if stage in GPU_STAGES else set()
+            tags = gpu_tags if stage in GPU_STAGES else set()
             task_ = run_stage.with_options(name=f"stage-{stage}", tags=tags, retries=ops.stage_retries,
                                            retry_delay_seconds=backoff_delays(ops.retry_delay_s, ops.stage_retries),
                                            retry_condition_fn=retry_transient)

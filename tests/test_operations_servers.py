@@ -234,6 +234,21 @@ def test_markdown_report_links_run_and_model_version(served, servers):
     assert all("| baseline (before GRPO) |" in t and "**Decision:**" in t for t in texts)
 
 
+def test_stages_are_tagged_only_where_the_tag_has_a_limit(servers):
+    """An untagged stage skips Prefect's slot request, which a SQLite API answers 503 now and then (2 s retry)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from pipelines.flow import tag_limit_exists
+
+    with temporary_settings(updates={PREFECT_API_URL: servers["api"]}):
+        assert not tag_limit_exists("grpo-test-no-limit")
+        with get_client(sync_client=True) as client:
+            assert str(client.api_url).rstrip("/") == servers["api"]
+            client.create_concurrency_limit(tag="grpo-test-limited", concurrency_limit=2)
+        assert tag_limit_exists("grpo-test-limited")
+
+
 def test_deploy_registers_on_a_process_pool(servers, tmp_path):
     repo = copy_project(tmp_path / "repo")
     proc = run([str(BIN / "grpo-pipeline"), "deploy", "--pool", "grpo-process", "--name", "grpo-pooled",
