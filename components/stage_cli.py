@@ -31,7 +31,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     args = parser.parse_args(argv)
     from components.checkpoints import CheckpointWriteError
     from components.data import DataError
-    from components.modeling import ModelLoadError
+    from components.model_source import ModelLoadError
 
     try:
         cfg = load_config(args.params, args.overrides)

@@ -66,7 +66,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     starting: list = []
     from components.config import ConfigError
     from components.data import DataError
-    from components.modeling import ModelLoadError
+    from components.model_source import ModelLoadError
     from components.stage_cli import StageFailed
     from pipelines.params_io import apply_to_params, merged_config, preset_path
 
@@ -75,7 +75,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
         cfg = merged_config(params, overlays, args.overrides)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
-            from components.modeling import check_model_source
+            from components.model_source import check_model_source
 
             os.chdir(root)
             check_model_source(cfg.model.name_or_path, cfg.model.allow_download)
@@ -315,7 +315,7 @@ def _cmd_evaluate_many(args: argparse.Namespace) -> int:
 
     from components.config import ConfigError
     from components.data import DataError
-    from components.modeling import ModelLoadError
+    from components.model_source import ModelLoadError
     from pipelines.evaluate_many import evaluate_many, table
 
     try:
