@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 
 PREFIX = "step-"
 KEEP = 2
@@ -43,6 +42,8 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
         save_model(model, str(tmp / "model.safetensors"))
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
+        import torch  # here, not at module level: the stage CLI imports this module's error class
+
         torch.save({"optimizer": optimizer.state_dict(), **state}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -91,6 +92,8 @@ def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, A
     load_model(model, str(path / "model.safetensors"))
     if reference is not None and (path / "reference.safetensors").exists():
         load_model(reference, str(path / "reference.safetensors"))
+    import torch
+
     state = torch.load(path / "state.pt", weights_only=True)
     optimizer.load_state_dict(state.pop("optimizer"))
     return state

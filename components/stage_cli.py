@@ -16,6 +16,8 @@ from components.config import ConfigError, PipelineConfig, load_config
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
 HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
+# Stages that use less: `prepare` reads and writes JSONL and logs to MLflow; it never touches torch.
+STAGE_IMPORTS = {"prepare": ("mlflow",), "validate": HEAVY_IMPORTS + ("great_expectations",)}
 
 
 class StageFailed(RuntimeError):
@@ -36,10 +38,11 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     try:
         cfg = load_config(args.params, args.overrides)
         entered = time.time()
-        _warm_up(cfg, run.__module__)
+        stage = _stage_name(run)
+        _warm_up(cfg, stage)
         started, started_at = time.perf_counter(), time.time()
         run(cfg)
-        _record_compute(run.__module__.rsplit(".", 1)[-1], time.perf_counter() - started,
+        _record_compute(stage, time.perf_counter() - started,
                         entered=entered, started_at=started_at)
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -55,9 +58,15 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     return 0
 
 
-def _warm_up(cfg: PipelineConfig, module: str) -> None:
+def _stage_name(run: Callable) -> str:
+    """`prepare` for components.prepare, also when it runs as `python -m` (its module is then `__main__`)."""
+    spec = getattr(run, "__globals__", {}).get("__spec__")
+    return (spec.name if spec is not None else run.__module__).rsplit(".", 1)[-1]
+
+
+def _warm_up(cfg: PipelineConfig, stage: str) -> None:
     """Library imports and the tracking store's first connection: start-up, not the stage's own work."""
-    for name in HEAVY_IMPORTS + (("great_expectations",) if module.endswith(".validate") else ()):
+    for name in STAGE_IMPORTS.get(stage, HEAVY_IMPORTS):
         importlib.import_module(name)
     from components.tracking import experiment_id
 

@@ -10,7 +10,8 @@ Without a server (plain `dvc repro`), or when the caller's import-time environme
 the server's, the launcher simply runs the stage itself.
 
 Fork safety: the server only imports; it never runs a torch op or opens a database connection, so
-no thread pool or connection exists to be inherited half-initialised.
+no thread pool or connection exists to be inherited half-initialised. Its imports run in one
+background thread (Warmer), and a child is forked only between two imports.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import subprocess
@@ -36,12 +39,15 @@ IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL
                         "PYTHONHASHSEED", "LD_PRELOAD", "GX_")
 STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
                  "evaluate": "evaluate", "register": "register"}
-WARM_IMPORTS = ("torch", "numpy", "pandas", "mlflow", "mlflow.pyfunc", "transformers",
-                "transformers.models.llama.modeling_llama", "great_expectations",
+# In the order the stages need them: the server answers a stage as soon as the modules up to its own
+# are in, and goes on importing the rest while that stage runs (`prepare` needs no torch).
+WARM_IMPORTS = ("numpy", "pandas", "mlflow",
                 # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
                 # about a second in every stage that opens the tracking store.
                 "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
-                *(f"components.{m}" for m in STAGE_MODULES.values()))
+                "components.prepare", "torch", "transformers", "transformers.models.llama.modeling_llama",
+                "components.base_model", "great_expectations", "components.validate", "components.sft",
+                "components.grpo", "components.evaluate", "mlflow.pyfunc", "components.register")
 HEADER_LIMIT = 1 << 20
 
 
@@ -50,17 +56,61 @@ def import_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- server
+class Warmer(threading.Thread):
+    """Imports `names` in order in the background; a fork waits only for the modules its stage needs.
+
+    Forks happen between two imports, never during one (a child must not inherit a half-imported
+    module or a held import lock): a stage whose modules are in holds the next import off until it
+    has forked.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__(name="stage-server-imports", daemon=True)
+        self.names, self.done, self.importing = names, 0, False
+        self.waiting: list[int] = []
+        self.cond = threading.Condition()
+
+    def needed_for(self, stage: str) -> int:
+        """How many of `names` must be in before `stage` forks: up to and including its own module."""
+        module = f"components.{STAGE_MODULES.get(stage, '')}"
+        return self.names.index(module) + 1 if module in self.names else len(self.names)
+
+    def run(self) -> None:
+        for i, name in enumerate(self.names):
+            with self.cond:
+                self.cond.wait_for(lambda: not any(n <= self.done for n in self.waiting))
+                self.importing = True
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - an optional library missing: its stage imports (and reports) it
+                pass
+            finally:
+                with self.cond:
+                    self.importing, self.done = False, i + 1
+                    self.cond.notify_all()
+
+    @contextmanager
+    def paused_after(self, needed: int) -> Iterator[None]:
+        """Wait until the first `needed` modules are in and no import is running; hold imports meanwhile."""
+        with self.cond:
+            self.waiting.append(needed)
+            self.cond.wait_for(lambda: self.done >= needed and not self.importing)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.waiting.remove(needed)
+                self.cond.notify_all()
+
+
 def serve(path: str, parent_pid: int) -> None:
-    """Listen first (callers queue), import everything, then fork one child per request until the parent dies."""
+    """Listen first (callers queue), import in the background, fork one child per request until the parent dies."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(8)
     own_environment = import_environment(dict(os.environ))  # what the imports below see (some add variables)
-    for name in WARM_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an optional library missing: its stage imports (and fails) on its own
-            pass
+    warmer = Warmer(WARM_IMPORTS)
+    warmer.start()
     listener.settimeout(0.2)
     while os.getppid() == parent_pid:
         try:
@@ -68,11 +118,11 @@ def serve(path: str, parent_pid: int) -> None:
         except socket.timeout:
             continue
         with conn:
-            _handle(conn, listener, own_environment)
+            _handle(conn, listener, own_environment, warmer)
     listener.close()
 
 
-def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str]) -> None:
+def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str], warmer: Warmer) -> None:
     data, fds, _, _ = socket.recv_fds(conn, HEADER_LIMIT, 3)
     try:
         request = json.loads(data.decode())
@@ -81,13 +131,14 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
             differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
             conn.sendall(json.dumps({"accepted": False, "differing": differing}).encode() + b"\n")
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            conn.close()
-            _run_child(request, fds)  # never returns
+        with warmer.paused_after(warmer.needed_for(request["stage"])):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _run_child(request, fds)  # never returns
         conn.sendall(json.dumps({"accepted": True, "pid": pid}).encode() + b"\n")
         conn.setblocking(False)
         while True:
