@@ -39,15 +39,19 @@ IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL
                         "PYTHONHASHSEED", "LD_PRELOAD", "GX_")
 STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
                  "evaluate": "evaluate", "register": "register"}
+# Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
+JOB_MODULES = {"parent_run": "parent_run"}
+SERVED_MODULES = {**STAGE_MODULES, **JOB_MODULES}
 # In the order the stages need them: the server answers a stage as soon as the modules up to its own
 # are in, and goes on importing the rest while that stage runs (`prepare` needs no torch).
 WARM_IMPORTS = ("numpy", "pandas", "mlflow",
                 # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
                 # about a second in every stage that opens the tracking store.
                 "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
-                "components.prepare", "torch", "transformers", "transformers.models.llama.modeling_llama",
-                "components.base_model", "great_expectations", "components.validate", "components.sft",
-                "components.grpo", "components.evaluate", "mlflow.pyfunc", "components.register")
+                "components.parent_run", "components.prepare",
+                "torch", "transformers", "transformers.models.llama.modeling_llama", "components.base_model",
+                "great_expectations", "components.validate", "components.sft", "components.grpo",
+                "components.evaluate", "mlflow.pyfunc", "components.register")
 HEADER_LIMIT = 1 << 20
 
 
@@ -72,7 +76,7 @@ class Warmer(threading.Thread):
 
     def needed_for(self, stage: str) -> int:
         """How many of `names` must be in before `stage` forks: up to and including its own module."""
-        module = f"components.{STAGE_MODULES.get(stage, '')}"
+        module = f"components.{SERVED_MODULES.get(stage, '')}"
         return self.names.index(module) + 1 if module in self.names else len(self.names)
 
     def run(self) -> None:
@@ -168,8 +172,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [f"components.{STAGE_MODULES[request['stage']]}", *request["argv"]]
-        module = importlib.import_module(f"components.{STAGE_MODULES[request['stage']]}")
+        sys.argv = [f"components.{SERVED_MODULES[request['stage']]}", *request["argv"]]
+        module = importlib.import_module(f"components.{SERVED_MODULES[request['stage']]}")
         code = int(module.main(request["argv"]) or 0)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

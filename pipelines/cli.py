@@ -61,9 +61,6 @@ def _run_locked(args: argparse.Namespace) -> int:
 
 
 def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
-    from pipelines import warmup
-
-    starting: list = []
     from components.config import ConfigError
     from components.data import DataError
     from components.model_source import ModelLoadError
@@ -90,10 +87,8 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    starting.append(warmup.open_tracking_store(root, cfg.tracking.experiment))
     from pipelines.flow import grpo_pipeline
 
-    warmup.wait_for(starting)
     try:
         if api is not None:
             api.wait_ready()
@@ -159,10 +154,9 @@ def report_overhead(result: dict) -> dict[str, float]:
         figures.update({f"pipeline.overhead_{k}_seconds": v for k, v in breakdown.items()})
         print("  where: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in breakdown.items()))
     try:
-        from components.tracking import client
+        from pipelines.flow import ParentRun
 
-        for key, value in figures.items():
-            client().log_metric(result["parent_run_id"], key, value)
+        ParentRun(result["parent_run_id"], "").update(metrics=figures)
     except Exception as err:  # noqa: BLE001 - a report, never a reason to fail a finished run
         print(f"(overhead figures not logged to MLflow: {err})", file=sys.stderr)
     return figures

@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from components.config import load_config, to_flat_dict
-from components.tracking import PARENT_RUN_ENV, client, start_run
+from components.tracking import PARENT_RUN_ENV
 
 STAGES = ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")
 GPU_STAGES = {"sft", "grpo", "evaluate"}
@@ -129,28 +129,44 @@ def tag_limit_exists(tag: str) -> bool:
     return True
 
 
-def log_environment(run_id: str) -> None:
-    """The installed package list (name==version), so a run's stack can be recovered."""
-    from importlib.metadata import distributions
+class ParentRun:
+    """The flow's MLflow parent run; each call is a job in the warm stage server (components/parent_run.py).
 
-    packages = sorted({p for p in (installed_name_version(d) for d in distributions()) if p})
-    client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
-
-
-def installed_name_version(dist) -> str | None:
-    """`name==version`, from the `name-version.dist-info` folder name where there is one.
-
-    Parsing every package's METADATA file cost about a second per run; the folder name carries the
-    same two fields. Names are written in their normalised form (PEP 503), so each package appears once.
+    The server forks it from an interpreter that has MLflow imported, so this process never imports
+    MLflow. Without a server (or when it refuses), the job runs here instead.
     """
-    import re
 
-    folder = getattr(dist, "_path", None)
-    if folder is not None and folder.name.endswith(".dist-info") and "-" in folder.name:
-        name, version = folder.name[: -len(".dist-info")].split("-", 1)
-    else:
-        name, version = dist.metadata["Name"], dist.version
-    return f"{re.sub(r'[-_.]+', '-', name).lower()}=={version}" if name else None
+    def __init__(self, run_id: str, experiment_id: str) -> None:
+        self.run_id, self.experiment_id = run_id, experiment_id
+
+    @classmethod
+    def start(cls, experiment: str, params: dict[str, Any]) -> "ParentRun":
+        answer = _parent_run_job({"action": "start", "experiment": experiment, "params": params,
+                                  "tags": {"grpo.stage": "pipeline"}})
+        return cls(answer["run_id"], answer["experiment_id"])
+
+    def update(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
+               status: str | None = None) -> None:
+        _parent_run_job({"action": "update", "run_id": self.run_id, "metrics": metrics or {},
+                         "tags": {k: str(v) for k, v in (tags or {}).items()}, "status": status})
+
+
+def _parent_run_job(request: dict[str, Any]) -> dict[str, Any]:
+    import importlib
+    import tempfile
+
+    from components.stage_server import SERVER_ENV, run_remote
+
+    with tempfile.TemporaryDirectory(prefix="grpo-parent-run-") as folder:
+        path = Path(folder) / "request.json"
+        path.write_text(json.dumps(request))
+        server = os.environ.get(SERVER_ENV)
+        code = run_remote(server, "parent_run", [str(path)]) if server else None
+        if code is None:
+            code = importlib.import_module("components.parent_run").main([str(path)])
+        if code != 0:
+            raise RuntimeError(f"MLflow parent run: '{request['action']}' failed (exit {code}; its error is above)")
+        return json.loads(path.with_name(path.name + ".out").read_text())
 
 
 def mlflow_links(tracking: str, experiment_id: str, run_id: str, model_name: str, version: str) -> dict[str, str]:
@@ -237,7 +253,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
 
     from components.data import SPLITS, file_md5, split_path
     from components.stage_cli import STAGE_TIMINGS_ENV
-    from components.tracking import experiment_id, tracking_uri
+    from components.tracking import tracking_uri
     from pipelines.params_io import apply_to_params
     from pipelines.retries import backoff_delays, retry_transient
 
@@ -248,9 +264,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     timings = Path(tempfile.mkstemp(prefix="grpo-stage-times-", suffix=".jsonl")[1])
     os.environ[STAGE_TIMINGS_ENV] = str(timings)
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
-    parent = start_run(cfg.tracking.experiment, "pipeline", tags={"grpo.stage": "pipeline"})
-    parent.log_params(to_flat_dict(cfg))
-    log_environment(parent.run_id)
+    parent = ParentRun.start(cfg.tracking.experiment, to_flat_dict(cfg))
     stages: list[dict[str, Any]] = []
     status = "FAILED"
     gpu_tags = {GPU_TAG} if tag_limit_exists(GPU_TAG) else set()
@@ -266,21 +280,25 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
         os.environ.pop(STAGE_TIMINGS_ENV, None)
         compute = read_compute_times(timings)
         timings.unlink(missing_ok=True)
-        parent.set_tags({"stages.ran": ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"})
-        client().set_terminated(parent.run_id, status=status)
+        ran = ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"
+        try:
+            parent.update(tags={"stages.ran": ran}, status=status)
+        except Exception as err:  # noqa: BLE001 - a failed stage's own error is the one to report
+            if status == "FINISHED":
+                raise
+            print(f"(the MLflow parent run was not marked FAILED: {err})", file=sys.stderr)
     evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
     registration = json.loads((root_path / "metrics" / "register.json").read_text())
-    parent.log_metrics({"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
-                        "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
-                        "improvement_mean": evaluation["improvement"]["mean"],
-                        "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
-                        "improvement_ci95_high": evaluation["improvement"]["ci95_high"]})
-    parent.set_tags({**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
-                        for split in SPLITS},
-                     "model_version": registration["version"], "model_name": registration["model_name"]})
+    parent.update(metrics={"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
+                           "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
+                           "improvement_mean": evaluation["improvement"]["mean"],
+                           "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
+                           "improvement_ci95_high": evaluation["improvement"]["ci95_high"]},
+                  tags={**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
+                           for split in SPLITS},
+                        "model_version": registration["version"], "model_name": registration["model_name"]})
     create_markdown_artifact(key="grpo-pipeline-report", description="Before/after and promotion decision",
                              markdown=report_markdown(evaluation, registration, stages, parent.run_id,
-                                                      os.environ["MLFLOW_TRACKING_URI"],
-                                                      experiment_id(cfg.tracking.experiment)))
+                                                      os.environ["MLFLOW_TRACKING_URI"], parent.experiment_id))
     return {"evaluation": evaluation, "registration": registration, "stages": stages,
             "parent_run_id": parent.run_id, "stage_compute": compute}

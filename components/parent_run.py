@@ -1,0 +1,81 @@
+"""The pipeline's MLflow parent run, opened, updated and closed by a small job instead of the flow.
+
+`python -m components.parent_run REQUEST.json` reads one request, does it, and writes the answer
+to REQUEST.json.out. The flow sends these jobs to the warm stage server (pipelines/flow.py,
+ParentRun), which forks a child that has MLflow imported already: the CLI itself never imports
+MLflow, which on two cores cost the first stage about four seconds of start-up.
+
+Requests:
+  {"action": "start", "experiment": NAME, "params": {...}, "tags": {...}}
+      -> {"run_id": ..., "experiment_id": ...}; logs the params and the installed package list
+  {"action": "update", "run_id": ID, "metrics": {...}, "tags": {...}, "status": "FINISHED" | null}
+      -> {}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from components.tracking import StageRun, client, experiment_id, start_run
+
+
+def start(experiment: str, params: dict[str, Any], tags: dict[str, str]) -> dict[str, str]:
+    run = start_run(experiment, "pipeline", tags=tags)
+    run.log_params(params)
+    log_environment(run.run_id)
+    return {"run_id": run.run_id, "experiment_id": experiment_id(experiment)}
+
+
+def update(run_id: str, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
+           status: str | None = None) -> dict:
+    run = StageRun(run_id)
+    if metrics:
+        run.log_metrics(metrics)
+    if tags:
+        run.set_tags(tags)
+    if status:
+        client().set_terminated(run_id, status=status)
+    return {}
+
+
+def log_environment(run_id: str) -> None:
+    """The installed package list (name==version), so a run's stack can be recovered."""
+    from importlib.metadata import distributions
+
+    packages = sorted({p for p in (installed_name_version(d) for d in distributions()) if p})
+    client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
+
+
+def installed_name_version(dist) -> str | None:
+    """`name==version`, from the `name-version.dist-info` folder name where there is one.
+
+    Parsing every package's METADATA file cost about a second per run; the folder name carries the
+    same two fields. Names are written in their normalised form (PEP 503), so each package appears once.
+    """
+    folder = getattr(dist, "_path", None)
+    if folder is not None and folder.name.endswith(".dist-info") and "-" in folder.name:
+        name, version = folder.name[: -len(".dist-info")].split("-", 1)
+    else:
+        name, version = dist.metadata["Name"], dist.version
+    return f"{re.sub(r'[-_.]+', '-', name).lower()}=={version}" if name else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m components.parent_run REQUEST.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    request = json.loads(path.read_text())
+    action = request.pop("action")
+    answer = {"start": start, "update": update}[action](**request)
+    path.with_name(path.name + ".out").write_text(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
