@@ -6,6 +6,9 @@ ParentRun), which forks a child that has MLflow imported already: the CLI itself
 MLflow, which on two cores cost the first stage about four seconds of start-up.
 
 Requests:
+  {"action": "open", "experiment": NAME}
+      -> {"experiment_id": ...}; creates the store's schema (a fresh SQLite store: ~1.5 s) and the
+      experiment, so the CLI asks for it first thing, while it is still importing Prefect
   {"action": "start", "experiment": NAME, "params": {...}, "tags": {...}}
       -> {"run_id": ..., "experiment_id": ...}; logs the params and the installed package list
   {"action": "update", "run_id": ID, "metrics": {...}, "tags": {...}, "status": "FINISHED" | null}
@@ -21,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from components.tracking import StageRun, client, experiment_id, start_run
+
+
+def open_store(experiment: str) -> dict[str, str]:
+    return {"experiment_id": experiment_id(experiment)}
 
 
 def start(experiment: str, params: dict[str, Any], tags: dict[str, str]) -> dict[str, str]:
@@ -72,9 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[0])
     request = json.loads(path.read_text())
     action = request.pop("action")
-    answer = {"start": start, "update": update}[action](**request)
+    answer = {"open": open_store, "start": start, "update": update}[action](**request)
     path.with_name(path.name + ".out").write_text(json.dumps(answer))
     return 0
+
+
+def run_job(request: dict[str, Any]) -> dict[str, Any]:
+    """Run one request in the warm stage server (GRPO_STAGE_SERVER) when there is one, else here."""
+    import os
+    import tempfile
+
+    from components.stage_server import SERVER_ENV, run_remote
+
+    with tempfile.TemporaryDirectory(prefix="grpo-parent-run-") as folder:
+        path = Path(folder) / "request.json"
+        path.write_text(json.dumps(request))
+        server = os.environ.get(SERVER_ENV)
+        code = run_remote(server, "parent_run", [str(path)]) if server else None
+        if code is None:
+            code = main([str(path)])
+        if code != 0:
+            raise RuntimeError(f"MLflow parent run: '{request['action']}' failed (exit {code}; its error is above)")
+        return json.loads(path.with_name(path.name + ".out").read_text())
 
 
 if __name__ == "__main__":

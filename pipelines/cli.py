@@ -87,8 +87,12 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from pipelines import warmup
+
+    store = warmup.open_tracking_store(root, cfg.tracking.experiment)
     from pipelines.flow import grpo_pipeline
 
+    store.join(timeout=300)  # a parent run must not race the store's first schema creation
     try:
         if api is not None:
             api.wait_ready()

@@ -141,32 +141,18 @@ class ParentRun:
 
     @classmethod
     def start(cls, experiment: str, params: dict[str, Any]) -> "ParentRun":
-        answer = _parent_run_job({"action": "start", "experiment": experiment, "params": params,
-                                  "tags": {"grpo.stage": "pipeline"}})
+        from components.parent_run import run_job
+
+        answer = run_job({"action": "start", "experiment": experiment, "params": params,
+                          "tags": {"grpo.stage": "pipeline"}})
         return cls(answer["run_id"], answer["experiment_id"])
 
     def update(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
                status: str | None = None) -> None:
-        _parent_run_job({"action": "update", "run_id": self.run_id, "metrics": metrics or {},
-                         "tags": {k: str(v) for k, v in (tags or {}).items()}, "status": status})
+        from components.parent_run import run_job
 
-
-def _parent_run_job(request: dict[str, Any]) -> dict[str, Any]:
-    import importlib
-    import tempfile
-
-    from components.stage_server import SERVER_ENV, run_remote
-
-    with tempfile.TemporaryDirectory(prefix="grpo-parent-run-") as folder:
-        path = Path(folder) / "request.json"
-        path.write_text(json.dumps(request))
-        server = os.environ.get(SERVER_ENV)
-        code = run_remote(server, "parent_run", [str(path)]) if server else None
-        if code is None:
-            code = importlib.import_module("components.parent_run").main([str(path)])
-        if code != 0:
-            raise RuntimeError(f"MLflow parent run: '{request['action']}' failed (exit {code}; its error is above)")
-        return json.loads(path.with_name(path.name + ".out").read_text())
+        run_job({"action": "update", "run_id": self.run_id, "metrics": metrics or {},
+                 "tags": {k: str(v) for k, v in (tags or {}).items()}, "status": status})
 
 
 def mlflow_links(tracking: str, experiment_id: str, run_id: str, model_name: str, version: str) -> dict[str, str]:

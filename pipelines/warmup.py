@@ -9,6 +9,7 @@ background as soon as the CLI knows it will run the flow; the flow then finds th
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
@@ -114,3 +115,26 @@ def start_prefect_api() -> TemporaryPrefectAPI | None:
     api = TemporaryPrefectAPI()
     os.environ["PREFECT_API_URL"] = api.url  # read when Prefect is first imported, below
     return api
+
+
+def open_tracking_store(root: Path, experiment: str) -> threading.Thread:
+    """Create (the first time) the MLflow store's schema and the experiment, in the warm stage server.
+
+    Asked for first thing: the server answers once MLflow is imported, while this process is still
+    importing Prefect, so the flow's parent run later finds the store ready. Errors are left to the
+    flow's own first MLflow call, which reports them.
+    """
+    from components.parent_run import run_job
+    from components.tracking import tracking_uri
+
+    os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root))
+
+    def open_store() -> None:
+        try:
+            run_job({"action": "open", "experiment": experiment})
+        except Exception:  # noqa: BLE001 - reported by the flow's parent run, with its context
+            pass
+
+    thread = threading.Thread(target=open_store, name="mlflow-store-open", daemon=True)
+    thread.start()
+    return thread
