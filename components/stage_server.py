@@ -133,7 +133,7 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
         theirs = import_environment(request["env"])
         if len(fds) != 3 or theirs != own_environment:
             differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
-            conn.sendall(json.dumps({"accepted": False, "differing": differing}).encode() + b"\n")
+            _send(conn, {"accepted": False, "differing": differing})
             return
         with warmer.paused_after(warmer.needed_for(request["stage"])):
             sys.stdout.flush()
@@ -143,22 +143,36 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
                 listener.close()
                 conn.close()
                 _run_child(request, fds)  # never returns
-        conn.sendall(json.dumps({"accepted": True, "pid": pid}).encode() + b"\n")
+        caller_gone = not _send(conn, {"accepted": True, "pid": pid})
         conn.setblocking(False)
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                conn.setblocking(True)
-                conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                if not caller_gone:
+                    conn.setblocking(True)
+                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 return
-            readable, _, _ = select.select([conn], [], [], 0.05)
+            readable, _, _ = select.select([] if caller_gone else [conn], [], [], 0.05)
             if readable:
-                message = conn.recv(64)
+                try:
+                    message = conn.recv(64)
+                except OSError:
+                    message = b""
                 if not message or message.startswith(b"kill"):  # the caller went away or was interrupted
                     os.kill(pid, signal.SIGTERM)
+                    caller_gone = caller_gone or not message
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _send(conn: socket.socket, message: dict) -> bool:
+    """Send one JSON line; False when the caller has gone (a caller's exit must never stop the server)."""
+    try:
+        conn.sendall(json.dumps(message).encode() + b"\n")
+        return True
+    except OSError:
+        return False
 
 
 def _run_child(request: dict, fds: list[int]) -> None:
@@ -223,11 +237,16 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
         conn.sendall(b"kill")
         signal.signal(signum, signal.SIG_DFL)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
-    conn.settimeout(None)
-    outcome = json.loads(reader.readline() or b'{"exit": 1}')
-    conn.close()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        conn.settimeout(None)
+        outcome = json.loads(reader.readline() or b'{"exit": 1}')
+    finally:
+        conn.close()
+        for sig, handler in previous.items():  # the flow calls this more than once per process
+            signal.signal(sig, handler)
     return int(outcome.get("exit", 1))
 
 
