@@ -9,9 +9,15 @@ relays the exit code. DVC still runs, times and records each stage; only the imp
 Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
 the server's, the launcher simply runs the stage itself.
 
-Fork safety: the server only imports; it never runs a torch op or opens a database connection, so
-no thread pool or connection exists to be inherited half-initialised. Its imports run in one
-background thread (Warmer), and a child is forked only between two imports.
+The server is a chain of processes, one per import level (LEVELS): level 0 imports MLflow and what
+`prepare` needs, forks level 1 (torch, transformers), which forks level 2 (Great Expectations and
+the rest), and each level then serves the stages whose modules it has. So `prepare` and the
+flow's MLflow jobs start while torch is still being imported, and no request ever waits for an
+import it does not need. Callers connect to their stage's level socket (`level_path`).
+
+Fork safety: a level only imports; it never runs a torch op or opens a database connection, so
+no thread pool or connection exists to be inherited half-initialised; and no process forks while
+it is importing (a child must not inherit a half-imported module).
 """
 
 from __future__ import annotations
@@ -27,8 +33,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import subprocess
@@ -42,16 +47,17 @@ STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "valid
 # Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
 JOB_MODULES = {"parent_run": "parent_run"}
 SERVED_MODULES = {**STAGE_MODULES, **JOB_MODULES}
-# In the order the stages need them: the server answers a stage as soon as the modules up to its own
-# are in, and goes on importing the rest while that stage runs (`prepare` needs no torch).
-WARM_IMPORTS = ("numpy", "pandas", "mlflow",
-                # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
-                # about a second in every stage that opens the tracking store.
-                "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
-                "components.parent_run", "components.prepare",
-                "torch", "transformers", "transformers.models.llama.modeling_llama", "components.base_model",
-                "great_expectations", "components.validate", "components.sft", "components.grpo",
-                "components.evaluate", "mlflow.pyfunc", "components.register")
+# What each level imports, in the order the stages need them (see the module docstring).
+LEVELS: tuple[tuple[str, ...], ...] = (
+    ("numpy", "pandas", "mlflow",
+     # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
+     # about a second in every stage that opens the tracking store.
+     "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+     "components.parent_run", "components.prepare"),
+    ("torch", "transformers", "transformers.models.llama.modeling_llama", "components.base_model"),
+    ("great_expectations", "components.validate", "components.sft", "components.grpo", "components.evaluate",
+     "mlflow.pyfunc", "components.register"),
+)
 HEADER_LIMIT = 1 << 20
 
 
@@ -60,73 +66,73 @@ def import_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- server
-class Warmer(threading.Thread):
-    """Imports `names` in order in the background; a fork waits only for the modules its stage needs.
+def level_of(stage: str) -> int:
+    """The first level whose process has imported `stage`'s module (the last level for anything else)."""
+    module = f"components.{SERVED_MODULES.get(stage, '')}"
+    return next((i for i, names in enumerate(LEVELS) if module in names), len(LEVELS) - 1)
 
-    Forks happen between two imports, never during one (a child must not inherit a half-imported
-    module or a held import lock): a stage whose modules are in holds the next import off until it
-    has forked.
-    """
 
-    def __init__(self, names: tuple[str, ...]) -> None:
-        super().__init__(name="stage-server-imports", daemon=True)
-        self.names, self.done, self.importing = names, 0, False
-        self.waiting: list[int] = []
-        self.cond = threading.Condition()
+def level_path(path: str, level: int) -> str:
+    return path if level == 0 else f"{path}.{level}"
 
-    def needed_for(self, stage: str) -> int:
-        """How many of `names` must be in before `stage` forks: up to and including its own module."""
-        module = f"components.{SERVED_MODULES.get(stage, '')}"
-        return self.names.index(module) + 1 if module in self.names else len(self.names)
 
-    def run(self) -> None:
-        for i, name in enumerate(self.names):
-            with self.cond:
-                self.cond.wait_for(lambda: not any(n <= self.done for n in self.waiting))
-                self.importing = True
+def _die_with_parent() -> None:
+    """SIGTERM when the parent level exits (Linux), so a level still importing stops with the server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: the level notices its parent is gone when it next looks (every 0.2 s)
+
+
+def serve(path: str, parent_pid: int) -> None:
+    """Bind every level's socket first (callers queue), then become the chain of levels and serve."""
+    listeners = []
+    for level in range(len(LEVELS)):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(level_path(path, level))
+        listener.listen(8)
+        listeners.append(listener)
+    own_environment = import_environment(dict(os.environ))  # what the imports below see (some add variables)
+    level, watched = 0, parent_pid
+
+    def stop(*_) -> None:  # nothing to flush: a level holds only imports; skipping teardown saves seconds
+        if os.path.exists(level_path(path, level)):
+            os.unlink(level_path(path, level))
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        for name in LEVELS[level]:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - an optional library missing: its stage imports (and reports) it
                 pass
-            finally:
-                with self.cond:
-                    self.importing, self.done = False, i + 1
-                    self.cond.notify_all()
-
-    @contextmanager
-    def paused_after(self, needed: int) -> Iterator[None]:
-        """Wait until the first `needed` modules are in and no import is running; hold imports meanwhile."""
-        with self.cond:
-            self.waiting.append(needed)
-            self.cond.wait_for(lambda: self.done >= needed and not self.importing)
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.waiting.remove(needed)
-                self.cond.notify_all()
-
-
-def serve(path: str, parent_pid: int) -> None:
-    """Listen first (callers queue), import in the background, fork one child per request until the parent dies."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(8)
-    own_environment = import_environment(dict(os.environ))  # what the imports below see (some add variables)
-    warmer = Warmer(WARM_IMPORTS)
-    warmer.start()
+        if level + 1 == len(LEVELS):
+            break
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() != 0:
+            break  # this process serves `level`; the child goes on to the next one
+        _die_with_parent()
+        level, watched = level + 1, os.getppid()
+    for other, listener in enumerate(listeners):
+        if other != level:
+            listener.close()
+    listener = listeners[level]
     listener.settimeout(0.2)
-    while os.getppid() == parent_pid:
+    while os.getppid() == watched:
         try:
             conn, _ = listener.accept()
         except socket.timeout:
             continue
         with conn:
-            _handle(conn, listener, own_environment, warmer)
-    listener.close()
+            _handle(conn, listener, own_environment)
+    stop()
 
 
-def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str], warmer: Warmer) -> None:
+def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str]) -> None:
     data, fds, _, _ = socket.recv_fds(conn, HEADER_LIMIT, 3)
     try:
         request = json.loads(data.decode())
@@ -135,14 +141,13 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
             differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
             _send(conn, {"accepted": False, "differing": differing})
             return
-        with warmer.paused_after(warmer.needed_for(request["stage"])):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _run_child(request, fds)  # never returns
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            _run_child(request, fds)  # never returns
         caller_gone = not _send(conn, {"accepted": True, "pid": pid})
         conn.setblocking(False)
         while True:
@@ -209,7 +214,7 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
     deadline = time.monotonic() + 2.0
     while True:
         try:
-            conn.connect(path)
+            conn.connect(level_path(path, level_of(stage)))
             break
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:
@@ -274,8 +279,9 @@ def stop_server(proc: "subprocess.Popen[bytes]", path: str) -> None:
         except Exception:  # noqa: BLE001 - a server stuck (e.g. still importing) is killed
             proc.kill()
             proc.wait(timeout=10)
-    if os.path.exists(path):
-        os.unlink(path)
+    for level in range(len(LEVELS)):  # the other levels exit with it (they watch their parent)
+        if os.path.exists(level_path(path, level)):
+            os.unlink(level_path(path, level))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,12 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--parent-pid", type=int, default=os.getppid())
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        serve(args.socket, args.parent_pid)
-    finally:
-        if os.path.exists(args.socket):
-            os.unlink(args.socket)
+    serve(args.socket, args.parent_pid)  # never returns: each level removes its own socket and exits
     return 0
 
 

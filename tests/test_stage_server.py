@@ -74,3 +74,47 @@ def test_overhead_breakdown_from_stage_stamps():
     assert got["between_stages"] == 1.5  # 121.5 - 120.0
     assert got["after_last_stage"] > 0  # until now, long after 130.0
     assert overhead_breakdown([{"stage": "old", "compute_seconds": 1.0}], 0.0) == {}  # records without stamps
+
+
+def test_every_stage_finds_its_warm_up_imports_at_its_own_level():
+    """A stage forked from level k must not import anything heavy itself: its warm-up list is in levels <= k."""
+    from components.stage_cli import HEAVY_IMPORTS, STAGE_IMPORTS
+    from components.stage_server import LEVELS, STAGE_MODULES, level_of
+
+    assert level_of("prepare") == 0 and level_of("parent_run") == 0  # no torch before the first stage
+    assert level_of("model") == 1 and level_of("validate") == 2 and level_of("nonsense") == len(LEVELS) - 1
+    for stage, module in STAGE_MODULES.items():
+        available = {name for level in LEVELS[: level_of(stage) + 1] for name in level}
+        needed = set(STAGE_IMPORTS.get(module, HEAVY_IMPORTS)) | {f"components.{module}"}
+        assert needed <= available, (stage, needed - available)
+
+
+def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import time
+
+    from components.stage_server import LEVELS, level_path
+    from conftest import copy_project
+
+    repo = copy_project(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    proc, path = start_server(str(repo))
+    try:
+        assert run_remote(path, "prepare", TINY) == 0
+        assert (repo / "data" / "prepared" / "train.jsonl").exists()
+        with open(f"/proc/{proc.pid}/maps") as maps:  # level 0 served it: torch's library is not even loaded
+            assert "libtorch" not in maps.read()
+        assert all(os.path.exists(level_path(path, level)) for level in range(len(LEVELS)))
+    finally:
+        stop_server(proc, path)
+    left: list[str] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the later levels (still importing, or serving) exit with level 0
+        left = subprocess.run(["pgrep", "-f", path], capture_output=True, text=True).stdout.split()
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left
+    assert not any(os.path.exists(level_path(path, level)) for level in range(len(LEVELS)))
