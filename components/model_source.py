@@ -1,7 +1,8 @@
-"""Where a model comes from: local directories, base-model pointers, hub ids, and their checks.
+"""Where a model comes from: local directories, base-model pointers, hub ids, their checks; its tokenizer.
 
-Kept free of torch and transformers so the CLI can check `model.name_or_path` (and name the
-problem) in milliseconds, before any stage starts.
+Kept free of torch (and transformers until a tokenizer is loaded): the CLI checks
+`model.name_or_path` in milliseconds before any stage starts, and the `validate` stage, which
+needs only the tokenizer and the config, runs without importing torch.
 """
 
 from __future__ import annotations
@@ -61,3 +62,20 @@ def resolve_model_dir(path: str | Path) -> Path:
                                  "(convert them with safetensors.torch.save_file)")
         raise ModelLoadError(f"{path}: no *.safetensors weights found")
     return path
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """Load a tokenizer, left-padded for generation, with a pad token even when the model had none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def context_length(model_or_config) -> int:
+    """Longest sequence (prompt + completion) the model accepts."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return int(getattr(config, "max_position_embeddings", 2048))

@@ -17,7 +17,8 @@ import torch
 
 from components.config import PipelineConfig, TinyModelConfig
 from components.model_source import (POINTER_FILE, ModelLoadError, check_model_source,  # noqa: F401 - re-exported
-                                     hub_download_allowed, resolve_model_dir, write_pointer)
+                                     context_length, hub_download_allowed, load_tokenizer, resolve_model_dir,
+                                     write_pointer)
 
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<bos>", "eos": "<eos>", "unk": "<unk>"}
 
@@ -74,17 +75,6 @@ def build_tiny_model(tiny: TinyModelConfig, tokenizer, seed: int):
     return LlamaForCausalLM(config)
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """Load a tokenizer, left-padded for generation, with a pad token even when the model had none."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)), trust_remote_code=trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bfloat16 on a GPU that supports it, float32 otherwise (CPU matmuls are fastest in fp32)."""
     if name == "auto":
@@ -115,12 +105,6 @@ def save_model(model, tokenizer, out_dir: Path, extra: dict[str, Any] | None = N
     tokenizer.save_pretrained(str(out_dir))
     if extra is not None:
         (out_dir / "provenance.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
-
-
-def context_length(model_or_config) -> int:
-    """Longest sequence (prompt + completion) the model accepts."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return int(getattr(config, "max_position_embeddings", 2048))
 
 
 def count_parameters(model) -> int:

@@ -16,8 +16,11 @@ from components.config import ConfigError, PipelineConfig, load_config
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
 HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
-# Stages that use less: `prepare` reads and writes JSONL and logs to MLflow; it never touches torch.
-STAGE_IMPORTS = {"prepare": ("mlflow",), "validate": HEAVY_IMPORTS + ("great_expectations",)}
+# Stages that use less: `prepare` reads and writes JSONL and logs to MLflow (no torch); `validate`
+# runs Great Expectations and needs only the tokenizer and config (transformers' config imports torch).
+TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto",
+                     "transformers.models.auto.configuration_auto")
+STAGE_IMPORTS = {"prepare": ("mlflow",), "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
 
 
 class StageFailed(RuntimeError):

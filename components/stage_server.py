@@ -9,11 +9,13 @@ relays the exit code. DVC still runs, times and records each stage; only the imp
 Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
 the server's, the launcher simply runs the stage itself.
 
-The server is a chain of processes, one per import level (LEVELS): level 0 imports MLflow and what
-`prepare` needs, forks level 1 (torch, transformers), which forks level 2 (Great Expectations and
-the rest), and each level then serves the stages whose modules it has. So `prepare` and the
-flow's MLflow jobs start while torch is still being imported, and no request ever waits for an
-import it does not need. Callers connect to their stage's level socket (`level_path`).
+The server is a tree of processes, one per import level (LEVELS): level 0 imports MLflow and what
+`prepare` needs and forks level 1 (torch, transformers' config and tokenizers), which forks level 2
+(Great Expectations, for `validate`) and level 3 (the Llama modelling code and the training
+stages) side by side. Each level then serves the stages whose modules it and its ancestors have.
+So `prepare` and the flow's MLflow jobs start while torch is still being imported, `validate`
+does not wait for the modelling code, and no request ever waits for an import it does not need.
+Callers connect to their stage's level socket (`level_path`).
 
 Fork safety: a level only imports; it never runs a torch op or opens a database connection, so
 no thread pool or connection exists to be inherited half-initialised; and no process forks while
@@ -47,16 +49,18 @@ STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "valid
 # Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
 JOB_MODULES = {"parent_run": "parent_run"}
 SERVED_MODULES = {**STAGE_MODULES, **JOB_MODULES}
-# What each level imports, in the order the stages need them (see the module docstring).
-LEVELS: tuple[tuple[str, ...], ...] = (
-    ("numpy", "pandas", "mlflow",
-     # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
-     # about a second in every stage that opens the tracking store.
-     "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
-     "components.parent_run", "components.prepare"),
-    ("torch", "transformers", "transformers.models.llama.modeling_llama", "components.base_model"),
-    ("great_expectations", "components.validate", "components.sft", "components.grpo", "components.evaluate",
-     "mlflow.pyfunc", "components.register"),
+# (parent level, what the level imports on top of its parent's modules); see the module docstring.
+LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
+    (None, ("numpy", "pandas", "mlflow",
+            # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
+            # about a second in every stage that opens the tracking store.
+            "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+            "components.parent_run", "components.prepare")),
+    (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
+         "transformers.models.auto.configuration_auto")),
+    (1, ("great_expectations", "components.validate")),
+    (1, ("transformers.models.llama.modeling_llama", "components.base_model", "components.sft", "components.grpo",
+         "components.evaluate", "mlflow.pyfunc", "components.register")),
 )
 HEADER_LIMIT = 1 << 20
 
@@ -67,9 +71,19 @@ def import_environment(env: dict[str, str]) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------- server
 def level_of(stage: str) -> int:
-    """The first level whose process has imported `stage`'s module (the last level for anything else)."""
+    """The level whose process has imported `stage`'s module (the last level for anything else)."""
     module = f"components.{SERVED_MODULES.get(stage, '')}"
-    return next((i for i, names in enumerate(LEVELS) if module in names), len(LEVELS) - 1)
+    return next((i for i, (_, names) in enumerate(LEVELS) if module in names), len(LEVELS) - 1)
+
+
+def level_modules(level: int) -> set[str]:
+    """Everything a level's process has imported: its own modules and its ancestors'."""
+    names: set[str] = set()
+    while level is not None:
+        parent, own = LEVELS[level]
+        names.update(own)
+        level = parent
+    return names
 
 
 def level_path(path: str, level: int) -> str:
@@ -87,7 +101,7 @@ def _die_with_parent() -> None:
 
 
 def serve(path: str, parent_pid: int) -> None:
-    """Bind every level's socket first (callers queue), then become the chain of levels and serve."""
+    """Bind every level's socket first (callers queue), then become the tree of levels and serve."""
     listeners = []
     for level in range(len(LEVELS)):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -104,19 +118,22 @@ def serve(path: str, parent_pid: int) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     while True:
-        for name in LEVELS[level]:
+        for name in LEVELS[level][1]:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - an optional library missing: its stage imports (and reports) it
                 pass
-        if level + 1 == len(LEVELS):
-            break
         sys.stdout.flush()
         sys.stderr.flush()
-        if os.fork() != 0:
-            break  # this process serves `level`; the child goes on to the next one
+        child_level = None
+        for candidate in (i for i, (parent, _) in enumerate(LEVELS) if parent == level):
+            if os.fork() == 0:  # forked between imports, before this level serves anything
+                child_level = candidate
+                break
+        if child_level is None:
+            break  # this process serves `level`
         _die_with_parent()
-        level, watched = level + 1, os.getppid()
+        level, watched = child_level, os.getppid()
     for other, listener in enumerate(listeners):
         if other != level:
             listener.close()

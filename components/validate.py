@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 from components.config import PipelineConfig
 from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
-from components.modeling import context_length, load_tokenizer, resolve_model_dir
+from components.model_source import context_length, load_tokenizer, resolve_model_dir
 from components.paths import Paths
 from components.prompting import PromptFormatter
 from components.stage_cli import StageFailed, stage_main
