@@ -92,6 +92,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     store = warmup.open_tracking_store(root, cfg.tracking.experiment)
     from pipelines.flow import grpo_pipeline
 
+    import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
     store.join(timeout=300)  # a parent run must not race the store's first schema creation
     try:
         if api is not None:

@@ -254,35 +254,37 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     stages: list[dict[str, Any]] = []
     status = "FAILED"
     gpu_tags = {GPU_TAG} if tag_limit_exists(GPU_TAG) else set()
+    metrics: dict[str, float] = {}
+    tags: dict[str, Any] = {}
     try:
         for stage in STAGES:
-            tags = gpu_tags if stage in GPU_STAGES else set()
-            task_ = run_stage.with_options(name=f"stage-{stage}", tags=tags, retries=ops.stage_retries,
+            stage_tags = gpu_tags if stage in GPU_STAGES else set()
+            task_ = run_stage.with_options(name=f"stage-{stage}", tags=stage_tags, retries=ops.stage_retries,
                                            retry_delay_seconds=backoff_delays(ops.retry_delay_s, ops.stage_retries),
                                            retry_condition_fn=retry_transient)
             stages.append(task_(stage, str(root_path), parent.run_id))
+        evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
+        registration = json.loads((root_path / "metrics" / "register.json").read_text())
+        metrics = {"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
+                   "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
+                   "improvement_mean": evaluation["improvement"]["mean"],
+                   "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
+                   "improvement_ci95_high": evaluation["improvement"]["ci95_high"]}
+        tags = {**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
+                   for split in SPLITS},
+                "model_version": registration["version"], "model_name": registration["model_name"]}
         status = "FINISHED"
     finally:
         os.environ.pop(STAGE_TIMINGS_ENV, None)
         compute = read_compute_times(timings)
         timings.unlink(missing_ok=True)
-        ran = ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"
-        try:
-            parent.update(tags={"stages.ran": ran}, status=status)
+        tags["stages.ran"] = ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"
+        try:  # one job: the outcome, and on success the rewards, data hashes and model version
+            parent.update(metrics=metrics, tags=tags, status=status)
         except Exception as err:  # noqa: BLE001 - a failed stage's own error is the one to report
             if status == "FINISHED":
                 raise
             print(f"(the MLflow parent run was not marked FAILED: {err})", file=sys.stderr)
-    evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
-    registration = json.loads((root_path / "metrics" / "register.json").read_text())
-    parent.update(metrics={"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
-                           "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
-                           "improvement_mean": evaluation["improvement"]["mean"],
-                           "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
-                           "improvement_ci95_high": evaluation["improvement"]["ci95_high"]},
-                  tags={**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
-                           for split in SPLITS},
-                        "model_version": registration["version"], "model_name": registration["model_name"]})
     create_markdown_artifact(key="grpo-pipeline-report", description="Before/after and promotion decision",
                              markdown=report_markdown(evaluation, registration, stages, parent.run_id,
                                                       os.environ["MLFLOW_TRACKING_URI"], parent.experiment_id))
