@@ -443,7 +443,7 @@ def markdown(report: dict[str, Any]) -> str:
         reach = r["time_to_trl_final_heldout"]
         if reach:
             lines += [f"TRL's final held-out reward was reached by ours after {reach['ours_train_seconds']:.1f} s of "
-                      f"training, {reach['fraction']:.0%} of TRL's {reach['trl_train_seconds']:.1f} s.", ""]
+                      f"training, {reach['fraction']:.1%} of TRL's {reach['trl_train_seconds']:.1f} s.", ""]
         curve = " | ".join(f"{p['completions']:,}: {p['heldout']:.3f} @ {p['train_seconds']:.0f}s" for p in o["heldout_curve"])
         lines += [f"Held-out curve, ours (completions: reward @ training seconds): {curve}", ""]
         curve = " | ".join(f"{p['completions']:,}: {p['heldout']:.3f} @ {p['train_seconds']:.0f}s" for p in t["heldout_curve"])
