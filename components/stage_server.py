@@ -125,7 +125,7 @@ def serve(path: str, parent_pid: int) -> None:
                 pass
         sys.stdout.flush()
         sys.stderr.flush()
-        child_level = None
+        child_level, forker = None, os.getpid()
         for candidate in (i for i, (parent, _) in enumerate(LEVELS) if parent == level):
             if os.fork() == 0:  # forked between imports, before this level serves anything
                 child_level = candidate
@@ -133,7 +133,9 @@ def serve(path: str, parent_pid: int) -> None:
         if child_level is None:
             break  # this process serves `level`
         _die_with_parent()
-        level, watched = child_level, os.getppid()
+        if os.getppid() != forker:  # the parent level stopped before the death signal was armed
+            os._exit(0)
+        level, watched = child_level, forker
     for other, listener in enumerate(listeners):
         if other != level:
             listener.close()

@@ -170,9 +170,9 @@ def report_overhead(result: dict) -> dict[str, float]:
 def _cmd_stage(args: argparse.Namespace) -> int:
     import importlib
 
-    modules = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
-               "evaluate": "evaluate", "register": "register"}
-    module = importlib.import_module(f"components.{modules[args.name]}")
+    from components.stage_server import STAGE_MODULES
+
+    module = importlib.import_module(f"components.{STAGE_MODULES[args.name]}")
     argv = ["--params", args.params_file] + [x for s in args.overrides for x in ("--set", s)]
     return module.main(argv)
 
@@ -345,8 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="validate config, data and model, run one rollout and one loss; train and write nothing")
     run.set_defaults(func=_cmd_run)
+    from components.stage_server import STAGE_MODULES  # standard library only: start-up stays fast
+
     stage = sub.add_parser("stage", help="run one stage directly, outside Prefect and DVC")
-    stage.add_argument("name", choices=["prepare", "model", "validate", "sft", "grpo", "evaluate", "register"])
+    stage.add_argument("name", choices=list(STAGE_MODULES))
     stage.add_argument("--params", dest="params_file", default="params.yaml")
     stage.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     stage.set_defaults(func=_cmd_stage)
