@@ -468,6 +468,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             f"{g.prompts_per_step} prompts per step shared between them")
 
     bad_steps = reward_failures = 0
+    window: list[dict[str, float]] = []  # this MLflow point's steps (grpo.metrics_every)
     with tracking_run(ctx, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
@@ -563,7 +564,10 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             }
             metrics.update({f"reward/{k}/mean": v for k, v in first_scores.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
-            run.log_metrics(metrics, step=step + 1, flush=(step + 1) % g.log_every == 0)
+            window.append(metrics)
+            if (step + 1) % g.metrics_every == 0 or step + 1 == g.steps:
+                run.log_metrics(window_mean(window), step=step + 1)
+                window = []
             for callback in callbacks if ctx.is_main else ():
                 callback(step + 1, policy.model, metrics)
             if ctx.is_main:
@@ -607,6 +611,12 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         reporter.finish(history, paths.plots)
         run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
+
+
+def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the steps that have it: one MLflow point per window, not per step."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: sum(row[k] for row in rows if k in row) / sum(1 for row in rows if k in row) for k in keys}
 
 
 def write_step_outputs(history: list[dict[str, Any]], paths: Paths) -> dict[str, Any]:

@@ -23,6 +23,7 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 FAST_PARAMS = [
     "task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epochs=4", "grpo.steps=6",
     "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.checkpoint_every=3", "grpo.log_every=3",
+    "grpo.metrics_every=2",
     "evaluate.bootstrap_samples=500", "threads=1",
 ]
 

@@ -29,6 +29,7 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ("grpo.learning_rate=0", "grpo.learning_rate", "must be > 0"),
     ("grpo.learning_rate=-1e-4", "grpo.learning_rate", "must be > 0"),
     ("grpo.group_size=1", "grpo.group_size", "must be >= 2"),
+    ("grpo.metrics_every=0", "grpo.metrics_every", "must be >= 1"),
     ("grpo.loss_type=ppo", "grpo.loss_type", "is not one of"),
     ("grpo.kl_estimator=k4", "grpo.kl_estimator", "is not one of"),
     ("grpo.max_completion_length=40", "grpo.max_completion_length", "exceed"),

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from components.base_model import build_base_model
 from components.config import load_config
-from components.grpo import train_grpo
+from components.grpo import train_grpo, window_mean
 from components.paths import Paths
 from components.prepare import prepare
 from components.sft import train_sft
@@ -31,6 +31,11 @@ def setup_stage_inputs(root, overrides):
     build_base_model(cfg, paths)
     train_sft(cfg, paths)
     return cfg, paths
+
+
+def test_a_metrics_point_is_the_mean_of_its_window():
+    rows = [{"reward_mean": 0.25, "kl": 0.5}, {"reward_mean": 0.75}, {"reward_mean": 0.5, "kl": 0.25}]
+    assert window_mean(rows) == {"reward_mean": 0.5, "kl": 0.375}  # kl: only the steps that logged it
 
 
 def test_grpo_raises_a_learnable_reward(tmp_path, mlflow_store):

@@ -7,6 +7,7 @@ up-to-date and selective re-run behaviour, and a bad dataset stopped at validate
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import sqlite3
@@ -84,8 +85,14 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert {r.data.tags["grpo.stage"] for r in children} == STAGES
     grpo = next(r for r in children if r.data.tags["grpo.stage"] == "grpo")
+    # One MLflow point per grpo.metrics_every=2 steps, each the mean of its steps in plots/grpo_steps.csv.
     history = client.get_metric_history(grpo.info.run_id, "reward_mean")
-    assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
+    assert [m.step for m in history] == [2, 4, 6]
+    with (completed["repo"] / "plots" / "grpo_steps.csv").open() as fh:
+        per_step = [float(row["reward_mean"]) for row in csv.DictReader(fh)]
+    assert len(per_step) == 6
+    for point in history:
+        assert point.value == pytest.approx((per_step[point.step - 2] + per_step[point.step - 1]) / 2, abs=1e-5)
     for key in ("loss", "pg_loss", "kl", "reward_std", "advantage_mean", "logprob_mean", "completion_length",
                 "zero_std_group_frac", "grad_norm", "learning_rate", "step_seconds", "completions_per_s", "entropy"):
         assert key in grpo.data.metrics, key
