@@ -565,7 +565,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             metrics.update({f"reward/{k}/mean": v for k, v in first_scores.component_means().items()})
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             window.append(metrics)
-            if (step + 1) % g.metrics_every == 0 or step + 1 == g.steps:
+            if (step + 1) % g.metrics_every == 0:
                 run.log_metrics(window_mean(window), step=step + 1)
                 window = []
             for callback in callbacks if ctx.is_main else ():
@@ -596,6 +596,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                     save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer, saved,
                                     policy.reference if moving_reference else None)
 
+        if window:  # the last, partial window (also when the last steps were skipped)
+            run.log_metrics(window_mean(window), step=history[-1]["step"])
         if ctx.lockstep:  # the final model, gathered whole, saved by rank 0 as a normal HF directory
             from components.fsdp import full_model_state, plain_copy
 

@@ -60,6 +60,15 @@ def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
     assert all(float(r["kl"]) >= 0 for r in rows) and any(float(r["kl"]) > 0 for r in rows[1:])
     # With mu=2 the second update sees ratios != 1, so some tokens can be clipped or ratio drifts.
     assert all(r["clip_low_frac"] != "" for r in rows)
+    # 4 steps, grpo.metrics_every 10: one MLflow point, the mean of the partial window, at the last step.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_store)
+    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                             "tags.`grpo.stage` = 'grpo'")[0]
+    points = client.get_metric_history(run.info.run_id, "kl")
+    assert [p.step for p in points] == [4]
+    assert points[0].value == pytest.approx(sum(float(r["kl"]) for r in rows) / 4, abs=1e-5)
 
 
 def _grpo_cmd(extra):
