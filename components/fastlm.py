@@ -8,6 +8,12 @@ with a preallocated completion KV cache, so there is no general-purpose `generat
 
 It calls the model's own submodules (projections, norms, MLP, rotary embedding), so the weights,
 gradients, optimizer state and LoRA adapters are the Hugging Face model's: nothing is copied.
+
+In float32/float64 the rotary embedding is one complex multiply instead of Hugging Face's
+`x * cos + rotate_half(x) * sin` (five elementwise ops and their backward): the fused q|k weight
+rows are reordered within each head so that dims i and i + d/2 sit side by side, which makes each
+pair a complex number to rotate by e^(i*theta). Queries and keys get the same order, so their dot
+products, the attention and the outputs are unchanged; only the cached keys are stored reordered.
 `PrefixSharedLM.for_model` checks itself against the Hugging Face forward once and returns None
 (callers fall back to the plain path) for architectures it does not know or does not match.
 """
@@ -32,6 +38,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
+def _pair_order(heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that puts dims i and i + d/2 of each head side by side: [0, d/2, 1, d/2 + 1, ...]."""
+    half = head_dim // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+    return (torch.arange(heads)[:, None] * head_dim + within).flatten()
+
+
+class Rotary:
+    """One forward's rotary embedding: cos/sin [B, 1, L, d], and e^(i*theta) [B, 1, L, d/2] when rotating as complex."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, as_complex: bool):
+        self.cos, self.sin = cos, sin
+        half = cos.shape[-1] // 2
+        self.turn = torch.complex(cos[..., :half], sin[..., :half]) if as_complex else None
+
+    def at(self, offset: int) -> "Rotary":
+        """The rotation of one decoding position (all positions are computed once per decoding run)."""
+        step = Rotary.__new__(Rotary)
+        step.cos, step.sin = (t[:, :, offset:offset + 1] for t in (self.cos, self.sin))
+        step.turn = None if self.turn is None else self.turn[:, :, offset:offset + 1]
+        return step
+
+
 class PrefixSharedLM:
     """Prompt-once forward, log-probs and sampling over a Hugging Face Llama/Qwen2/Qwen3/Mistral model."""
 
@@ -45,6 +74,10 @@ class PrefixSharedLM:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
+        # Rotate q|k as complex pairs (see the module docstring); switched off by `for_model` if the
+        # model's rotary embedding is not the standard one that this reordering reproduces.
+        self.complex_rotary = True
+        self._qkv_order: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None) -> "PrefixSharedLM | None":
@@ -56,12 +89,28 @@ class PrefixSharedLM:
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
             return None
         fast = cls(model)
+        if fast.matches_reference_forward(vocab_size or config.vocab_size):
+            return fast
+        fast.complex_rotary = False  # e.g. a rotary variant whose halves differ: the plain rotation
         return fast if fast.matches_reference_forward(vocab_size or config.vocab_size) else None
 
     # ----------------------------------------------------------------------------------------- pieces
-    def _positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary:
         cos, sin = self.decoder.rotary_emb(x, position_ids)
-        return cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, L, d]: broadcast over heads
+        return Rotary(cos.unsqueeze(1), sin.unsqueeze(1), self._rotates_as_complex(x.dtype))  # broadcast over heads
+
+    def _rotates_as_complex(self, dtype: torch.dtype) -> bool:
+        """Complex rotation needs a complex dtype (none for bfloat16) and the plain fused q|k|v path."""
+        return (self.complex_rotary and dtype in (torch.float32, torch.float64)
+                and not hasattr(self.decoder.layers[0].self_attn, "q_norm"))
+
+    def _pair_rows(self, device: torch.device) -> torch.Tensor:
+        """The fused q|k|v weight's row order for complex rotation (q and k reordered, v as is)."""
+        if self._qkv_order is None or self._qkv_order.device != device:
+            d, qk_heads = self.head_dim, self.num_heads + self.num_kv_heads
+            self._qkv_order = torch.cat([_pair_order(qk_heads, d),
+                                         torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)]).to(device)
+        return self._qkv_order
 
     def fused_weights(self) -> list[tuple[Any, Any]]:
         """Per layer, (q|k|v weight and bias, gate|up weight) concatenated, so each is one matmul.
@@ -76,8 +125,12 @@ class PrefixSharedLM:
             qkv = None
             if all(type(m) is torch.nn.Linear for m in projections):
                 biases = [m.bias for m in projections]
-                qkv = (torch.cat([m.weight for m in projections]),
-                       None if any(b is None for b in biases) else torch.cat(biases))
+                weight = torch.cat([m.weight for m in projections])
+                bias = None if any(b is None for b in biases) else torch.cat(biases)
+                if self._rotates_as_complex(weight.dtype):  # rows paired for the complex rotation in `_qkv`
+                    order = self._pair_rows(weight.device)
+                    weight, bias = weight.index_select(0, order), None if bias is None else bias.index_select(0, order)
+                qkv = (weight, bias)
             gate_up = None
             if all(type(m) is torch.nn.Linear and m.bias is None for m in (mlp.gate_proj, mlp.up_proj)):
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -89,14 +142,20 @@ class PrefixSharedLM:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
         return module(x)
 
-    def _qkv(self, layer: Any, fused: tuple[Any, Any], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: Any, fused: tuple[Any, Any], h: torch.Tensor, rotary: Rotary):
         attn = layer.self_attn
         b, length, _ = h.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = rotary.cos, rotary.sin
         if fused[0] is not None and not hasattr(attn, "q_norm"):
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
             qkv = torch.nn.functional.linear(h, *fused[0])
-            qk = _rope(qkv[..., :(heads + kv_heads) * d].view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
+            qk = qkv[..., :(heads + kv_heads) * d]
+            if rotary.turn is not None:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex
+                pairs = torch.view_as_complex(qk.unflatten(-1, (heads + kv_heads, d // 2, 2))).transpose(1, 2)
+                qk = torch.view_as_real(pairs * rotary.turn).flatten(-2)
+            else:
+                qk = _rope(qk.view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
             v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
             return qk[:, :heads], qk[:, heads:], v
         if fused[0] is not None:
@@ -150,10 +209,10 @@ class PrefixSharedLM:
         causal = torch.ones(length, length, dtype=torch.bool, device=prompt_ids.device).tril()
         x = self.decoder.embed_tokens(prompt_ids)
         bias = self._bias(causal[None] & prompt_mask.bool()[:, None, :], x.dtype)[:, None, None]  # [U,1,1,P,P]
-        cos, sin = self._positions(x, (prompt_mask.long().cumsum(-1) - 1).clamp(min=0))
+        rotary = self._positions(x, (prompt_mask.long().cumsum(-1) - 1).clamp(min=0))
         caches = []
         for layer, fused in zip(self.decoder.layers, weights):
-            q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), cos, sin)
+            q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
             caches.append((k, v))
             x = self._finish_layer(layer, fused, x, self._attend(q, k, v, bias))
         last = self._norm(self.decoder.norm, x[:, -1:, :])
@@ -178,9 +237,9 @@ class PrefixSharedLM:
                               causal[None].expand(len(rows), -1, -1)], dim=-1)
             bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, S, P + S]
             start = unique_mask.sum(-1, keepdim=True)[rows]
-            cos, sin = self._positions(x, start + torch.arange(steps, device=x.device))
+            rotary = self._positions(x, start + torch.arange(steps, device=x.device))
             for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
-                q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), cos, sin)
+                q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
                 keys = torch.cat([kp.index_select(0, rows), k], dim=2)
                 values = torch.cat([vp.index_select(0, rows), v], dim=2)
                 x = self._finish_layer(layer, fused, x, self._attend(q, keys, values, bias))
@@ -249,7 +308,7 @@ class _Decoder:
     """Incremental decoding state for `PrefixSharedLM.start_decoding`: one token per row per `feed`."""
 
     def __init__(self, lm: PrefixSharedLM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
-                 rope: tuple[torch.Tensor, torch.Tensor], first_logits: torch.Tensor):
+                 rope: Rotary, first_logits: torch.Tensor):
         self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
         self.rope, self.logits, self.offset = rope, first_logits, 0
 
@@ -257,10 +316,10 @@ class _Decoder:
         """Append one token per row; return the logits [N, V] for the next one."""
         lm, end = self.lm, self.prompt_len + self.offset + 1
         x = lm.decoder.embed_tokens(tokens[:, None])
-        cos, sin = (t[:, :, self.offset:self.offset + 1] for t in self.rope)
+        rotary = self.rope.at(self.offset)
         bias = self.bias[..., :end]
         for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
-            q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), cos, sin)
+            q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), rotary)
             kbuf[:, :, end - 1:end], vbuf[:, :, end - 1:end] = k, v
             x = lm._finish_layer(layer, fused, x, lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias))
         self.offset += 1

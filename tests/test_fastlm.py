@@ -65,11 +65,15 @@ def _rollout() -> Rollout:
     return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("complex_rotary", [True, False], ids=["complex-rotary", "plain-rotary"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_logprobs_and_gradients_match_the_hugging_face_forward(arch):
+def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary):
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model)
     assert fast is not None, f"{arch}: the self-check refused a supported architecture"
+    # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3 never does.
+    assert fast._rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
+    fast.complex_rotary = complex_rotary
     rollout = _rollout()
     weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
 
@@ -87,7 +91,7 @@ def test_logprobs_and_gradients_match_the_hugging_face_forward(arch):
         assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen3-qk-norm"])
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
 def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_path(arch):
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model)
@@ -126,6 +130,22 @@ def test_unsupported_or_mismatching_models_fall_back():
     broken = PrefixSharedLM(model)
     broken.scaling *= 2  # a wrong attention scale must fail the self-check, not train silently
     assert not broken.matches_reference_forward(VOCAB)
+
+
+def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_the_plain_one():
+    model = _llama()
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+
+    def uneven_halves(x, position_ids):  # a made-up variant: the two halves of cos/sin rotate differently
+        cos, sin = original(x, position_ids)
+        half = cos.shape[-1] // 2
+        return torch.cat([cos[..., :half], cos[..., half:].flip(-1)], -1), torch.cat([sin[..., :half],
+                                                                                      sin[..., half:].flip(-1)], -1)
+
+    rotary.forward = uneven_halves
+    fast = PrefixSharedLM.for_model(model)
+    assert fast is not None and not fast.complex_rotary  # the plain rotation reproduces it; the complex one cannot
 
 
 def test_lora_adapters_are_seen_and_can_be_disabled():
