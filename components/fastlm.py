@@ -221,8 +221,15 @@ class PrefixSharedLM:
     # ------------------------------------------------------------------------------------- completion
     def completion_logits(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                           completion_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [N, T, V] predicting each completion token, each distinct prompt encoded once."""
-        unique, rows = torch.unique(prompt_ids, dim=0, return_inverse=True)
+        """Logits [N, T, V] predicting each completion token, each prompt of a run of equal rows encoded once.
+
+        GRPO rollouts keep each group's rows together, so runs of equal prompts are the groups. When
+        every run has the same length G, each prompt's cache reaches its G rows by broadcasting (its
+        gradient is a sum over G); otherwise rows gather it with an index (a scatter-add backward).
+        """
+        unique, rows, counts = torch.unique_consecutive(prompt_ids, dim=0, return_inverse=True, return_counts=True)
+        group = len(rows) // len(unique)
+        even = bool((counts == group).all())
         unique_mask = torch.zeros(unique.shape, dtype=prompt_mask.dtype, device=prompt_mask.device)
         unique_mask[rows] = prompt_mask
         weights = self.fused_weights()
@@ -240,8 +247,13 @@ class PrefixSharedLM:
             rotary = self._positions(x, start + torch.arange(steps, device=x.device))
             for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
                 q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
-                keys = torch.cat([kp.index_select(0, rows), k], dim=2)
-                values = torch.cat([vp.index_select(0, rows), v], dim=2)
+                if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
+                    keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
+                    values = torch.cat([vp[:, None].expand(-1, group, -1, -1, -1), v.unflatten(0, (-1, group))], 3)
+                    keys, values = keys.flatten(0, 1), values.flatten(0, 1)
+                else:
+                    keys = torch.cat([kp.index_select(0, rows), k], dim=2)
+                    values = torch.cat([vp.index_select(0, rows), v], dim=2)
                 x = self._finish_layer(layer, fused, x, self._attend(q, keys, values, bias))
             logits.append(self.lm_head(self._norm(self.decoder.norm, x)))
         return torch.cat(logits, dim=1)

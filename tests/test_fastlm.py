@@ -49,15 +49,19 @@ ARCHITECTURES = {
 }
 
 
-def _rollout() -> Rollout:
-    """Three distinct left-padded prompts, two of them repeated (groups), right-padded completions."""
+def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
+    """Three distinct left-padded prompts repeated as `rows` (groups), right-padded completions.
+
+    The default groups have unequal sizes (the gathered cache path); (0, 0, 1, 1, 2, 2) gives equal
+    groups, where each prompt's cache is broadcast to its rows instead.
+    """
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, VOCAB, (3, 6), generator=gen)
     prompt_mask = torch.ones_like(prompts)
     prompt_mask[1, :3] = 0
     prompt_mask[2, :1] = 0
     prompts = prompts * prompt_mask  # pad id 0 in the padded slots
-    rows = torch.tensor([0, 0, 1, 1, 1, 2])
+    rows = torch.tensor(rows)
     completions = torch.randint(4, VOCAB, (6, 5), generator=gen)
     completion_mask = torch.ones_like(completions)
     completion_mask[1, 3:] = 0
@@ -65,16 +69,17 @@ def _rollout() -> Rollout:
     return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
 @pytest.mark.parametrize("complex_rotary", [True, False], ids=["complex-rotary", "plain-rotary"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary):
+def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary, groups):
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model)
     assert fast is not None, f"{arch}: the self-check refused a supported architecture"
     # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3 never does.
     assert fast._rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
     fast.complex_rotary = complex_rotary
-    rollout = _rollout()
+    rollout = _rollout(groups)
     weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
 
     def loss_and_grads(logprobs):
