@@ -94,6 +94,13 @@ class PrefixSharedLM:
         fast.complex_rotary = False  # e.g. a rotary variant whose halves differ: the plain rotation
         return fast if fast.matches_reference_forward(vocab_size or config.vocab_size) else None
 
+    def for_same_architecture(self, model: Any) -> "PrefixSharedLM":
+        """An instance over another model of this architecture (the frozen reference), with the settings
+        this instance's self-check chose, so both rotate queries and keys the same way."""
+        twin = type(self)(model)
+        twin.complex_rotary = self.complex_rotary
+        return twin
+
     # ----------------------------------------------------------------------------------------- pieces
     def _positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary:
         cos, sin = self.decoder.rotary_emb(x, position_ids)
@@ -228,7 +235,7 @@ class PrefixSharedLM:
         gradient is a sum over G); otherwise rows gather it with an index (a scatter-add backward).
         """
         unique, rows, counts = torch.unique_consecutive(prompt_ids, dim=0, return_inverse=True, return_counts=True)
-        group = len(rows) // len(unique)
+        group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
         unique_mask = torch.zeros(unique.shape, dtype=prompt_mask.dtype, device=prompt_mask.device)
         unique_mask[rows] = prompt_mask

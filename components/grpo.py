@@ -180,7 +180,7 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> 
             print(f"grpo: prefix sharing off: {type(model).__name__} is not a checked Llama-family model; "
                   "using the plain Hugging Face forward")
         elif reference is not None:
-            policy.fast_reference = PrefixSharedLM(reference)
+            policy.fast_reference = policy.fast.for_same_architecture(reference)
     return policy
 
 

@@ -151,6 +151,16 @@ def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_
     rotary.forward = uneven_halves
     fast = PrefixSharedLM.for_model(model)
     assert fast is not None and not fast.complex_rotary  # the plain rotation reproduces it; the complex one cannot
+    # The frozen reference (a copy, as GRPO builds it) must take the same, checked rotation.
+    reference = copy.deepcopy(model)
+    twin = fast.for_same_architecture(reference)
+    assert not twin.complex_rotary
+    rollout = _rollout()
+    with torch.no_grad():
+        expected = completion_logprobs(reference, rollout, 1.0)[0]
+        got = twin.completion_logprobs(rollout, 1.0)[0]
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(got[mask], expected[mask], atol=1e-5)
 
 
 def test_lora_adapters_are_seen_and_can_be_disabled():
