@@ -14,6 +14,7 @@ In float32/float64 the rotary embedding is one complex multiply instead of Huggi
 rows are reordered within each head so that dims i and i + d/2 sit side by side, which makes each
 pair a complex number to rotate by e^(i*theta). Queries and keys get the same order, so their dot
 products, the attention and the outputs are unchanged; only the cached keys are stored reordered.
+
 `PrefixSharedLM.for_model` checks itself against the Hugging Face forward once and returns None
 (callers fall back to the plain path) for architectures it does not know or does not match.
 """
@@ -46,19 +47,22 @@ def _pair_order(heads: int, head_dim: int) -> torch.Tensor:
 
 
 class Rotary:
-    """One forward's rotary embedding: cos/sin [B, 1, L, d], and e^(i*theta) [B, 1, L, d/2] when rotating as complex."""
+    """One forward's rotary embedding: cos/sin [B, 1, L, d]; e^(i*theta) [B, 1, L, d/2] made on first use."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, as_complex: bool):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin
-        half = cos.shape[-1] // 2
-        self.turn = torch.complex(cos[..., :half], sin[..., :half]) if as_complex else None
+        self._turn: torch.Tensor | None = None
+
+    @property
+    def turn(self) -> torch.Tensor:
+        if self._turn is None:
+            half = self.cos.shape[-1] // 2
+            self._turn = torch.complex(self.cos[..., :half], self.sin[..., :half])
+        return self._turn
 
     def at(self, offset: int) -> "Rotary":
         """The rotation of one decoding position (all positions are computed once per decoding run)."""
-        step = Rotary.__new__(Rotary)
-        step.cos, step.sin = (t[:, :, offset:offset + 1] for t in (self.cos, self.sin))
-        step.turn = None if self.turn is None else self.turn[:, :, offset:offset + 1]
-        return step
+        return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
 
 
 class PrefixSharedLM:
@@ -104,10 +108,10 @@ class PrefixSharedLM:
     # ----------------------------------------------------------------------------------------- pieces
     def _positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary:
         cos, sin = self.decoder.rotary_emb(x, position_ids)
-        return Rotary(cos.unsqueeze(1), sin.unsqueeze(1), self._rotates_as_complex(x.dtype))  # broadcast over heads
+        return Rotary(cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads
 
     def _rotates_as_complex(self, dtype: torch.dtype) -> bool:
-        """Complex rotation needs a complex dtype (none for bfloat16) and the plain fused q|k|v path."""
+        """Complex rotation needs a complex dtype (none for bfloat16) and q|k without per-head norms."""
         return (self.complex_rotary and dtype in (torch.float32, torch.float64)
                 and not hasattr(self.decoder.layers[0].self_attn, "q_norm"))
 
@@ -120,10 +124,13 @@ class PrefixSharedLM:
         return self._qkv_order
 
     def fused_weights(self) -> list[tuple[Any, Any]]:
-        """Per layer, (q|k|v weight and bias, gate|up weight) concatenated, so each is one matmul.
+        """Per layer, (q|k|v weight, bias and whether its q|k rows are paired, gate|up weight), so each is
+        one matmul.
 
         None where a projection is not a plain `nn.Linear` (e.g. a LoRA-wrapped one): it is then called
-        as a module. Built once per forward or decoding run; gradients flow back through the cat.
+        as a module. Built once per forward or decoding run; gradients flow back through the cat. `_qkv`
+        rotates paired rows as complex numbers and the others with cos/sin, so the rows' order and the
+        rotation cannot disagree.
         """
         fused = []
         for layer in self.decoder.layers:
@@ -134,10 +141,11 @@ class PrefixSharedLM:
                 biases = [m.bias for m in projections]
                 weight = torch.cat([m.weight for m in projections])
                 bias = None if any(b is None for b in biases) else torch.cat(biases)
-                if self._rotates_as_complex(weight.dtype):  # rows paired for the complex rotation in `_qkv`
+                paired = self._rotates_as_complex(weight.dtype)
+                if paired:
                     order = self._pair_rows(weight.device)
                     weight, bias = weight.index_select(0, order), None if bias is None else bias.index_select(0, order)
-                qkv = (weight, bias)
+                qkv = (weight, bias, paired)
             gate_up = None
             if all(type(m) is torch.nn.Linear and m.bias is None for m in (mlp.gate_proj, mlp.up_proj)):
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -156,17 +164,19 @@ class PrefixSharedLM:
         cos, sin = rotary.cos, rotary.sin
         if fused[0] is not None and not hasattr(attn, "q_norm"):
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
-            qkv = torch.nn.functional.linear(h, *fused[0])
+            weight, bias, paired = fused[0]
+            qkv = torch.nn.functional.linear(h, weight, bias)
             qk = qkv[..., :(heads + kv_heads) * d]
-            if rotary.turn is not None:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex
+            if paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
                 pairs = torch.view_as_complex(qk.unflatten(-1, (heads + kv_heads, d // 2, 2))).transpose(1, 2)
                 qk = torch.view_as_real(pairs * rotary.turn).flatten(-2)
             else:
                 qk = _rope(qk.view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
             v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
             return qk[:, :heads], qk[:, heads:], v
-        if fused[0] is not None:
-            q, k, v = torch.nn.functional.linear(h, *fused[0]).split([heads * d, kv_heads * d, kv_heads * d], -1)
+        if fused[0] is not None:  # never paired: models with q/k norms rotate with cos/sin
+            weight, bias, _ = fused[0]
+            q, k, v = torch.nn.functional.linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q = q.view(b, length, heads, d).transpose(1, 2)
