@@ -402,7 +402,8 @@ def test_promote_rollback_compare_against_the_server(served, servers):
     assert all(p.info.run_id[:12] in proc.stdout for p in newest[:2]), proc.stdout
     assert not any(p.info.run_id[:12] in proc.stdout for p in newest[2:]), proc.stdout
     # A's event run and B's run differ in kl_beta; the scheduled run may start before or after them.
-    by_beta = {p.data.params["grpo.kl_beta"]: p for p in reversed(newest)}
+    # Only finished runs: a scheduled run that began as the fixture stopped the runner has no metrics.
+    by_beta = {p.data.params["grpo.kl_beta"]: p for p in reversed(newest) if p.info.status == "FINISHED"}
     parents = [by_beta["0.04"], by_beta["0.08"]]
     proc = cli(served, servers, "compare", *(p.info.run_id for p in parents))
     assert proc.returncode == 0, proc.stdout
