@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -80,13 +81,16 @@ def _record_compute(stage: str, seconds: float, entered: float, started_at: floa
     """Append the stage's compute time where the pipeline asked for it (its overhead report).
 
     `entered`, `started_at` and `ended_at` are wall-clock stamps (entry, end of warm-up, end of work),
-    so the report can say where the rest of the run's time went.
+    so the report can say where the rest of the run's time went. `gc_frozen` counts the objects the
+    stage inherited frozen from the warm stage server (0 when it ran on its own), which its garbage
+    collections never walk (components/stage_server.py).
     """
     path = os.environ.get(STAGE_TIMINGS_ENV)
     if path:
         with open(path, "a") as fh:
             fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3), "entered": round(entered, 3),
-                                 "started_at": round(started_at, 3), "ended_at": round(time.time(), 3)}) + "\n")
+                                 "started_at": round(started_at, 3), "ended_at": round(time.time(), 3),
+                                 "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled()}) + "\n")
 
 
 def _is_tracking_outage(err: BaseException) -> bool:

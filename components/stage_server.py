@@ -17,6 +17,12 @@ So `prepare` and the flow's MLflow jobs start while torch is still being importe
 does not wait for the modelling code, and no request ever waits for an import it does not need.
 Callers connect to their stage's level socket (`level_path`).
 
+Garbage collection: a level imports with the collector off and freezes what it imported before it
+forks. The imports allocate about 600,000 objects that live as long as the process; collecting
+while they pile up cost a fifth of the import time (5.8 -> 4.4 CPU-s for levels 0, 1 and 3), and
+a child that later ran a full collection walked them all (0.3 s, and a copy of every page it touched).
+Frozen, they are outside the collector's view; each stage child collects its own objects as usual.
+
 Fork safety: a level only imports; it never runs a torch op or opens a database connection, so
 no thread pool or connection exists to be inherited half-initialised; and no process forks while
 it is importing (a child must not inherit a half-imported module).
@@ -25,6 +31,7 @@ it is importing (a child must not inherit a half-imported module).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -55,6 +62,10 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
             # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
             # about a second in every stage that opens the tracking store.
             "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+            # ... and, opening a store, its SQLite dialect, Alembic's schema check and the tracing
+            # provider: 45 ms more in every stage and job (100 -> 55 ms) when left to the child.
+            "sqlalchemy.dialects.sqlite", "alembic.command", "mlflow.tracing.processor.otel",
+            "mlflow.store.tracking.sqlalchemy_workspace_store",
             "components.parent_run", "components.prepare")),
     (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
          "transformers.models.auto.configuration_auto")),
@@ -117,12 +128,14 @@ def serve(path: str, parent_pid: int) -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    gc.disable()  # see "Garbage collection" above; stage children enable it again
     while True:
         for name in LEVELS[level][1]:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - an optional library missing: its stage imports (and reports) it
                 pass
+        gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
         child_level, forker = None, os.getpid()
@@ -162,6 +175,7 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             listener.close()
@@ -207,6 +221,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        gc.enable()  # the level's imports stay frozen; the stage's own objects are collected as usual
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -90,9 +90,10 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from pipelines import warmup
 
     store = warmup.open_tracking_store(root, cfg.tracking.experiment)
-    from pipelines.flow import grpo_pipeline
+    with warmup.imports_without_collection():
+        from pipelines.flow import grpo_pipeline
 
-    import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
+        import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
     store.join(timeout=300)  # a parent run must not race the store's first schema creation
     try:
         if api is not None:

@@ -38,6 +38,9 @@ def test_a_served_stage_writes_its_outputs_reports_compute_and_relays_exit_codes
     assert len((repo / "data" / "prepared" / "train.jsonl").read_text().splitlines()) == 20
     recorded = [json.loads(line) for line in timings.read_text().splitlines()]
     assert [r["stage"] for r in recorded] == ["prepare"] and recorded[0]["compute_seconds"] >= 0
+    # the level's imports (MLflow, pandas: hundreds of thousands of objects) reach the child frozen,
+    # and the child collects its own garbage again
+    assert recorded[0]["gc_frozen"] > 100_000 and recorded[0]["gc_enabled"] is True
     assert run_remote(path, "prepare", ["--set", "task.n_sft=-5"]) == 1  # the stage's own exit code
     assert "error:" in capfd.readouterr().err
 
@@ -54,10 +57,14 @@ def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
     from conftest import copy_project
 
     repo = copy_project(tmp_path / "repo")
+    timings = tmp_path / "times.jsonl"
     proc = run([sys.executable, "-m", "components.launch", "prepare", *TINY], repo,
-               env={SERVER_ENV: "", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
+               env={SERVER_ENV: "", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+                    STAGE_TIMINGS_ENV: str(timings)})
     assert "stage server" not in proc.stdout
     assert (repo / "data" / "prepared" / "heldout.jsonl").exists()
+    recorded = json.loads(timings.read_text())
+    assert recorded["gc_frozen"] == 0 and recorded["gc_enabled"] is True  # nothing inherited, nothing frozen
     bad = run([sys.executable, "-m", "components.launch", "nonsense"], repo, check=False)
     assert bad.returncode == 2 and "usage:" in bad.stdout
 
@@ -120,3 +127,23 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
         time.sleep(0.1)
     assert not left
     assert not any(os.path.exists(level_path(path, level)) for level in range(len(LEVELS)))
+
+
+def test_imports_without_collection_freezes_what_it_imported_and_restores_the_collector():
+    import gc
+
+    from pipelines.warmup import imports_without_collection
+
+    gc.unfreeze()
+    try:
+        with imports_without_collection():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(5000)]  # stands in for an import's long-lived objects
+        assert gc.isenabled() and gc.get_freeze_count() >= len(kept)
+        gc.disable()
+        with imports_without_collection():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.enable()
+        gc.unfreeze()
