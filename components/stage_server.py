@@ -183,15 +183,19 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
             _run_child(request, fds)  # never returns
         caller_gone = not _send(conn, {"accepted": True, "pid": pid})
         conn.setblocking(False)
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                if not caller_gone:
-                    conn.setblocking(True)
-                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-                return
-            readable, _, _ = select.select([] if caller_gone else [conn], [], [], 0.05)
-            if readable:
+        exited = _exit_notifier(pid)
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    if not caller_gone:
+                        conn.setblocking(True)
+                        _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                    return
+                watched = ([] if caller_gone else [conn]) + ([exited] if exited is not None else [])
+                readable, _, _ = select.select(watched, [], [], 0.05 if exited is None else 1.0)
+                if conn not in readable:
+                    continue
                 try:
                     message = conn.recv(64)
                 except OSError:
@@ -199,9 +203,22 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
                 if not message or message.startswith(b"kill"):  # the caller went away or was interrupted
                     os.kill(pid, signal.SIGTERM)
                     caller_gone = caller_gone or not message
+        finally:
+            if exited is not None:
+                os.close(exited)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _exit_notifier(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits (Linux pidfd), so the exit code is relayed
+    at once instead of at the next 50 ms poll (seven stages and four MLflow jobs per run); None where
+    the platform has none, and the loop polls."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _send(conn: socket.socket, message: dict) -> bool:

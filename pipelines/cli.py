@@ -98,7 +98,10 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     try:
         if api is not None:
             api.wait_ready()
-        result = grpo_pipeline(root=str(root))
+        with warmup.flow_settings(api):
+            result = grpo_pipeline(root=str(root))
+        if api is not None:
+            api.request_stop()  # its shutdown (~0.2 s) overlaps the report below; the caller waits for it
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         print(f"\npipeline failed: {err}", file=sys.stderr)
         return 1

@@ -161,6 +161,14 @@ def test_prefect_markdown_artifact_has_table_and_decision(completed):
     assert "**Decision:** version 1 of `grpo-addition` is **champion**" in markdown
 
 
+def test_the_temporary_api_records_the_flow_run_without_heartbeats(completed):
+    """The run's own temporary API stops with the CLI: no heartbeat thread to hold the flow's end."""
+    db = sqlite3.connect(Path(completed["env"]["PREFECT_HOME"]) / "prefect.db")
+    events = dict(db.execute("SELECT event, count(*) FROM events GROUP BY event").fetchall())
+    assert events.get("prefect.flow-run.Running", 0) >= 1  # the API records this run's events at all
+    assert "prefect.flow-run.heartbeat" not in events
+
+
 def test_dvc_push_then_pull_into_a_fresh_clone_restores_data_and_checkpoints(completed, tmp_path):
     """A run is restorable from git + a DVC remote: cached outs (data, models, checkpoints) travel through
     `dvc push`/`dvc pull`; the small uncached metrics and plots are committed with dvc.lock."""
