@@ -119,8 +119,9 @@ class PrefixSharedLM:
         """The fused q|k|v weight's row order for complex rotation (q and k reordered, v as is)."""
         if self._qkv_order is None or self._qkv_order.device != device:
             d, qk_heads = self.head_dim, self.num_heads + self.num_kv_heads
-            self._qkv_order = torch.cat([_pair_order(qk_heads, d),
-                                         torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)]).to(device)
+            with torch.inference_mode(False):  # kept for later forwards, whose backward saves this index
+                self._qkv_order = torch.cat([_pair_order(qk_heads, d),
+                                             torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)]).to(device)
         return self._qkv_order
 
     def fused_weights(self) -> list[tuple[Any, Any]]:

@@ -127,6 +127,32 @@ def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_pat
     assert torch.equal(plain.completion_mask, quick.completion_mask)
 
 
+def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_working():
+    """The fast sampler runs under inference_mode: neither its rollout nor anything it cached may be an
+    inference tensor, or the loss's backward (which saves the ids and the q|k row order) would fail."""
+    model = _llama()
+    fast = PrefixSharedLM(model)  # no self-check: sampling is the first thing this instance ever runs
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (prompts != 0).long()
+
+    class Tok:
+        eos_token_id, pad_token_id = 3, 0
+
+        def __call__(self, texts, **_):
+            from types import SimpleNamespace
+            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
+
+    rollout = sample_groups(model, Tok(), ["a", "b"], 3, 4, generator=torch.Generator().manual_seed(1), fast=fast)
+    tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
+               rollout.truncated)
+    assert not any(t.is_inference() for t in tensors)
+    assert fast._qkv_order is not None and not fast._qkv_order.is_inference()
+    model.train()
+    logp, _ = fast.completion_logprobs(rollout)
+    (logp * rollout.completion_mask).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.model.layers[0].parameters())
+
+
 def test_unsupported_or_mismatching_models_fall_back():
     from transformers import GPT2Config, GPT2LMHeadModel
 
