@@ -87,10 +87,11 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from components.stage_server import imports_without_collection
     from pipelines import warmup
 
     store = warmup.open_tracking_store(root, cfg.tracking.experiment)
-    with warmup.imports_without_collection():
+    with imports_without_collection():
         from pipelines.flow import grpo_pipeline
 
         import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start

@@ -9,12 +9,10 @@ background as soon as the CLI knows it will run the flow; the flow then finds th
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator
 
 
 def configured_prefect_api() -> str | None:
@@ -103,33 +101,18 @@ def flow_settings(api: TemporaryPrefectAPI | None) -> contextlib.AbstractContext
 def serve_prefect_api(port: int) -> None:
     """The temporary API's process: what `uvicorn --factory prefect.server.api.server:create_app` runs.
 
-    Started this way so the server's import and app set-up run with the garbage collector off (see
-    imports_without_collection); the app is the same, built by Prefect's own factory.
+    Started this way so the server's import and app set-up run with the garbage collector off
+    (components.stage_server.imports_without_collection); the app is the same, built by Prefect's
+    own factory.
     """
+    from components.stage_server import imports_without_collection
+
     with imports_without_collection():
         import uvicorn
         from prefect.server.api.server import create_app
 
         app = create_app()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
-
-
-@contextlib.contextmanager
-def imports_without_collection() -> Iterator[None]:
-    """Import with the garbage collector off, then freeze what was imported.
-
-    Importing Prefect, DVC, MLflow or torch allocates hundreds of thousands of objects that live as
-    long as the process; collecting while they pile up costs about a fifth of the import's CPU time.
-    Frozen afterwards, they stay outside later collections, which then only walk new objects.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
 
 
 def detach_api_logging() -> None:

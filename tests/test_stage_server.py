@@ -132,7 +132,7 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
 def test_imports_without_collection_freezes_what_it_imported_and_restores_the_collector():
     import gc
 
-    from pipelines.warmup import imports_without_collection
+    from components.stage_server import imports_without_collection
 
     gc.unfreeze()
     try:
