@@ -18,9 +18,10 @@ does not wait for the modelling code, and no request ever waits for an import it
 Callers connect to their stage's level socket (`level_path`).
 
 Garbage collection: a level imports with the collector off and freezes what it imported before it
-forks (`imports_without_collection`, which the CLI and the temporary Prefect API use too). The imports allocate about 600,000 objects that live as long as the process; collecting
-while they pile up cost a fifth of the import time (5.8 -> 4.4 CPU-s for levels 0, 1 and 3), and
-a child that later ran a full collection walked them all (0.3 s, and a copy of every page it touched).
+forks (`imports_without_collection`, which the CLI and the temporary Prefect API use too). The
+imports allocate about 600,000 objects that live as long as the process; collecting while they
+pile up cost a fifth of the import time (5.8 -> 4.4 CPU-s for levels 0, 1 and 3), and a child that
+later ran a full collection walked them all (0.3 s).
 Frozen, they are outside the collector's view; each stage child collects its own objects as usual.
 
 Fork safety: a level only imports; it never runs a torch op or opens a database connection, so
@@ -193,7 +194,6 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
             return
         sys.stdout.flush()
         sys.stderr.flush()
-        gc.freeze()  # what serving allocated stays out of the child's collections too
         pid = os.fork()
         if pid == 0:
             listener.close()
