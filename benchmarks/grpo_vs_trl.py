@@ -6,11 +6,12 @@ runs in its own process; the controller lets them take turns in short rounds (A 
 these machines are shared and noisy, and reports the median of the per-round completions/s ratios.
 Held-out reward (greedy, >= 1000 prompts, the same evaluator for both) is measured between rounds,
 off the clock. TRL runs at its fastest honest CPU settings (use_cpu, no bf16, no gradient
-checkpointing; ../shared/STACK.md). Optionally also measures the default pipeline's orchestration
-overhead (`--pipeline`, see benchmarks/pipeline_overhead.py).
+checkpointing; ../shared/STACK.md). Then measures the default pipeline's orchestration overhead: the
+median of three `make run`s, each in a fresh clone (`--pipeline-runs`, `--no-pipeline`; see
+benchmarks/pipeline_overhead.py).
 
     pip install -c constraints.txt -e ".[bench]"            # TRL: a benchmark extra, never a runtime dependency
-    python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama, about 15 minutes on 2 cores
+    python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama + overhead, about 25 minutes on 2 cores
     python benchmarks/grpo_vs_trl.py --sizes tiny --rounds 4  # a quick look
 
 Writes benchmarks/results/grpo_vs_trl.{json,md} and logs them to MLflow (experiment grpo-benchmarks).
@@ -450,10 +451,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"Held-out curve, TRL: {curve}", ""]
     if report.get("pipeline_overhead"):
         p = report["pipeline_overhead"]
+        runs = p.get("runs", [p])
         lines += ["## Orchestration overhead of the default pipeline (`make run`, fresh clone)", "",
-                  f"Wall {p['wall_seconds']:.1f} s, stages' own compute {p['compute_seconds']:.1f} s: "
-                  f"overhead (Prefect, MLflow, DVC, start-up, imports) {p['overhead_seconds']:.1f} s = "
-                  f"**{p['overhead_share']:.1%}**. Held-out {p['heldout_before']:.3f} -> {p['heldout_after']:.3f}.", ""]
+                  f"{p.get('statistic', 'one run').capitalize()}: wall {p['wall_seconds']:.1f} s, stages' own compute "
+                  f"{p['compute_seconds']:.1f} s: overhead (Prefect, MLflow, DVC, start-up, imports) "
+                  f"{p['overhead_seconds']:.1f} s = **{p['overhead_share']:.1%}**. Held-out {p['heldout_before']:.3f} -> "
+                  f"{p['heldout_after']:.3f}.", ""]
+        if len(runs) > 1:
+            lines += ["Each run: " + " | ".join(f"{r['overhead_seconds']:.1f} s of {r['wall_seconds']:.1f} s = "
+                                                f"{r['overhead_share']:.1%}" for r in runs), ""]
     gpu = report.get("gpu")
     lines += ["## GPU", "", (f"{gpu['device']}: ~0.5B Qwen2-style config ({gpu['parameters'] / 1e6:.0f}M parameters), "
                              f"generation {gpu['generation_tokens_per_s']:,} tokens/s, update step "
@@ -478,6 +484,8 @@ def log_to_mlflow(report: dict[str, Any], json_path: Path, md_path: Path) -> str
                     mlflow.log_metric(f"{r['size']}.{engine}.{key}", e[key])
         if report.get("pipeline_overhead"):
             mlflow.log_metric("pipeline.overhead_share", report["pipeline_overhead"]["overhead_share"])
+            for i, one in enumerate(report["pipeline_overhead"].get("runs", [])):
+                mlflow.log_metric("pipeline.overhead_share_per_run", one["overhead_share"], step=i)
         mlflow.log_artifact(str(json_path))
         mlflow.log_artifact(str(md_path))
         return run.info.run_id
@@ -499,6 +507,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false",
                         help="skip running the default pipeline (`make run` in a scratch clone) for its overhead")
+    parser.add_argument("--pipeline-runs", type=int, default=3,
+                        help="`make run`s for the overhead, one fresh clone each; the median is reported")
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"), help="scratch folder (reused)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--no-mlflow", dest="mlflow", action="store_false")
@@ -526,10 +536,11 @@ def main() -> int:
     for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
         report["sizes"].append(compare_size(size, args, work))
     if args.pipeline:
-        from benchmarks.pipeline_overhead import measure
+        from benchmarks.pipeline_overhead import measure_runs
 
-        print("measuring the default pipeline's orchestration overhead (make run in a scratch clone) ...", flush=True)
-        report["pipeline_overhead"] = measure(work / "pipeline")
+        print(f"measuring the default pipeline's orchestration overhead ({args.pipeline_runs} x make run, each in a "
+              "fresh scratch clone) ...", flush=True)
+        report["pipeline_overhead"] = measure_runs(work / "pipeline", args.pipeline_runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "grpo_vs_trl.json", out / "grpo_vs_trl.md"

@@ -5,14 +5,20 @@ Clones the committed repository into a scratch folder (reusing this checkout's .
 seconds each stage records between the end of its imports and the end of its work
 (components/stage_cli.py). The difference is Prefect, MLflow, DVC, process start-up and imports.
 
-    python benchmarks/pipeline_overhead.py            # about 5 minutes on 2 CPU cores
+The start-up is CPU-bound on two cores, so the share moves with whatever else the shared machine
+runs (4.3-5.4% for the same code within one evening). As for the engine speed-ups, the figure
+reported is the median of several runs, each a fresh clone; every run is kept in the report.
+
+    python benchmarks/pipeline_overhead.py [WORKDIR] [--runs N]   # about 5 minutes per run on 2 CPU cores
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import statistics
 import shutil
 import subprocess
 import sys
@@ -49,8 +55,34 @@ def measure(work: Path) -> dict:
             "heldout_after": eval_report["candidate"]["mean_reward"]}
 
 
-if __name__ == "__main__":
-    result = measure(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / ".work" / "pipeline")
+def measure_runs(work: Path, runs: int = 3) -> dict:
+    """`measure` `runs` times, one fresh clone each; the run with the median overhead share, plus all of them."""
+    if runs < 1:
+        raise ValueError("runs must be at least 1")
+    results = []
+    for i in range(runs):
+        results.append(measure(work))
+        print(f"  make run {i + 1}/{runs}: overhead {results[-1]['overhead_seconds']:.1f} s of "
+              f"{results[-1]['wall_seconds']:.1f} s = {results[-1]['overhead_share']:.1%}", flush=True)
+    median_share = statistics.median_low(r["overhead_share"] for r in results)
+    median_run = next(r for r in results if r["overhead_share"] == median_share)
+    return {**median_run, "statistic": f"median of {runs} runs" if runs > 1 else "one run",
+            "runs": [{k: r[k] for k in ("wall_seconds", "compute_seconds", "overhead_seconds", "overhead_share")}
+                     for r in results]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("work", nargs="?", default=str(ROOT / "benchmarks" / ".work" / "pipeline"))
+    parser.add_argument("--runs", type=int, default=3, help="make runs, one fresh clone each (median reported)")
+    args = parser.parse_args(argv)
+    result = measure_runs(Path(args.work), args.runs)
     print(json.dumps(result, indent=2))
-    print(f"orchestration overhead of `make run`: {result['overhead_seconds']:.1f} s of {result['wall_seconds']:.1f} s "
-          f"= {result['overhead_share']:.1%}")
+    print(f"orchestration overhead of `make run` ({result['statistic']}): {result['overhead_seconds']:.1f} s of "
+          f"{result['wall_seconds']:.1f} s = {result['overhead_share']:.1%} (runs: "
+          + ", ".join(f"{r['overhead_share']:.1%}" for r in result["runs"]) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
