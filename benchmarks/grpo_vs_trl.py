@@ -11,7 +11,7 @@ median of three `make run`s, each in a fresh clone (`--pipeline-runs`, `--no-pip
 benchmarks/pipeline_overhead.py).
 
     pip install -c constraints.txt -e ".[bench]"            # TRL: a benchmark extra, never a runtime dependency
-    python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama + overhead, about 25 minutes on 2 cores
+    python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama + overhead, about 20 minutes on 2 cores
     python benchmarks/grpo_vs_trl.py --sizes tiny --rounds 4  # a quick look
 
 Writes benchmarks/results/grpo_vs_trl.{json,md} and logs them to MLflow (experiment grpo-benchmarks).
