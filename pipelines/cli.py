@@ -115,6 +115,8 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     print(f"registered model: {reg['model_uri']} -> {'champion' if reg['promoted'] else 'challenger'} "
           f"({reg['reason']})")
     print(f"load it with: mlflow.pyfunc.load_model('{reg['champion_uri']}')")
+    if any(not stage["skipped"] for stage in result["stages"]):  # DVC's own hint came once per stage
+        print("record the run in git: git add -f dvc.lock params.yaml metrics plots && git commit")
     report_overhead(result)
     print("=" * 72)
     return 0

@@ -51,6 +51,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    print_dvc_lines_once()
     logger = get_run_logger()
     started = time.perf_counter()
     previous_env, previous_cwd = dict(os.environ), os.getcwd()
@@ -58,6 +59,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
         with captured_output() as lines, Repo(root) as repo:
+            repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
             ran = repo.reproduce(stage, single_item=True)
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
@@ -71,6 +73,14 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     skipped = not ran
     logger.info("stage %s %s in %.1fs", stage, "up to date" if skipped else "ran", seconds)
     return {"stage": stage, "skipped": skipped, "seconds": round(seconds, 2)}
+
+
+def print_dvc_lines_once() -> None:
+    """DVC prints through handlers of its own; passed on to the root logger as well, where Prefect's
+    console handler sits, every DVC line ("Running stage ...") came out twice."""
+    import logging
+
+    logging.getLogger("dvc").propagate = False
 
 
 @contextlib.contextmanager

@@ -49,6 +49,10 @@ def test_run_prints_before_after_and_model_uri(completed):
     assert re.search(r"held-out mean reward after GRPO:  \d\.\d{4}", out)
     assert "registered model: models:/grpo-addition/1 -> champion (no champion yet)" in out
     assert ran_stages(out) == STAGES
+    # DVC's lines once each (not again through Prefect's console handler), its git hint once per run
+    assert all(out.count(f"Running stage '{stage}'") == 1 for stage in STAGES), out
+    assert "To track the changes with git" not in out
+    assert out.count("record the run in git: git add -f dvc.lock params.yaml metrics plots") == 1
 
 
 def test_run_reports_overhead_and_shuts_down_without_prefect_log_errors(completed):
