@@ -57,6 +57,8 @@ PER_STEP = SHARED["prompts_per_step"] * SHARED["group_size"]  # completions per 
 def hyperparameters(size: str) -> dict[str, Any]:
     """What both engines train one size with: SHARED, with that size's own values (its learning rate)."""
     return {**SHARED, **SIZES[size]["grpo"]}
+
+
 ENGINES = ("ours", "trl")
 
 
