@@ -156,7 +156,12 @@ def served(servers):
             except Exception:  # noqa: BLE001 - not registered yet
                 time.sleep(1)
         assert deployment is not None, (tmp / "serve.log").read_text()[-3000:]
-        automations = api(servers, "POST", "/automations/filter", {})
+        # Prefect creates a deployment's trigger (an automation) just after the deployment itself.
+        automations: list[dict] = []
+        while time.monotonic() < deadline and not any(a["trigger"].get("expect") == ["grpo.dataset.updated"]
+                                                      for a in automations):
+            time.sleep(0.2)
+            automations = api(servers, "POST", "/automations/filter", {})
         assert any(a["trigger"].get("expect") == ["grpo.dataset.updated"] for a in automations), automations
         time.sleep(3)  # let the trigger be loaded by the server's triggers service
         started = time.time()
