@@ -39,7 +39,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # The pipeline's embedded default model and its SFT warm start.
     "tiny": {"model": {}, "sft": {}, "grpo": {}},
     # ~25M parameters, random init, same character tokenizer: matrix work dominates. Its warm start
-    # answers 56% of the held-out prompts (at the SFT rate of 1e-3 used before: 2%). The tiny model's
+    # answers 56% of the held-out prompts (at the SFT rate of 1e-3 used before: 1-3%). The tiny model's
     # GRPO rate of 5e-4 wrecks it within 8 steps (held-out 3%); at 2e-5 it learns (measured, ours:
     # 0.556 -> 0.580 after 48 steps, 1e-4 -> 0.150, 5e-5 -> 0.403). Both engines get the same rate.
     "medium": {"model": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408,
