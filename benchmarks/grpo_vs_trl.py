@@ -12,6 +12,7 @@ benchmarks/pipeline_overhead.py).
 
     pip install -c constraints.txt -e ".[bench]"            # TRL: a benchmark extra, never a runtime dependency
     python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama + overhead, about 20 minutes on 2 cores
+                                                              # (5 more the first time: the 25M warm start)
     python benchmarks/grpo_vs_trl.py --sizes tiny --rounds 4  # a quick look
 
 Writes benchmarks/results/grpo_vs_trl.{json,md} and logs them to MLflow (experiment grpo-benchmarks).
@@ -478,15 +479,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"Held-out curve, TRL: {curve}", ""]
     if report.get("pipeline_overhead"):
         p = report["pipeline_overhead"]
-        runs = p.get("runs", [p])
         lines += ["## Orchestration overhead of the default pipeline (`make run`, fresh clone)", "",
-                  f"{p.get('statistic', 'one run').capitalize()}: wall {p['wall_seconds']:.1f} s, stages' own compute "
+                  f"{p['statistic'].capitalize()}: wall {p['wall_seconds']:.1f} s, stages' own compute "
                   f"{p['compute_seconds']:.1f} s: overhead (Prefect, MLflow, DVC, start-up, imports) "
                   f"{p['overhead_seconds']:.1f} s = **{p['overhead_share']:.1%}**. Held-out {p['heldout_before']:.3f} -> "
                   f"{p['heldout_after']:.3f}.", ""]
-        if len(runs) > 1:
+        if len(p["runs"]) > 1:
             lines += ["Each run: " + " | ".join(f"{r['overhead_seconds']:.1f} s of {r['wall_seconds']:.1f} s = "
-                                                f"{r['overhead_share']:.1%}" for r in runs), ""]
+                                                f"{r['overhead_share']:.1%}" for r in p["runs"]), ""]
     gpu = report.get("gpu")
     lines += ["## GPU", "", (f"{gpu['device']}: ~0.5B Qwen2-style config ({gpu['parameters'] / 1e6:.0f}M parameters), "
                              f"generation {gpu['generation_tokens_per_s']:,} tokens/s, update step "
@@ -513,7 +513,7 @@ def log_to_mlflow(report: dict[str, Any], json_path: Path, md_path: Path) -> str
                     mlflow.log_metric(f"{r['size']}.{engine}.{key}", e[key])
         if report.get("pipeline_overhead"):
             mlflow.log_metric("pipeline.overhead_share", report["pipeline_overhead"]["overhead_share"])
-            for i, one in enumerate(report["pipeline_overhead"].get("runs", [])):
+            for i, one in enumerate(report["pipeline_overhead"]["runs"]):
                 mlflow.log_metric("pipeline.overhead_share_per_run", one["overhead_share"], step=i)
         mlflow.log_artifact(str(json_path))
         mlflow.log_artifact(str(md_path))

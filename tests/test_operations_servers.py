@@ -157,12 +157,13 @@ def served(servers):
                 time.sleep(1)
         assert deployment is not None, (tmp / "serve.log").read_text()[-3000:]
         # Prefect creates a deployment's trigger (an automation) just after the deployment itself.
-        automations: list[dict] = []
-        while time.monotonic() < deadline and not any(a["trigger"].get("expect") == ["grpo.dataset.updated"]
-                                                      for a in automations):
-            time.sleep(0.2)
+        def data_trigger() -> list[dict]:
             automations = api(servers, "POST", "/automations/filter", {})
-        assert any(a["trigger"].get("expect") == ["grpo.dataset.updated"] for a in automations), automations
+            return [a for a in automations if a["trigger"].get("expect") == ["grpo.dataset.updated"]]
+
+        while not data_trigger() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert data_trigger(), api(servers, "POST", "/automations/filter", {})
         time.sleep(3)  # let the trigger be loaded by the server's triggers service
         started = time.time()
         event_out = run([cli, "data", "update", str(incoming), "--root", str(repos["A"])], repos["A"], env=env).stdout
