@@ -1,8 +1,10 @@
 """Stage `model`: the starting policy and its tokenizer.
 
 For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
-of the prepared datasets, and saves both with `save_pretrained`. For a user's model directory it
-only checks the directory loads safely and records a pointer (no multi-GB copy).
+of the prepared datasets, and writes the checkpoint `save_pretrained` would write, with torch alone
+(components/tiny_checkpoint.py: no Hugging Face modelling import on the run's critical path). For a
+user's model directory it only checks the directory loads safely and records a pointer (no
+multi-GB copy).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import sys
 
 from components.config import PipelineConfig
 from components.data import SPLITS, iter_jsonl, split_path
-from components.modeling import (build_char_tokenizer, build_tiny_model, count_parameters, hub_download_allowed,
-                                 resolve_model_dir, save_model, write_pointer)
+from components.modeling import (build_char_tokenizer, hub_download_allowed, resolve_model_dir, write_pointer,
+                                 write_provenance)
 from components.paths import Paths
 from components.stage_cli import stage_main
+from components.tiny_checkpoint import write_tiny_checkpoint
 
 
 def dataset_texts(paths: Paths):
@@ -40,11 +43,11 @@ def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
             print(f"model: using {cfg.model.name_or_path}")
             return
         tokenizer = build_char_tokenizer(dataset_texts(paths))
-        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
-        save_model(model, tokenizer, out, extra={"source": "tiny", "parameters": count_parameters(model)})
+        parameters = write_tiny_checkpoint(cfg.model.tiny, tokenizer, cfg.seed, out)
+        write_provenance(out, {"source": "tiny", "parameters": parameters})
         run.set_tags({"model.source": "tiny"})
-        run.log_metrics({"parameters": count_parameters(model), "vocabulary": len(tokenizer)})
-        print(f"model: tiny Llama, {count_parameters(model):,} parameters, vocabulary {len(tokenizer)}")
+        run.log_metrics({"parameters": parameters, "vocabulary": len(tokenizer)})
+        print(f"model: tiny Llama, {parameters:,} parameters, vocabulary {len(tokenizer)}")
 
 
 def main(argv: list[str] | None = None) -> int:

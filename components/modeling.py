@@ -104,7 +104,12 @@ def save_model(model, tokenizer, out_dir: Path, extra: dict[str, Any] | None = N
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     if extra is not None:
-        (out_dir / "provenance.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+        write_provenance(out_dir, extra)
+
+
+def write_provenance(out_dir: Path, extra: dict[str, Any]) -> None:
+    """Where a saved model came from (stage, steps, source), beside its weights."""
+    (out_dir / "provenance.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
 
 
 def count_parameters(model) -> int:

@@ -21,7 +21,9 @@ HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_ll
 # runs Great Expectations and needs only the tokenizer and config (transformers' config imports torch).
 TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto",
                      "transformers.models.auto.configuration_auto")
-STAGE_IMPORTS = {"prepare": ("mlflow",), "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
+# `model` writes the tiny default with torch alone (components/tiny_checkpoint.py).
+STAGE_IMPORTS = {"prepare": ("mlflow",), "base_model": ("mlflow", "torch", *TOKENIZER_IMPORTS),
+                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
 
 
 class StageFailed(RuntimeError):

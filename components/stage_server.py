@@ -9,12 +9,15 @@ relays the exit code. DVC still runs, times and records each stage; only the imp
 Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
 the server's, the launcher simply runs the stage itself.
 
-The server is a tree of processes, one per import level (LEVELS): level 0 imports MLflow and what
-`prepare` needs and forks level 1 (torch, transformers' config and tokenizers), which forks level 2
-(Great Expectations, for `validate`) and level 3 (the Llama modelling code and the training
-stages) side by side. Each level then serves the stages whose modules it and its ancestors have.
-So `prepare` and the flow's MLflow jobs start while torch is still being imported, `validate`
-does not wait for the modelling code, and no request ever waits for an import it does not need.
+The server is a line of processes, one per import level (LEVELS), each forked from the one before
+once its imports are done, in the order the stages need them: level 0 imports MLflow and serves
+`prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config and tokenizers and
+serves `model` (the tiny default is written with torch alone, components/tiny_checkpoint.py);
+level 2 adds Great Expectations for `validate`; level 3 adds the Llama modelling code for the
+training stages, importing while `validate` runs. So `prepare` and the MLflow jobs start while
+torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
+names each level's parent, so a level can also have several children importing side by side;
+`validate` and the modelling code did, and competed for the two cores while `model` waited.)
 Callers connect to their stage's level socket (`level_path`).
 
 Garbage collection: a level imports with the collector off and freezes what it imported before it
@@ -70,9 +73,10 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
             "mlflow.store.tracking.sqlalchemy_workspace_store",
             "components.parent_run", "components.prepare")),
     (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
-         "transformers.models.auto.configuration_auto")),
+         "transformers.models.auto.configuration_auto", "components.base_model")),
     (1, ("great_expectations", "components.validate")),
-    (1, ("transformers.models.llama.modeling_llama", "components.base_model", "components.sft", "components.grpo",
+    # Needed from `sft` on: imported while `validate` runs, not while `model` and `validate` wait.
+    (2, ("transformers.models.llama.modeling_llama", "components.sft", "components.grpo",
          "components.evaluate", "mlflow.pyfunc", "components.register")),
 )
 HEADER_LIMIT = 1 << 20
