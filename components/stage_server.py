@@ -125,8 +125,9 @@ def level_path(path: str, level: int) -> str:
     return path if level == 0 else f"{path}.{level}"
 
 
-def _die_with_parent() -> None:
-    """SIGTERM when the parent level exits (Linux), so a level still importing stops with the server."""
+def die_with_parent() -> None:
+    """SIGTERM when the parent process exits (Linux): a level still importing stops with the server, and
+    the temporary Prefect API (forked from the CLI, pipelines/warmup.py) with the CLI."""
     try:
         import ctypes
 
@@ -168,7 +169,7 @@ def serve(path: str, parent_pid: int) -> None:
                 break
         if child_level is None:
             break  # this process serves `level`
-        _die_with_parent()
+        die_with_parent()
         if os.getppid() != forker:  # the parent level stopped before the death signal was armed
             os._exit(0)
         level, watched = child_level, forker

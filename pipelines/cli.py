@@ -42,11 +42,11 @@ def _run_locked(args: argparse.Namespace) -> int:
     root = Path(args.root).resolve()
     server = api = None
     if not args.dry_run:
-        # First thing, before Prefect is imported: the warm stage interpreter and a temporary Prefect
-        # API (when none is configured) start while the CLI checks the config (pipelines/warmup.py).
+        # First thing, before Prefect is imported: the warm stage interpreter starts while the CLI
+        # checks the config, and the temporary Prefect API's address is chosen (pipelines/warmup.py).
         server = start_server(str(root))
         os.environ[SERVER_ENV] = server[1]
-        api = warmup.start_prefect_api()
+        api = warmup.plan_prefect_api()
     try:
         return _check_and_run(args, root, api)
     finally:
@@ -90,6 +90,10 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from components.stage_server import imports_without_collection
     from pipelines import warmup
 
+    if api is not None:
+        with imports_without_collection():
+            import prefect  # noqa: F401 - the temporary API is forked from here and shares this import
+        api.start()  # before any thread of this process starts (the store's, just below)
     store = warmup.open_tracking_store(root, cfg.tracking.experiment)
     with imports_without_collection():
         from pipelines.flow import grpo_pipeline

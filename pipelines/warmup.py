@@ -2,14 +2,16 @@
 
 A run needs two things that each take seconds to start: the warm stage interpreter (torch,
 transformers, MLflow imports; it also opens the MLflow store, see components/parent_run.py) and
-Prefect's temporary API server (when no PREFECT_API_URL is set). Both are started here in the
-background as soon as the CLI knows it will run the flow; the flow then finds them ready.
+Prefect's temporary API server (when no PREFECT_API_URL is set). The CLI starts the stage server
+first thing, and the API as soon as it has imported Prefect itself (forked from the CLI, sharing
+that import); both come up while the CLI imports the flow and DVC, and the flow finds them ready.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -37,26 +39,46 @@ class TemporaryPrefectAPI:
     """What Prefect's ephemeral mode starts (the API on a free loopback port, UI off), started earlier.
 
     Prefect starts it lazily inside the first flow call, after its server module is imported into
-    this process; started here first thing, it comes up while everything else is importing. Only
-    used when no API is configured; PREFECT_API_URL points the flow at it.
+    this process; started here, it comes up while the CLI imports the flow and DVC. Only used when
+    no API is configured; PREFECT_API_URL (set when the port is chosen, before this process imports
+    Prefect) points the flow at it.
     """
+
+    SETTINGS = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
     def __init__(self) -> None:
         import socket
-        import subprocess
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/api"
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "pipelines.warmup", "serve-prefect-api", str(self.port)],
-                                        env=env, stdin=subprocess.DEVNULL)
+        self.process: subprocess.Popen | ForkedServer | None = None
+
+    def start(self) -> None:
+        """Fork the API from this process once it has imported Prefect; a fresh interpreter otherwise.
+
+        The API imports Prefect too (about 1 CPU-second of its 3); forked, it shares this process's
+        import instead of repeating it while both cores are busy starting the run (0.5 s less
+        orchestration overhead, measured). Forking is safe only while this process runs no other
+        thread (a child inherits no threads, but any lock one held), so with another thread alive
+        (Prefect's first-import telemetry in a terminal, for one) it starts a fresh interpreter.
+        """
+        import threading
+
+        if "prefect" in sys.modules and threading.active_count() == 1 and hasattr(os, "fork"):
+            self.process = ForkedServer.start(self.port, self.SETTINGS)
+        else:
+            env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+            self.process = subprocess.Popen([sys.executable, "-m", "pipelines.warmup", "serve-prefect-api",
+                                             str(self.port)], env={**env, **self.SETTINGS}, stdin=subprocess.DEVNULL)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         import time
         import urllib.request
 
+        if self.process is None:
+            raise RuntimeError("the temporary Prefect API was never started")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -72,15 +94,83 @@ class TemporaryPrefectAPI:
     def request_stop(self) -> None:
         """Ship the last logs and events, then ask the API to shut down without waiting for it."""
         detach_api_logging()
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
 
     def stop(self) -> None:
         self.request_stop()
+        if self.process is None:
+            return
         try:
             self.process.wait(timeout=15)
         except Exception:  # noqa: BLE001
             self.process.kill()
+
+
+class ForkedServer:
+    """The temporary API forked from the CLI: `serve_prefect_api` in a child, and the part of
+    `subprocess.Popen`'s interface that TemporaryPrefectAPI uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    @classmethod
+    def start(cls, port: int, settings: dict[str, str]) -> "ForkedServer":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return cls(pid)
+        code = 1
+        try:  # the child: never returns into the CLI's frames
+            import signal
+
+            from components.stage_server import die_with_parent
+
+            die_with_parent()  # it also holds the CLI's inherited run lock: it must not outlive the CLI
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn installs its own once it serves
+                signal.signal(sig, signal.SIG_DFL)
+            os.environ.update(settings)
+            serve_prefect_api(port)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported like an uncaught exception, then the child exits
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"temporary Prefect API (pid {self.pid})", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal("SIGTERM")
+
+    def kill(self) -> None:
+        self._signal("SIGKILL")
+
+    def _signal(self, name: str) -> None:
+        import signal
+
+        if self.poll() is None:
+            os.kill(self.pid, getattr(signal, name))
 
 
 def flow_settings(api: TemporaryPrefectAPI | None) -> contextlib.AbstractContextManager:
@@ -140,14 +230,18 @@ def detach_api_logging() -> None:
             logger.removeHandler(handler)
 
 
-def start_prefect_api() -> TemporaryPrefectAPI | None:
-    """A temporary API for this run unless one is configured or ephemeral mode is switched off."""
+def plan_prefect_api() -> TemporaryPrefectAPI | None:
+    """A temporary API for this run unless one is configured or ephemeral mode is switched off.
+
+    Only its port is chosen here, so PREFECT_API_URL is set before Prefect is first imported (Prefect
+    reads it then); `start()` follows once the CLI has imported Prefect.
+    """
     if configured_prefect_api():
         return None
     if os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() in ("0", "false"):
         return None
     api = TemporaryPrefectAPI()
-    os.environ["PREFECT_API_URL"] = api.url  # read when Prefect is first imported, below
+    os.environ["PREFECT_API_URL"] = api.url
     return api
 
 

@@ -1,0 +1,114 @@
+"""The run's temporary Prefect API (pipelines/warmup.py): forked from the CLI, or a fresh interpreter.
+
+Each case runs in its own interpreter (pytest's has threads of its own) with a fresh PREFECT_HOME,
+starts the real API and runs a real flow against it.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from components.locks import LockBusy, file_lock
+from conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = r"""
+import json, os, sys, threading, urllib.request
+from pipelines import warmup
+
+api = warmup.plan_prefect_api()
+import prefect  # the CLI imports Prefect, then starts the API (pipelines/cli.py)
+from prefect import flow
+
+if sys.argv[1] == "with-thread":  # e.g. Prefect's first-import telemetry thread in a terminal
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+api.start()
+kind = type(api.process).__name__
+api.wait_ready()
+
+@flow(name="temporary-api-check")
+def answer() -> int:
+    return 42
+
+result = answer()
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    runs = client.read_flow_runs()
+print(json.dumps({"kind": kind, "url": api.url, "pid": api.process.pid, "result": result,
+                  "runs": [(r.name, r.state_type.value) for r in runs]}), flush=True)
+if sys.argv[1] == "hold":  # hold the run lock, then wait to be killed
+    sys.stdin.readline()
+api.stop()
+print(json.dumps({"returncode": api.process.returncode}), flush=True)
+"""
+
+
+def run_script(tmp_path, mode: str, **popen) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode,kind", [("plain", "ForkedServer"), ("with-thread", "Popen")])
+def test_api_serves_a_flow_and_stops(tmp_path, mode, kind):
+    """Forked from the CLI when it runs no other thread; a fresh interpreter when one runs."""
+    proc = run_script(tmp_path, mode)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    started, stopped = (json.loads(line) for line in out.strip().splitlines()[-2:])
+    assert started["kind"] == kind
+    assert started["result"] == 42
+    assert started["runs"] == [[started["runs"][0][0], "COMPLETED"]]  # recorded by this API, in this home
+    assert stopped["returncode"] in (0, -signal.SIGTERM)
+    assert not answers(started["url"])
+
+
+def test_forked_api_dies_with_a_killed_cli_and_frees_the_run_lock(tmp_path):
+    """The forked API inherits the CLI's run lock (flock); it must not keep it after the CLI is SIGKILLed."""
+    lock = tmp_path / "run.lock"
+    holder = (
+        "import sys\n"
+        "from components.locks import file_lock\n"
+        f"with file_lock(__import__('pathlib').Path({str(lock)!r}), 'test run'):\n"
+        "    exec(compile(sys.argv[2], 'script', 'exec'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.Popen([sys.executable, "-c", holder, "hold", SCRIPT], cwd=ROOT, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    started = json.loads(proc.stdout.readline())
+    assert started["kind"] == "ForkedServer" and answers(started["url"])
+    with pytest.raises(LockBusy):
+        with file_lock(lock, "test run"):
+            pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    try:
+        with file_lock(lock, "test run", wait_s=30):  # free once the API has followed the CLI
+            pass
+        deadline = time.monotonic() + 30
+        while answers(started["url"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not answers(started["url"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # an API that outlived the CLI: not left behind
+            os.kill(started["pid"], signal.SIGKILL)
