@@ -64,8 +64,6 @@ class TemporaryPrefectAPI:
         thread (a child inherits no threads, but any lock one held), so with another thread alive
         (Prefect's first-import telemetry in a terminal, for one) it starts a fresh interpreter.
         """
-        import threading
-
         if "prefect" in sys.modules and threading.active_count() == 1 and hasattr(os, "fork"):
             self.process = ForkedServer.start(self.port, self.SETTINGS)
         else:
@@ -118,6 +116,7 @@ class ForkedServer:
     def start(cls, port: int, settings: dict[str, str]) -> "ForkedServer":
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid:
             return cls(pid)
@@ -128,6 +127,8 @@ class ForkedServer:
             from components.stage_server import die_with_parent
 
             die_with_parent()  # it also holds the CLI's inherited run lock: it must not outlive the CLI
+            if os.getppid() != parent:  # the CLI exited before the death signal was armed
+                os._exit(0)
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn installs its own once it serves
                 signal.signal(sig, signal.SIG_DFL)
