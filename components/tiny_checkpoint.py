@@ -77,8 +77,6 @@ def write_tiny_checkpoint(tiny: TinyModelConfig, tokenizer, seed: int, out_dir: 
     """Write the tiny Llama and `tokenizer` to `out_dir` as `save_pretrained` would; returns the parameter count."""
     from safetensors.torch import save_file
 
-    if tiny.hidden_size % tiny.num_heads:
-        raise ValueError(f"model.tiny.hidden_size {tiny.hidden_size} must divide by num_heads {tiny.num_heads}")
     ids = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
     config = tiny_llama_config(tiny, len(tokenizer), **ids)
     generation = {"_from_model_config": True, "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
