@@ -18,12 +18,13 @@ STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
 HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
 # Stages that use less: `prepare` reads and writes JSONL and logs to MLflow (no torch); `validate`
-# runs Great Expectations and needs only the tokenizer and config (transformers' config imports torch).
+# runs Great Expectations (components/gx_import.py) and needs only the tokenizer and config
+# (transformers' config imports torch).
 TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto",
                      "transformers.models.auto.configuration_auto")
 # `model` writes the tiny default with torch alone (components/tiny_checkpoint.py).
 STAGE_IMPORTS = {"prepare": ("mlflow",), "base_model": ("mlflow", "torch", *TOKENIZER_IMPORTS),
-                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
+                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "components.gx_import")}
 
 
 class StageFailed(RuntimeError):
@@ -89,10 +90,12 @@ def _record_compute(stage: str, seconds: float, entered: float, started_at: floa
     """
     path = os.environ.get(STAGE_TIMINGS_ENV)
     if path:
+        server = sys.modules.get("components.stage_server")
+        frozen = getattr(server, "frozen_objects", 0)
         with open(path, "a") as fh:
             fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3), "entered": round(entered, 3),
                                  "started_at": round(started_at, 3), "ended_at": round(time.time(), 3),
-                                 "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled()}) + "\n")
+                                 "gc_frozen": frozen, "gc_enabled": gc.isenabled()}) + "\n")
 
 
 def _is_tracking_outage(err: BaseException) -> bool:

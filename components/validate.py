@@ -133,7 +133,7 @@ def iter_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
 def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUNK_ROWS) -> list[Violation]:
     """Run the suites on every split, chunk by chunk; raise `StageFailed` listing every violation."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    import great_expectations as gx
+    from components.gx_import import great_expectations as gx
     from transformers import AutoConfig
 
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)

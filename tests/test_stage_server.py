@@ -89,7 +89,7 @@ def test_every_stage_finds_its_warm_up_imports_at_its_own_level():
     from components.stage_server import LEVELS, STAGE_MODULES, level_modules, level_of
 
     assert level_of("prepare") == 0 and level_of("parent_run") == 0  # no torch before the first stage
-    assert "torch" not in level_modules(0) and "great_expectations" not in level_modules(level_of("model"))
+    assert "torch" not in level_modules(0) and "components.gx_import" not in level_modules(level_of("model"))
     assert "transformers.models.llama.modeling_llama" not in level_modules(level_of("validate"))
     assert "transformers.models.llama.modeling_llama" not in level_modules(level_of("model"))  # tiny_checkpoint
     assert level_of("nonsense") == len(LEVELS) - 1
