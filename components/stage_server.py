@@ -141,8 +141,8 @@ def die_with_parent() -> None:
 
 
 def serve(path: str, parent_pid: int) -> None:
-    global frozen_objects
     """Bind every level's socket first (callers queue), then become the tree of levels and serve."""
+    global frozen_objects
     listeners = []
     for level in range(len(LEVELS)):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
