@@ -2,7 +2,7 @@
 
 Importing Great Expectations imports every expectation class it ships. One of them,
 `ExpectColumnKLDivergenceToBeLessThan`, imports scipy.stats and altair at module level for its
-statistics and its charts: about 0.8 of the package's 2.0-2.6 CPU-seconds of import, paid by the
+statistics and its charts: 0.8-1.2 of the package's 2.1-2.6 CPU-seconds of import (measured), paid by the
 `validate` stage (and the warm stage server's level that serves it) while the pipeline's start-up
 keeps both cores busy. The suites here never use that expectation. The two modules are bound
 where GX imports them but only loaded when something reads an attribute of them, so a suite that
