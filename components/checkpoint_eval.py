@@ -46,7 +46,7 @@ def load_for_eval(cfg: PipelineConfig, path: Path, paths: Paths, device):
 
 def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) -> dict[str, Any]:
     """Mean greedy reward on the held-out split, with per-prompt completions and rewards."""
-    from components.grpo import reward_columns
+    from components.data import reward_columns
 
     e = cfg.evaluate
     seed_everything(cfg.seed, cfg.threads)

@@ -119,6 +119,14 @@ class SFTConfig:
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    stop_at_reward: float | None = None
+    """Stop once the greedy mean reward (grpo.rewards) on `check_prompts` GRPO training prompts reaches
+    this: a partial warm start that lands in the same band on any CPU and seed, leaving GRPO room.
+    null: train all epochs."""
+    check_every: int = 20
+    """Optimizer steps between those checks."""
+    check_prompts: int = 200
+    """Training prompts (never SFT demonstrations) the check decodes greedily."""
 
 
 @dataclass
@@ -218,13 +226,15 @@ class GRPOConfig:
     kl_beta: float = 0.04
     """KL coefficient; 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL(pi || pi_ref) estimator (Schulman's k1/k2/k3)."""
+    """Per-token KL estimator (Schulman's k1/k2/k3). As a loss term k3's gradient is that of KL(ref || pi)
+    (TRL's choice), k2's that of KL(pi || ref); k1's expected gradient is zero, so it is refused with kl_beta > 0."""
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
     epsilon_high: float | None = None
     """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
     loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
-    """Loss aggregation: per-sequence mean (`grpo`), batch token mean (`bnpo`/`dapo`), or sum / (N * max_len) (`dr_grpo`)."""
+    """Loss aggregation: per-sequence mean (`grpo`); token mean over the whole accumulated batch (`dapo`) or over
+    each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scaling: divide by group std, batch std, or nothing (Dr. GRPO)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -527,6 +537,12 @@ def validate_config(cfg: PipelineConfig) -> None:
     except (ValueError, IndexError) as err:
         raise ConfigError(f"prompt.template: not a valid format string ({err})") from err
     _require(s.epochs >= 1, "sft.epochs", "must be >= 1")
+    _require(s.stop_at_reward is None or s.stop_at_reward > 0, "sft.stop_at_reward", "must be > 0, or null")
+    _require(s.check_every >= 1, "sft.check_every", "must be >= 1")
+    _require(s.check_prompts >= 1, "sft.check_prompts", "must be >= 1")
+    _require(not (s.stop_at_reward is not None and cfg.distributed.strategy == "fsdp2" and cfg.distributed.nproc > 1),
+             "sft.stop_at_reward", "is not supported with distributed.strategy: fsdp2 (the sharded model cannot "
+             "decode the check on one rank); set it to null or use ddp")
     ops = cfg.operations
     _require(ops.cron is None or len(ops.cron.split()) in (5, 6), "operations.cron",
              "must be a cron expression with 5 fields (minute hour day month weekday), or null")
@@ -555,6 +571,9 @@ def validate_config(cfg: PipelineConfig) -> None:
              f"must be <= the batch (prompts_per_step * group_size = {batch})")
     _require(g.gradient_accumulation_steps >= 0, "grpo.gradient_accumulation_steps", "must be >= 0")
     _require(g.dynamic_sampling.max_tries >= 1, "grpo.dynamic_sampling.max_tries", "must be >= 1")
+    _require(not (g.dynamic_sampling.enabled and g.algorithm == "reinforce"), "grpo.dynamic_sampling.enabled",
+             "must be false with grpo.algorithm: reinforce: with one completion per prompt no group has reward "
+             "variance, so dynamic sampling would drop every batch and train nothing")
     _require(g.overlong.buffer >= 1 and g.overlong.buffer <= g.max_completion_length, "grpo.overlong.buffer",
              "must be in [1, grpo.max_completion_length]")
     _require(g.overlong.penalty >= 0, "grpo.overlong.penalty", "must be >= 0")
@@ -572,6 +591,10 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(0 <= g.min_lr_ratio <= 1, "grpo.min_lr_ratio", "must be in [0, 1]")
     _require(g.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
     _require(g.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
+    _require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",
+             "k1 cannot be a loss term with grpo.kl_beta > 0: its expected gradient is exactly zero, so it "
+             "would not regularise; use k3 (gradient of KL(ref || policy), TRL's choice) or k2 (gradient of "
+             "KL(policy || ref))")
     _require(0 < g.epsilon < 1, "grpo.epsilon", "must be in (0, 1)")
     _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", "must be > 0")
     _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
@@ -613,6 +636,18 @@ def validate_config(cfg: PipelineConfig) -> None:
                  f"model.tiny.max_position_embeddings ({tiny.max_position_embeddings})")
 
 
+def config_warnings(cfg: PipelineConfig) -> list[str]:
+    """Settings that run but probably do not do what their names suggest; printed before training."""
+    g = cfg.grpo
+    warnings = []
+    if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":
+        warnings.append(
+            f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} is not GSPO: "
+            f"{g.loss_type} sums per-token terms, so each sequence is weighted by its length; set "
+            "grpo.loss_type: grpo for the GSPO paper's per-sequence objective")
+    return warnings
+
+
 def to_flat_dict(cfg: Any, prefix: str = "") -> dict[str, Any]:
     """Flatten a config into `a.b.c -> value` for MLflow params (mappings too, so every leaf has its own
     key and secret-looking keys such as `...options.api_token` can be recognised and dropped)."""
@@ -631,8 +666,53 @@ def to_flat_dict(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The params each DVC stage lists in dvc.yaml (tests/test_dvc_deps.py keeps the two equal). What a stage
+# keys its resumable state to is derived from the same list, so DVC re-running a stage and the stage
+# refusing to resume from other inputs can never disagree.
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "prepare": ("seed", "task", "data"),
+    "model": ("seed", "model"),
+    "validate": ("prompt", "model.trust_remote_code", "grpo.max_completion_length", "evaluate.max_new_tokens"),
+    "sft": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "sft", "grpo.rewards",
+            "grpo.max_completion_length", "distributed.nproc"),
+    "grpo": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "grpo", "distributed"),
+    "evaluate": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "evaluate",
+                 "grpo.rewards"),
+    "register": ("seed", "prompt", "evaluate.bootstrap_samples", "evaluate.max_new_tokens", "register", "tracking"),
+}
+
+
+def config_value(cfg: Any, dotted: str) -> Any:
+    """The config value at a dotted params key (`grpo.lora.rank`)."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def stage_params_hash(cfg: "PipelineConfig", stage: str, *inputs: Any) -> str:
+    """`section_hash` of exactly the params DVC lists for `stage`, plus input hashes (data, start model)."""
+    return section_hash({key: config_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)
+
+
+def default_fingerprint(cfg: "PipelineConfig") -> str:
+    """Hash of the config's training-relevant params without the seed: a run with the same fingerprint
+    as the one benchmarks/seed_spread.py measured may compare itself with that band."""
+    keys = sorted({key for stage in ("prepare", "model", "sft", "grpo", "evaluate") for key in STAGE_PARAMS[stage]}
+                  - {"seed"})
+    return section_hash({key: config_value(cfg, key) for key in keys})
+
+
 def section_hash(*sections: Any) -> str:
     """Stable short hash of config sections: keys resume state and lineage tags to their inputs."""
-    payload = json.dumps([dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections],
-                         sort_keys=True, default=str)
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return dataclasses.asdict(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    payload = json.dumps([plain(s) for s in sections], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -88,3 +88,9 @@ def normalise_prompt(text: Any) -> str:
 def split_path(data_dir: str | Path, split: str) -> Path:
     """Where the pipeline keeps a prepared split."""
     return Path(data_dir) / f"{split}.jsonl"
+
+
+def reward_columns(records: list[dict[str, Any]], group_size: int) -> dict[str, list[Any]]:
+    """Every column except prompt, repeated per completion, passed to reward functions as keywords."""
+    keys = sorted({k for r in records for k in r} - {"prompt"})
+    return {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}

@@ -39,8 +39,8 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             validate(cfg, paths)
             seed_everything(cfg.seed, cfg.threads)
             device = pick_device(cfg.device)
-            policy = build_policy(cfg, paths.base_model.resolve(), device)
             records = read_jsonl(split_path(paths.data, "train"))
+            policy = build_policy(cfg, paths.base_model.resolve(), device, records)
             schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
             rollout, totals, scores, sampled, _ = collect_batch(policy, records, schedule, 0, g,
                                                              RewardModel(reward_specs(g)),

@@ -56,7 +56,7 @@ def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, A
 
 
 def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
-    from components.grpo import reward_columns
+    from components.data import reward_columns
 
     return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
 

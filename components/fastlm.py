@@ -27,6 +27,7 @@ import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SMALL_DECODE_KEYS = 64  # up to this many cached keys, decoding attention is a broadcast multiply-sum
+MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules above hold at any length)
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
@@ -65,6 +66,21 @@ class Rotary:
         return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
 
 
+def full_attention(config: Any, max_length: int) -> bool:
+    """Does every layer attend to every earlier token of a `max_length`-token row?
+
+    Mistral sets `sliding_window` with no `use_sliding_window` switch; Qwen2 has the switch (off by
+    default); newer configs list `layer_types` per layer. A window at least as long as the row is full.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False or window >= max_length:
+        return True
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return all(kind == "full_attention" for kind in layer_types)
+    return False
+
+
 class PrefixSharedLM:
     """Prompt-once forward, log-probs and sampling over a Hugging Face Llama/Qwen2/Qwen3/Mistral model."""
 
@@ -84,19 +100,30 @@ class PrefixSharedLM:
         self._qkv_order: torch.Tensor | None = None
 
     @classmethod
-    def for_model(cls, model: Any, vocab_size: int | None = None) -> "PrefixSharedLM | None":
-        """A checked instance, or None when the architecture is unsupported or disagrees with Hugging Face."""
+    def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
+                  completion_length: int | None = None) -> "PrefixSharedLM | None":
+        """A checked instance, or None when the architecture is unsupported or disagrees with Hugging Face.
+
+        `max_length` is the longest row (prompt + completion tokens) it will see; the self-check runs
+        rows that long, with `completion_length` completion tokens. Unset: the model's context length.
+        Models whose attention is not full over such a row (a sliding window shorter than it, per-layer
+        attention types other than full) and models with attention dropout (this forward applies
+        none, so it would differ in train mode) get None: the plain Hugging Face forward.
+        """
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", None)
         if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             return None
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+        longest = max_length or getattr(config, "max_position_embeddings", None) or 4096
+        if not full_attention(config, longest) or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
             return None
+        completion = max(2, min(completion_length or 4, longest - 2))
+        prompt = max(2, min(longest, MAX_CHECK_LENGTH) - completion)
         fast = cls(model)
-        if fast.matches_reference_forward(vocab_size or config.vocab_size):
+        if fast.matches_reference_forward(vocab_size or config.vocab_size, prompt, completion):
             return fast
         fast.complex_rotary = False  # e.g. a rotary variant whose halves differ: the plain rotation
-        return fast if fast.matches_reference_forward(vocab_size or config.vocab_size) else None
+        return fast if fast.matches_reference_forward(vocab_size or config.vocab_size, prompt, completion) else None
 
     def for_same_architecture(self, model: Any) -> "PrefixSharedLM":
         """An instance over another model of this architecture (the frozen reference), with the settings
@@ -245,11 +272,13 @@ class PrefixSharedLM:
         every run has the same length G, each prompt's cache reaches its G rows by broadcasting (its
         gradient is a sum over G); otherwise rows gather it with an index (a scatter-add backward).
         """
-        unique, rows, counts = torch.unique_consecutive(prompt_ids, dim=0, return_inverse=True, return_counts=True)
+        # Equal ids with another mask are another prompt (a real token can equal the pad id).
+        keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+        unique_keyed, rows, counts = torch.unique_consecutive(keyed, dim=0, return_inverse=True, return_counts=True)
+        width = prompt_ids.shape[1]
+        unique, unique_mask = unique_keyed[:, :width], unique_keyed[:, width:].to(prompt_mask.dtype)
         group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
-        unique_mask = torch.zeros(unique.shape, dtype=prompt_mask.dtype, device=prompt_mask.device)
-        unique_mask[rows] = prompt_mask
         weights = self.fused_weights()
         first, caches = self.encode_prompts(unique, unique_mask, weights)
         logits = [first.index_select(0, rows).unsqueeze(1)]
@@ -308,17 +337,22 @@ class PrefixSharedLM:
 
     # ------------------------------------------------------------------------------------------ check
     @torch.no_grad()
-    def matches_reference_forward(self, vocab_size: int) -> bool:
-        """Compare log-probs with the Hugging Face forward on a small left-padded batch."""
+    def matches_reference_forward(self, vocab_size: int, prompt_length: int = 5, completion_length: int = 4) -> bool:
+        """Compare log-probs with the Hugging Face forward on a small left-padded batch of full-length rows.
+
+        Row 3 repeats row 0's prompt ids with another mask (a pad-id token made real), which must not
+        be merged with row 0's prompt.
+        """
         param = next(self.model.parameters())
         gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, vocab_size, (3, 5), generator=gen).to(param.device)
+        prompt = torch.randint(0, vocab_size, (3, prompt_length), generator=gen).to(param.device)
         mask = torch.ones_like(prompt)
         mask[1, :2] = 0
-        completion = torch.randint(0, vocab_size, (3, 4), generator=gen).to(param.device)
-        prompt = torch.cat([prompt, prompt[:1]])  # a repeated prompt exercises the shared path
-        mask = torch.cat([mask, mask[:1]])
-        completion = torch.cat([completion, completion[2:3]])
+        mask[0, :1] = 0
+        completion = torch.randint(0, vocab_size, (3, completion_length), generator=gen).to(param.device)
+        prompt = torch.cat([prompt, prompt[:1], prompt[:1]])  # a repeated prompt exercises the shared path
+        mask = torch.cat([mask, mask[:1], torch.ones_like(mask[:1])])
+        completion = torch.cat([completion, completion[2:3], completion[1:2]])
         ids = torch.cat([prompt, completion], 1)
         full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
         was_training = self.model.training

@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
-from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, section_hash, to_flat_dict
-from components.data import dir_md5, file_md5, read_jsonl, split_path
+from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, stage_params_hash, to_flat_dict
+from components.data import dir_md5, file_md5, read_jsonl, reward_columns, split_path
 from components.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
                                     tracking_run, wrap_ddp)
 from components.fastlm import PrefixSharedLM
@@ -77,12 +77,6 @@ class PromptSchedule:
     def extra(self, step: int, attempt: int, count: int) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed * 7_919 + step * 101 + attempt)
         return torch.randint(0, self.n, (count,), generator=gen).tolist()
-
-
-def reward_columns(records: list[dict[str, Any]], group_size: int) -> dict[str, list[Any]]:
-    """Every column except prompt, repeated per completion, passed to reward functions as keywords."""
-    keys = sorted({k for r in records for k in r} - {"prompt"})
-    return {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}
 
 
 def reward_specs(g: GRPOConfig) -> list[RewardSpec]:
@@ -163,7 +157,16 @@ class Policy:
         return logp.clone()
 
 
-def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> Policy:
+def longest_row(tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], records: list[dict[str, Any]],
+                completion_length: int) -> int:
+    """Tokens in the longest prompt + completion row GRPO will see (the prompt-once forward checks that long)."""
+    longest = max((len(tokenizer(format_prompt(r), add_special_tokens=False).input_ids) for r in records), default=1)
+    return longest + completion_length
+
+
+def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device,
+                 records: list[dict[str, Any]] | None = None) -> Policy:
+    """Policy, reference and prompt-once forwards; `records` (the prompts) size the forward's self-check."""
     g = cfg.grpo
     tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)
     model = load_policy_model(cfg, start_dir, device)
@@ -175,10 +178,11 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device) -> 
         reference.eval().requires_grad_(False)
     policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
     if g.prefix_sharing:
-        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer))
+        max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
+        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length)
         if policy.fast is None:
-            print(f"grpo: prefix sharing off: {type(model).__name__} is not a checked Llama-family model; "
-                  "using the plain Hugging Face forward")
+            print(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full "
+                  "attention, no attention dropout and log-probs that match Hugging Face's; using the plain forward")
         elif reference is not None:
             policy.fast_reference = policy.fast.for_same_architecture(reference)
     return policy
@@ -209,9 +213,15 @@ def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfi
 
 
 def informative_groups(total: list[float], group_size: int) -> list[int]:
-    """Indices of groups whose rewards are not all equal (DAPO: the others have zero advantage)."""
+    """Indices of groups whose scored rewards are not all equal (DAPO: the others have zero advantage).
+
+    NaN (unscored) rewards are ignored, so a group needs two scored completions that differ.
+    """
     grouped = torch.tensor(total).view(-1, group_size)
-    return torch.nonzero(grouped.max(1).values > grouped.min(1).values).flatten().tolist()
+    scored = ~torch.isnan(grouped)
+    highest = torch.where(scored, grouped, torch.full_like(grouped, -math.inf)).max(1).values
+    lowest = torch.where(scored, grouped, torch.full_like(grouped, math.inf)).min(1).values
+    return torch.nonzero(highest > lowest).flatten().tolist()
 
 
 def rows_of(groups: list[int], group_size: int) -> list[int]:
@@ -223,28 +233,39 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
                   ) -> tuple[Rollout, list[float], RewardResult, int, float]:
     """The step's rollout and rewards; with dynamic sampling, only (and, when filling, enough) informative groups.
 
-    Returns (rollout, total rewards, the first round's scores for logging, completions sampled,
-    seconds spent in reward functions).
+    Returns (rollout, total rewards (NaN where no reward scored the completion), the first round's
+    scores for logging, completions sampled, seconds spent in reward functions).
     """
     first = sample_and_score(policy, [records[i] for i in schedule.indices(step)], g, rewards, generator)
+    first_totals = first.rewards.advantage_rewards()
     if not g.dynamic_sampling.enabled:
-        return first.rollout, first.rewards.total, first.rewards, len(first.completions), first.reward_seconds
+        return first.rollout, first_totals, first.rewards, len(first.completions), first.reward_seconds
     parts, totals, sampled, reward_seconds = [], [], len(first.completions), first.reward_seconds
-    keep = informative_groups(first.rewards.total, g.group_size)
+    keep = informative_groups(first_totals, g.group_size)
     parts.append(first.rollout.select(rows_of(keep, g.group_size)))
-    totals += [first.rewards.total[i] for i in rows_of(keep, g.group_size)]
+    totals += [first_totals[i] for i in rows_of(keep, g.group_size)]
     attempt, kept = 0, len(keep)
     while g.dynamic_sampling.fill_batch and kept < g.prompts_per_step and attempt < g.dynamic_sampling.max_tries:
         extra = sample_and_score(policy, [records[i] for i in schedule.extra(step, attempt, g.prompts_per_step - kept)],
                                  g, rewards, generator)
         sampled += len(extra.completions)
         reward_seconds += extra.reward_seconds
-        more = informative_groups(extra.rewards.total, g.group_size)
+        extra_totals = extra.rewards.advantage_rewards()
+        more = informative_groups(extra_totals, g.group_size)
         parts.append(extra.rollout.select(rows_of(more, g.group_size)))
-        totals += [extra.rewards.total[i] for i in rows_of(more, g.group_size)]
+        totals += [extra_totals[i] for i in rows_of(more, g.group_size)]
         kept += len(more)
         attempt += 1
     return concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled, reward_seconds
+
+
+def loss_mask(rollout: Rollout, scorable: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """The completion tokens the loss sees: none of a completion no reward scored, nor (DAPO's
+    `mask_truncated_completions`) of one cut off at max_completion_length without EOS."""
+    keep = scorable
+    if mask_truncated:
+        keep = keep & ~rollout.truncated
+    return rollout.completion_mask * keep.unsqueeze(-1).to(rollout.completion_mask.dtype)
 
 
 @dataclass
@@ -276,7 +297,8 @@ def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
 
 
 def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
-                   ref_logp: torch.Tensor | None, g: GRPOConfig, ctx: DistContext = DistContext()) -> UpdateStats:
+                   ref_logp: torch.Tensor | None, g: GRPOConfig, ctx: DistContext = DistContext(),
+                   scorable: torch.Tensor | None = None) -> UpdateStats:
     """`num_iterations` passes over the rollout in minibatches, accumulating gradients per optimizer step.
 
     Loss normalisers (tokens for dapo, sequences for grpo/dr_grpo) are those of the whole accumulated
@@ -288,6 +310,10 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
     by the world size because DDP averages gradients over ranks, so the summed update equals the
     one-process update on the same batch. A rank with no group in a minibatch backpropagates a zero
     loss so that DDP's collective still matches.
+
+    `bnpo` differs from `dapo` only here: each minibatch is normalised by its own token count and the
+    accumulated chunk is their mean (TRL divides by the accumulation steps); `dapo` uses the chunk's
+    token count. Rows that no reward scored (`scorable` False) count in no normaliser.
     """
     n = len(rollout)
     minibatches = minibatch_plan(n, g)
@@ -315,7 +341,10 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
     for iteration in range(g.num_iterations):
         for chunk in chunks:
             rows = [r for k in chunk for r in minibatches[k]]
-            n_tokens, n_seq = float(mask[rows].sum()), float(len(rows))
+            n_tokens = float(mask[rows].sum())
+            n_seq = float(len(rows)) if scorable is None else float(scorable[rows].sum())
+            # bnpo: each rank's share of each minibatch is a mean of its own; DDP then averages over ranks
+            share = 1.0 / (len(chunk) * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0
             optimizer.zero_grad(set_to_none=True)
             chunk_loss = torch.zeros(())
             for j, k in enumerate(chunk):
@@ -334,16 +363,18 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                                       importance_sampling_level=g.importance_sampling_level,
                                       ref_logp=None if ref_logp is None else ref_logp[mb], beta=g.kl_beta,
                                       kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
-                                      num_sequences=n_seq, num_tokens=n_tokens)
-                    (out.loss * grad_scale if ctx.active else out.loss).backward()
+                                      num_sequences=n_seq,
+                                      num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
+                    loss = out.loss * share
+                    (loss * grad_scale if ctx.active else loss).backward()
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
                     stats.logprob_mean += float((logp.detach() * sub_mask).sum())
                     tokens_seen += weight
-                chunk_loss = chunk_loss + out.loss.detach()
-                stats.pg_loss += float(out.pg_loss)
-                stats.kl += float(out.kl)
+                chunk_loss = chunk_loss + loss.detach()
+                stats.pg_loss += float(out.pg_loss) * share
+                stats.kl += float(out.kl) * share
                 stats.clip_low_frac += float(out.clip_low_frac) * len(mb) / n
                 stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -416,14 +447,15 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         raise ConfigError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be divisible by the {ctx.world} "
                           "processes with distributed.strategy fsdp2 (lockstep sampling)")
     # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
-    policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else device)
     records = read_jsonl(split_path(paths.data, "train"))
+    policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else device, records)
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     rollout_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
 
-    run_hash = section_hash(g, cfg.seed, dir_md5(start_dir), file_md5(split_path(paths.data, "train")))
+    # Everything DVC re-runs this stage for (its params, data and starting model) keys the checkpoints.
+    run_hash = stage_params_hash(cfg, "grpo", dir_md5(start_dir), file_md5(split_path(paths.data, "train")))
     if ctx.is_main:
         for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
             print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
@@ -503,15 +535,14 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
 
             t0 = time.perf_counter()
             reward_t = torch.tensor(totals, dtype=torch.float32, device=device)
+            scorable = ~torch.isnan(reward_t)  # unscored completions: advantage 0 and out of the loss
             if g.algorithm == "reinforce":
-                advantages = reward_t  # absolute reward, no baseline
+                advantages = torch.nan_to_num(reward_t, nan=0.0)  # absolute reward, no baseline
             elif len(reward_t):
                 advantages = group_advantages(reward_t, g.group_size, g.scale_rewards)
             else:
                 advantages = reward_t
-            mask = rollout.completion_mask
-            if g.mask_truncated_completions:
-                mask = mask * (~rollout.truncated).unsqueeze(-1).to(mask.dtype)
+            mask = loss_mask(rollout, scorable, g.mask_truncated_completions)
             t_reward = time.perf_counter() - t0 + t_scoring
 
             t0 = time.perf_counter()
@@ -528,8 +559,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             t_ref = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g, ctx) if len(rollout) \
-                else UpdateStats()
+            stats = policy_updates(policy, optimizer, rollout, advantages, mask, ref_logp, g, ctx, scorable) \
+                if len(rollout) else UpdateStats()
             t_policy = time.perf_counter() - t0
             if stats.skipped_updates:
                 bad_steps += 1
@@ -557,6 +588,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 "truncated_frac": float(rollout.truncated.float().mean()) if len(rollout) else 0.0,
                 "zero_std_group_frac": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
                 "kept_completions": float(len(rollout)), "sampled_completions": float(sampled),
+                "unscored_completions": float((~scorable).sum()),
                 "grad_norm": stats.grad_norm, "learning_rate": lr, "clip_low_frac": stats.clip_low_frac,
                 "clip_high_frac": stats.clip_high_frac, "step_seconds": step_seconds,
                 "completions_per_s": sampled / step_seconds, "time/generation": t_gen,

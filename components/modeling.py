@@ -98,11 +98,29 @@ def load_policy_model(cfg: PipelineConfig, path: str | Path, device: torch.devic
     return load_model(path, device, resolve_dtype(cfg.model.dtype, device), cfg.model.trust_remote_code)
 
 
+# Loading options that transformers copies into tokenizer_config.json: they describe the environment
+# a stage ran in (HF_HUB_OFFLINE=1 sets local_files_only), not the tokenizer, and would make the same
+# training give different output hashes under `make run` and a plain `dvc repro`.
+ENVIRONMENT_KEYS = ("local_files_only", "cache_dir", "token", "use_auth_token", "force_download", "proxies")
+
+
+def save_tokenizer(tokenizer, out_dir: Path) -> None:
+    """`save_pretrained`, then drop the loading options that record the environment, not the tokenizer."""
+    tokenizer.save_pretrained(str(out_dir))
+    config_file = out_dir / "tokenizer_config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        if any(key in config for key in ENVIRONMENT_KEYS):
+            for key in ENVIRONMENT_KEYS:
+                config.pop(key, None)
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
 def save_model(model, tokenizer, out_dir: Path, extra: dict[str, Any] | None = None) -> None:
     """Save an HF checkpoint (safetensors) plus an optional JSON of provenance."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(out_dir))
+    save_tokenizer(tokenizer, out_dir)
     if extra is not None:
         write_provenance(out_dir, extra)
 

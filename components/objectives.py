@@ -22,10 +22,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards
     """A_i = r_i - mean(group), divided by the group std (GRPO), the batch std, or nothing (Dr. GRPO).
 
     `rewards` is flat with each prompt's `group_size` completions adjacent. Standard deviations are
-    unbiased (n - 1), as in TRL, so results compare one to one.
+    unbiased (n - 1), as in TRL, so results compare one to one. A NaN reward marks a completion that no
+    reward function scored (all returned None): it is left out of its group's mean and std and gets
+    advantage 0, as in TRL.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if torch.isnan(rewards).any():
+        return _nan_aware_advantages(rewards, group_size, scale, eps)
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
@@ -35,6 +39,28 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards
     elif scale != "none":
         raise ValueError(f"unknown scale_rewards {scale!r}")
     return centred.reshape(-1)
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std over the non-NaN entries (NaN where fewer than two)."""
+    valid = ~torch.isnan(x)
+    count = valid.sum() if dim is None else valid.sum(dim=dim, keepdim=keepdim)
+    mean = x.nanmean() if dim is None else x.nanmean(dim=dim, keepdim=True)
+    squares = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
+    total = squares.sum() if dim is None else squares.sum(dim=dim, keepdim=keepdim)
+    return (total / (count - 1)).sqrt()
+
+
+def _nan_aware_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRewards, eps: float) -> torch.Tensor:
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.nanmean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (_nanstd(grouped, dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (_nanstd(rewards) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale_rewards {scale!r}")
+    return torch.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:

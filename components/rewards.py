@@ -259,6 +259,16 @@ class RewardResult:
     total: list[float]
     components: dict[str, list[float | None]]
 
+    @property
+    def scorable(self) -> list[bool]:
+        """Per completion: did at least one reward score it (not None)?"""
+        return [any(scores[i] is not None for scores in self.components.values()) for i in range(len(self.total))]
+
+    def advantage_rewards(self) -> list[float]:
+        """Totals with NaN where no reward scored the completion: GRPO leaves those out of its group's
+        statistics, gives them advantage 0 and keeps them out of the loss (TRL does the same)."""
+        return [total if ok else math.nan for total, ok in zip(self.total, self.scorable)]
+
     def component_means(self) -> dict[str, float]:
         means = {}
         for name, scores in self.components.items():

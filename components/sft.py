@@ -14,13 +14,14 @@ import time
 import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data import read_jsonl, split_path
+from components.data import read_jsonl, reward_columns, split_path
 from components.distributed import (DistContext, all_reduce_sum, init, launch, needs_launch, shutdown, tracking_run,
                                     wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
 from components.paths import Paths
 from components.prompting import PromptFormatter
-from components.rollout import positions_from_mask
+from components.rewards import RewardModel
+from components.rollout import decode_completions, positions_from_mask, sample_groups
 from components.stage_cli import stage_main
 
 
@@ -87,6 +88,38 @@ def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tenso
     return local * ctx.world, all_reduce_sum(ctx, [local.item()])[0]
 
 
+class WarmStartCheck:
+    """Greedy mean reward on a fixed set of GRPO training prompts: when it reaches `sft.stop_at_reward`,
+    SFT stops. A warm start stopped at a reward, not after a number of steps, lands in the same band
+    whatever the CPU's rounding or the seed (a fixed budget sat on a knife edge: 14% on one CPU, 62% on
+    another). Every rank computes the same number from the same weights, so all stop together."""
+
+    def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer, format_prompt):
+        records = read_jsonl(split_path(paths.data, "train"))[: cfg.sft.check_prompts]
+        self.prompts = [format_prompt(r) for r in records]
+        self.raw_prompts = [r["prompt"] for r in records]
+        self.columns = reward_columns(records, 1)
+        self.rewards = RewardModel(cfg.grpo.rewards)
+        self.tokenizer, self.max_new_tokens = tokenizer, cfg.grpo.max_completion_length
+
+    @torch.no_grad()
+    def __call__(self, model) -> float:
+        was_training = model.training
+        model.eval()
+        try:
+            completions, lengths = [], []
+            for start in range(0, len(self.prompts), 256):
+                rollout = sample_groups(model, self.tokenizer, self.prompts[start:start + 256], 1, self.max_new_tokens,
+                                        greedy=True)
+                completions += decode_completions(self.tokenizer, rollout)
+                lengths += rollout.completion_mask.sum(-1).tolist()
+        finally:
+            model.train(was_training)
+        columns = dict(self.columns, completion_token_lengths=lengths)
+        scores = self.rewards(self.raw_prompts, completions, columns).total
+        return sum(scores) / len(scores)
+
+
 def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     s = cfg.sft
     seed_everything(cfg.seed, cfg.threads)
@@ -108,6 +141,9 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
         optimizer, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, k / max(1, total)))))
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
+    check = WarmStartCheck(cfg, paths, tokenizer, PromptFormatter(cfg.prompt, tokenizer)) \
+        if s.stop_at_reward is not None else None
+    check_reward, stopped = None, False
     started = time.perf_counter()
     with tracking_run(ctx, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
         step = 0
@@ -124,12 +160,34 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                 scheduler.step()
                 step += 1
                 epoch_loss += loss_value * len(idx)
+                if check is not None and step % s.check_every == 0:
+                    check_reward = check(model)
+                    run.log_metrics({"check_reward": check_reward}, step=step, flush=False)
+                    if check_reward >= s.stop_at_reward:
+                        stopped = True
+                        seen = start + len(idx)
+                        epoch_loss *= n / seen  # the mean over the part of the epoch that ran
+                        break
             run.log_metrics({"loss": epoch_loss / n}, step=epoch + 1, flush=False)
+            if stopped:
+                if ctx.is_main:
+                    print(f"sft: stopped at step {step}/{total} (epoch {epoch + 1}): greedy reward {check_reward:.3f} "
+                          f"on {len(check.prompts)} training prompts reached sft.stop_at_reward "
+                          f"{s.stop_at_reward}", flush=True)
+                break
             if ctx.is_main and ((epoch + 1) % max(1, s.epochs // 5) == 0 or epoch + 1 == s.epochs):
                 rate = step / (time.perf_counter() - started)
                 print(f"sft: epoch {epoch + 1}/{s.epochs} loss {epoch_loss / n:.4f} | {rate:.1f} steps/s, "
                       f"ETA {(total - step) / rate:.0f}s", flush=True)
         summary = {"enabled": True, "final_loss": round(epoch_loss / n, 6), "examples": n, "steps": step}
+        if check is not None:
+            if check_reward is None or not stopped:  # never reached: the last weights' figure
+                check_reward = check(model)
+            summary.update(check_reward=round(check_reward, 6), stopped_early=stopped)
+            if not stopped and ctx.is_main:
+                print(f"sft: warning: greedy reward {check_reward:.3f} after all {s.epochs} epochs is below "
+                      f"sft.stop_at_reward {s.stop_at_reward}: the warm start is weaker than intended "
+                      "(more epochs or another sft.learning_rate)", flush=True)
         run.log_metrics({"final_loss": epoch_loss / n})
     if ctx.lockstep:  # gathered whole; rank 0 saves a normal HF directory
         from components.fsdp import full_model_state, plain_copy

@@ -7,6 +7,7 @@ them, so N processes build exactly the batch one process builds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 
 from components.config import GRPOConfig
 from components.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
-from components.grpo import Policy, PromptSchedule, reward_columns
+from components.data import reward_columns
+from components.grpo import Policy, PromptSchedule, informative_groups
 from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
 
@@ -77,7 +79,7 @@ def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[in
             scored = rewards([r["prompt"] for r in recs for _ in range(g.group_size)], completions, columns)
             size = g.group_size
             for i, (p, part) in enumerate(zip(positions, parts)):
-                local.append(GroupSample(p, _on(part, "cpu"), scored.total[i * size:(i + 1) * size],
+                local.append(GroupSample(p, _on(part, "cpu"), scored.advantage_rewards()[i * size:(i + 1) * size],
                                          {k: v[i * size:(i + 1) * size] for k, v in scored.components.items()}))
     except RewardError as err:  # every rank must learn of it, or the others would wait forever
         error = str(err)
@@ -97,12 +99,12 @@ def collect_batch_sharded(policy: Policy, records: list[dict[str, Any]], schedul
     are global too.
     """
     groups = sample_round(policy, records, schedule.indices(step), g, rewards, seed, step, 0, ctx)
-    first = RewardResult(total=[x for s in groups for x in s.totals],
+    first = RewardResult(total=[0.0 if math.isnan(x) else x for s in groups for x in s.totals],  # as RewardModel's
                          components={k: [x for s in groups for x in s.components[k]] for k in groups[0].components})
     sampled = len(first.total)
 
     def informative(s: GroupSample) -> bool:
-        return max(s.totals) > min(s.totals)
+        return bool(informative_groups(s.totals, g.group_size))
 
     ds = g.dynamic_sampling
     kept = [s for s in groups if not ds.enabled or informative(s)]

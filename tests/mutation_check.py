@@ -1,0 +1,163 @@
+"""Hand-written mutations of the GRPO maths, each of which the engine tests must catch.
+
+    python tests/mutation_check.py            # about 15 minutes on 2 cores; prints a table
+    python tests/mutation_check.py -k kl      # only mutations whose name contains "kl"
+
+Each mutation replaces one line (a flipped sign, a dropped term, the policy where the frozen reference
+belongs, a removed mask) in a copy of the source, runs the engine tests against it, and records the
+first test that failed. A mutation no test catches is printed as SURVIVED and the script exits 1.
+Not collected by pytest (not named test_*); the source files are restored whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ["tests/test_objectives.py", "tests/test_engine_variants.py", "tests/test_engine_audit.py",
+         "tests/test_fastlm.py"]
+
+# (name, file, original text, mutated text): the original must occur exactly once.
+MUTATIONS: list[tuple[str, str, str, str]] = [
+    # advantages
+    ("advantage: no centring", "components/objectives.py",
+     "centred = grouped - grouped.mean(dim=1, keepdim=True)", "centred = grouped"),
+    ("advantage: sign flipped", "components/objectives.py",
+     "centred = grouped - grouped.mean(dim=1, keepdim=True)", "centred = grouped.mean(dim=1, keepdim=True) - grouped"),
+    ("advantage: group std dropped", "components/objectives.py",
+     "centred = centred / (grouped.std(dim=1, keepdim=True) + eps)", "centred = centred"),
+    ("advantage: biased std", "components/objectives.py",
+     "centred = centred / (grouped.std(dim=1, keepdim=True) + eps)",
+     "centred = centred / (grouped.std(dim=1, keepdim=True, unbiased=False) + eps)"),
+    ("advantage: batch std dropped", "components/objectives.py",
+     "centred = centred / (rewards.std() + eps)", "centred = centred"),
+    ("advantage: unscored completions get a nonzero advantage", "components/objectives.py",
+     "return torch.nan_to_num(centred.reshape(-1), nan=0.0)",
+     "return torch.nan_to_num(centred.reshape(-1), nan=1.0)"),
+    ("advantage: unscored mean not nan-aware", "components/objectives.py",
+     "centred = grouped - grouped.nanmean(dim=1, keepdim=True)",
+     "centred = grouped - torch.nan_to_num(grouped).mean(dim=1, keepdim=True)"),
+    # KL
+    ("kl: k3 sign of log r flipped", "components/objectives.py",
+     "return torch.exp(log_r) - 1.0 - log_r", "return torch.exp(log_r) - 1.0 + log_r"),
+    ("kl: k3 loses its -1", "components/objectives.py",
+     "return torch.exp(log_r) - 1.0 - log_r", "return torch.exp(log_r) - log_r"),
+    ("kl: k2 loses its square", "components/objectives.py",
+     "return 0.5 * log_r.pow(2)", "return 0.5 * log_r"),
+    ("kl: log ratio reversed", "components/objectives.py",
+     "log_r = ref_logp - logp", "log_r = logp - ref_logp"),
+    ("kl: term dropped from the loss", "components/objectives.py",
+     "loss = pg_loss + beta * kl", "loss = pg_loss"),
+    ("kl: beta sign flipped", "components/objectives.py",
+     "loss = pg_loss + beta * kl", "loss = pg_loss - beta * kl"),
+    # ratio and clipping
+    ("ratio: inverted", "components/objectives.py",
+     "log_ratio = logp - old_logp", "log_ratio = old_logp - logp"),
+    ("ratio: sequence mean unmasked", "components/objectives.py",
+     "log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)",
+     "log_ratio = log_ratio.mean(-1, keepdim=True)"),
+    ("clip: lower bound uses epsilon_high", "components/objectives.py",
+     "clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)",
+     "clipped = torch.clamp(ratio, 1.0 - epsilon_high, 1.0 + epsilon_high)"),
+    ("clip: min becomes max", "components/objectives.py",
+     "pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)",
+     "pg_per_token = -torch.maximum(ratio * adv, clipped * adv).expand_as(logp)"),
+    ("clip: unclipped surrogate", "components/objectives.py",
+     "pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)",
+     "pg_per_token = -(ratio * adv).expand_as(logp)"),
+    ("clip stats: low side swapped", "components/objectives.py",
+     "low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)",
+     "low = ((ratio_tok < 1.0 - epsilon_low) & (adv > 0)).to(logp.dtype)"),
+    # aggregation and masks
+    ("aggregate: grpo per-sequence mean unmasked", "components/objectives.py",
+     "per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)",
+     "per_seq = per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)"),
+    ("aggregate: grpo divides by the longest row", "components/objectives.py",
+     "per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)",
+     "per_seq = (per_token * mask).sum(-1) / per_token.shape[-1]"),
+    ("aggregate: dapo ignores the global token count", "components/objectives.py",
+     "n_tok = mask.sum().clamp(min=1.0) if num_tokens is None else max(num_tokens, 1.0)",
+     "n_tok = mask.sum().clamp(min=1.0)"),
+    ("aggregate: dr_grpo ignores max length", "components/objectives.py",
+     "return (per_token * mask).sum() / (n_seq * max_completion_length)",
+     "return (per_token * mask).sum() / n_seq"),
+    ("mask: truncated completions kept", "components/grpo.py",
+     "keep = keep & ~rollout.truncated", "keep = keep"),
+    ("mask: unscored completions kept", "components/grpo.py",
+     "    keep = scorable\n", "    keep = torch.ones_like(scorable)\n"),
+    ("normaliser: unscored rows counted", "components/grpo.py",
+     "n_seq = float(len(rows)) if scorable is None else float(scorable[rows].sum())", "n_seq = float(len(rows))"),
+    ("bnpo: computed like dapo", "components/grpo.py",
+     'num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)', "num_tokens=n_tokens)"),
+    ("bnpo: minibatch means summed, not averaged", "components/grpo.py",
+     'share = 1.0 / (len(chunk) * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0',
+     "share = 1.0"),
+    # old log-probs and reference
+    ("mu: old log-probs are the current ones", "components/grpo.py",
+     "out = policy_loss(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],",
+     "out = policy_loss(logp, logp.detach(), advantages[mb],"),
+    ("reference: policy used (plain forward)", "components/grpo.py",
+     "logp = completion_logprobs(self.reference, rollout, temperature)[0]",
+     "logp = completion_logprobs(self.model, rollout, temperature)[0]"),
+    ("reference: policy used (prompt-once forward)", "components/grpo.py",
+     "logp = self.fast_reference.completion_logprobs(rollout, temperature)[0]",
+     "logp = self.fast.completion_logprobs(rollout, temperature)[0]"),
+    ("reference: ema weights swapped", "components/grpo.py",
+     "r.mul_(1.0 - ema_alpha).add_(p.detach(), alpha=ema_alpha)",
+     "r.mul_(ema_alpha).add_(p.detach(), alpha=1.0 - ema_alpha)"),
+    ("reference: periodic sync off by one", "components/grpo.py",
+     "if mode == \"periodic\" and (step + 1) % sync_every == 0:",
+     "if mode == \"periodic\" and step % sync_every == 0:"),
+    # prompt-once forward
+    ("fastlm: prompts grouped by ids alone", "components/fastlm.py",
+     "keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)", "keyed = torch.cat([prompt_ids, 0 * prompt_mask.to(prompt_ids.dtype)], dim=1)"),
+    ("fastlm: sliding window ignored", "components/fastlm.py",
+     "if not full_attention(config, longest) or float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:",
+     "if float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:"),
+    ("fastlm: attention dropout ignored", "components/fastlm.py",
+     "if not full_attention(config, longest) or float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:",
+     "if not full_attention(config, longest):"),
+]
+
+
+def run_mutation(name: str, rel: str, old: str, new: str) -> tuple[str, float]:
+    path = ROOT / rel
+    source = path.read_text()
+    if source.count(old) != 1:
+        return f"NOT APPLIED ({source.count(old)} matches)", 0.0
+    path.write_text(source.replace(old, new))
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+                              cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    finally:
+        path.write_text(source)
+    seconds = time.perf_counter() - started
+    failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    return (failed[0] if failed else f"error (exit {proc.returncode})"), seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.k in m[0]]
+    rows, survived = [], 0
+    for i, (name, rel, old, new) in enumerate(chosen, 1):
+        caught, seconds = run_mutation(name, rel, old, new)
+        survived += caught == "SURVIVED" or caught.startswith("NOT APPLIED")
+        rows.append(f"| {name} | `{rel}` | {caught} |")
+        print(f"[{i}/{len(chosen)}] {name}: {caught} ({seconds:.0f}s)", flush=True)
+    print("\n| mutation | file | first test that failed |\n|---|---|---|\n" + "\n".join(rows))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
