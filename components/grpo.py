@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
-from components.config import ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, stage_params_hash, to_flat_dict
+from components.config import (ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, config_warnings,
+                               stage_params_hash, to_flat_dict)
 from components.data import dir_md5, file_md5, read_jsonl, reward_columns, split_path
 from components.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
                                     tracking_run, wrap_ddp)
@@ -440,6 +441,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     device = ctx.device
     per_group = ctx.active or cfg.distributed.per_group_sampling
     say = print if ctx.is_main else (lambda *args, **kwargs: None)
+    for warning in config_warnings(cfg):
+        say(f"grpo: warning: {warning}", flush=True)
     start_dir = resolve_model_dir(paths.sft_model)
     if ctx.lockstep and callbacks:  # they run on rank 0 only: a forward there would wait for the others forever
         raise ConfigError("grpo: step callbacks are not supported with distributed.strategy fsdp2 (sharded model)")

@@ -21,7 +21,9 @@ import numpy as np
 from components.config import PipelineConfig, section_hash, to_flat_dict
 from components.data import SPLITS, dir_md5, file_md5, read_jsonl, split_path
 from components.evaluate import paired_bootstrap
+from components.modeling import pick_device
 from components.paths import Paths
+from components.run_environment import run_environment
 from components.stage_cli import stage_main
 
 SERVING_MODULE = Path(__file__).with_name("serving_model.py")
@@ -76,6 +78,7 @@ def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], 
         "improvement_ci95_low": f"{evaluation['improvement']['ci95_low']:.6f}",
         "improvement_ci95_high": f"{evaluation['improvement']['ci95_high']:.6f}",
     })
+    tags.update(run_environment(cfg.threads, str(pick_device(cfg.device))))
     return tags
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -71,6 +72,10 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
         cfg = merged_config(params, overlays, args.overrides)
+        from components.config import config_warnings
+
+        for warning in config_warnings(cfg):
+            print(f"warning: {warning}", file=sys.stderr)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
             from components.model_source import check_model_source
 
@@ -116,6 +121,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     print(f"held-out mean reward before GRPO: {ev['baseline']['mean_reward']:.4f}")
     print(f"held-out mean reward after GRPO:  {ev['candidate']['mean_reward']:.4f}  "
           f"(improvement {imp['mean']:+.4f}, 95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}, n={ev['n']})")
+    print(band_report(root, cfg, ev))
     print(f"registered model: {reg['model_uri']} -> {'champion' if reg['promoted'] else 'challenger'} "
           f"({reg['reason']})")
     print(f"load it with: mlflow.pyfunc.load_model('{reg['champion_uri']}')")
@@ -124,6 +130,34 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     report_overhead(result)
     print("=" * 72)
     return 0
+
+
+def band_report(root: Path, cfg, evaluation: dict) -> str:
+    """This run's result next to the band benchmarks/seed_spread.py measured for the default, and a
+    plain word when it falls outside (with the likely reasons)."""
+    from components.config import default_fingerprint
+
+    spread = root / "benchmarks" / "results" / "seed_spread.json"
+    if not spread.exists():
+        return "expected band: none recorded (benchmarks/results/seed_spread.json is missing)"
+    measured = json.loads(spread.read_text())
+    if measured.get("default_fingerprint") != default_fingerprint(cfg):
+        return "expected band: measured for the embedded default only; these params differ from it"
+    all_runs = measured["summary"]["all"]
+    warm, imp = all_runs["warm_start"], all_runs["improvement"]
+    ours_warm, ours_imp = evaluation["baseline"]["mean_reward"], evaluation["improvement"]["mean"]
+    lines = [f"expected on the default ({all_runs['runs']} runs: seeds {', '.join(map(str, measured['seeds']))} x "
+             f"kernel settings {' and '.join(measured['kernels'])}, on {measured['machine']['cpu']}): warm start "
+             f"{warm['min']:.3f} .. {warm['max']:.3f}, improvement {imp['min']:+.3f} .. {imp['max']:+.3f}"]
+    outside = [name for name, value, band in (("warm start", ours_warm, warm), ("improvement", ours_imp, imp))
+               if not band["min"] <= value <= band["max"]]
+    if outside:
+        lines.append(f"OUTSIDE the expected band ({' and '.join(outside)}). Likely reasons: another CPU kind or "
+                     "kernel path than the runs above (other rounding; see README 'What reproduced means'), another "
+                     "thread count, or a changed lock file; the seed alone moved it by less than the band.")
+    else:
+        lines.append("within the expected band")
+    return "\n".join(lines)
 
 
 def process_age_seconds() -> float:

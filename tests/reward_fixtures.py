@@ -34,3 +34,13 @@ def slow(prompts, completions, **_):
 
     time.sleep(30)
     return [0.0] * len(completions)
+
+
+def first_digit_or_none(prompts, completions, **_):
+    """A graded reward (the completion's first digit / 9) that scores nothing (None) when it has no digit:
+    exercises unscored completions in a real training step."""
+    out = []
+    for completion in completions:
+        digits = [ch for ch in completion if ch.isdigit()]
+        out.append(int(digits[0]) / 9 if digits else None)
+    return out

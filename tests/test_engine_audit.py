@@ -300,3 +300,69 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
         grpo.policy_loss = original
     assert seen[0] == pytest.approx(1.0, abs=1e-6)
     assert abs(seen[1] - 1.0) > 1e-3
+
+
+# ---------------------------------------------------- the training loop, composed by hand from its parts
+@pytest.mark.parametrize("variant", ["grpo", "reinforce"])
+def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_store, variant):
+    """The stage's loop must be exactly: sample -> score -> advantages -> loss mask -> reference ->
+    update -> reference update. Any changed line in it (another scaling, a dropped mask, the policy
+    as reference, a skipped EMA) changes the weights below."""
+    from components.base_model import build_base_model
+    from components.data import read_jsonl, split_path
+    from components.grpo import PromptSchedule, build_policy, collect_batch, learning_rate, train_grpo, update_reference
+    from components.modeling import seed_everything
+    from components.paths import Paths
+    from components.prepare import prepare
+    from components.rewards import RewardModel
+
+    common = ["task.n_sft=50", "task.n_train=64", "task.n_heldout=20", "sft.enabled=false", "threads=1",
+              "grpo.rewards=[{name: 'reward_fixtures:first_digit_or_none', weight: 1.0}]", "grpo.steps=2",
+              "grpo.checkpoint_every=0", "grpo.max_completion_length=3", "grpo.learning_rate=0.01",
+              "grpo.warmup_steps=1", "grpo.mask_truncated_completions=true", "grpo.prefix_sharing=false"]
+    common += (["grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.kl_beta=0.2", "grpo.scale_rewards=batch",
+                "grpo.reference.mode=ema", "grpo.reference.ema_alpha=0.5"] if variant == "grpo" else
+               ["grpo.algorithm=reinforce", "grpo.group_size=1", "grpo.prompts_per_step=16", "grpo.kl_beta=0"])
+    cfg = load_config(PARAMS, common)
+    paths = Paths(root=tmp_path)
+    prepare(cfg, paths)
+    build_base_model(cfg, paths)
+    from components.sft import train_sft
+
+    train_sft(cfg, paths)
+    train_grpo(cfg, paths)
+    from safetensors.torch import load_file
+
+    trained = load_file(str(paths.grpo_model / "model.safetensors"))
+
+    g = cfg.grpo
+    seed_everything(cfg.seed, cfg.threads)
+    records = read_jsonl(split_path(paths.data, "train"))
+    policy = build_policy(cfg, paths.base_model.resolve(), torch.device("cpu"), records)
+    optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=g.learning_rate,
+                                  weight_decay=g.weight_decay, fused=True)
+    schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    rewards = RewardModel(g.rewards, timeout_s=g.reward_timeout_s)
+    unscored = 0
+    for step in range(g.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, g)
+        rollout, totals, _, _, _ = collect_batch(policy, records, schedule, step, g, rewards, generator)
+        reward = torch.tensor(totals)
+        scorable = ~torch.isnan(reward)
+        unscored += int((~scorable).sum())
+        advantages = torch.nan_to_num(reward) if variant == "reinforce" else group_advantages(reward, g.group_size,
+                                                                                              "batch")
+        mask = rollout.completion_mask * (scorable & ~rollout.truncated).unsqueeze(-1)
+        ref = None
+        if g.kl_beta > 0:
+            with torch.no_grad():
+                ref = completion_logprobs(policy.reference, rollout, g.temperature)[0]
+        policy_updates(policy, optimizer, rollout, advantages, mask, ref, g, scorable=scorable)
+        if g.reference.mode == "ema":
+            update_reference(policy.reference, policy.model, "ema", step, 0.5, 1)
+    assert unscored > 0, "the reward never returned None: the test would not cover unscored completions"
+    for name, tensor in policy.model.state_dict().items():
+        if name in trained:
+            assert torch.equal(trained[name], tensor), name

@@ -80,16 +80,24 @@ def test_make_targets_install_from_the_lock():
 
 
 @pytest.mark.slow
-def test_two_fresh_clones_give_identical_dvc_lock_hashes(tmp_path):
+def test_two_fresh_clones_give_identical_dvc_lock_hashes(tmp_path, monkeypatch):
+    """One clone as `make run` runs it (HF_HUB_OFFLINE=1 ...), one as a plain shell's `dvc repro --force`
+    without those variables: outputs must not record the environment they ran in (transformers copies
+    `local_files_only` into tokenizer_config.json when offline), so every hash is the same."""
     from pipelines.params_io import apply_to_params
 
     locks = []
-    for name in ("one", "two"):
+    for name, make_env in (("make", True), ("shell", False)):
+        if not make_env:
+            for key in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"):
+                monkeypatch.delenv(key, raising=False)
         repo = copy_project(tmp_path / name)
         apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
         dvc_repro_warm(repo, ["--force"], {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
         stages = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
         locks.append({out["path"]: out["md5"] for stage in stages.values() for out in stage.get("outs", [])})
+        if make_env:
+            assert '"local_files_only"' not in (repo / "models" / "sft" / "tokenizer_config.json").read_text()
     # Wall-clock columns make the step-metrics plot differ; every data and model output must not.
     for outs in locks:
         outs.pop("plots/grpo_steps.csv")
