@@ -45,7 +45,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # 0.556 -> 0.580 after 48 steps, 1e-4 -> 0.150, 5e-5 -> 0.403). Both engines get the same rate.
     "medium": {"model": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408,
                          "max_position_embeddings": 32},
-               "sft": {"epochs": 15, "learning_rate": 3e-4}, "grpo": {"learning_rate": 2e-5}},
+               "sft": {"epochs": 15, "learning_rate": 3e-4, "stop_at_reward": "null"}, "grpo": {"learning_rate": 2e-5}},
 }
 # Hyper-parameters both engines share (TRL names in trl_config below).
 SHARED = {"prompts_per_step": 16, "group_size": 8, "max_completion_length": 6, "temperature": 1.0, "top_p": 1.0,

@@ -29,7 +29,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark, as Windows tools write
             except UnicodeDecodeError as err:
                 raise DataError(f"{path}: line {lineno}: invalid UTF-8 ({err.reason} at byte {err.start})") from err
             if not line.strip():

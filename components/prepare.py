@@ -16,7 +16,7 @@ from pathlib import Path
 from components.config import PipelineConfig
 from components.data import SPLITS, DataError, file_md5, iter_jsonl, split_path, write_jsonl
 from components.paths import Paths
-from components.sources import ensure_ids, load_records, split_heldout
+from components.sources import ensure_ids, load_records, require_prompt_column, split_heldout
 from components.stage_cli import stage_main
 from components.tasks import TASKS
 
@@ -35,6 +35,8 @@ def stream_copy(src: str, dst: Path, split: str, columns: dict[str, str]) -> str
         generate_ids = None
         for _, record in iter_jsonl(src):
             record = {columns.get(k, k): v for k, v in record.items()}
+            if count == 0:
+                require_prompt_column(src, record, columns)
             if generate_ids is None:
                 generate_ids = "id" not in record
                 note = " (ids generated from row numbers)" if generate_ids else ""

@@ -35,7 +35,7 @@ def detect_format(path: Path, declared: str = "auto") -> str:
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
-        payload = json.loads(path.read_bytes().decode("utf-8"))
+        payload = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: invalid UTF-8 at byte {err.start}") from err
     except json.JSONDecodeError as err:
@@ -52,7 +52,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: invalid UTF-8 at byte {err.start}") from err
     reader = csv.reader(text.splitlines())
@@ -120,7 +120,21 @@ def load_records(path: str | Path, declared_format: str = "auto", columns: dict[
         raise DataError(f"{path}: file is empty (no records)")
     if columns:
         records = [{columns.get(k, k): v for k, v in r.items()} for r in records]
+    require_prompt_column(path, records[0], columns)
     return records
+
+
+def require_prompt_column(path: Path | str, first: dict[str, Any], columns: dict[str, str]) -> None:
+    """A file without a `prompt` column (after renames) is refused here, naming its columns and the fix,
+    before it could be split into nothing or validated as an empty file."""
+    if "prompt" in first:
+        return
+    found = ", ".join(sorted(map(str, first))) or "none"
+    guess = next((c for c in first if str(c).lower() in ("question", "input", "instruction", "query", "problem",
+                                                          "text", "context")), None)
+    example = f"data.columns: {{{guess}: prompt}}" if guess else "data.columns: {YOUR_COLUMN: prompt}"
+    raise DataError(f"{path}: no 'prompt' column (columns: {found}); name the column that holds the prompts with "
+                    f"{example}" + (f" (data.columns is {columns})" if columns else ""))
 
 
 def ensure_ids(records: list[dict[str, Any]], split: str) -> bool:

@@ -1,7 +1,7 @@
 """Stage `validate`: a Great Expectations 1.x suite per dataset, reported row by row.
 
 Rules: required columns, string and non-blank prompts, unique ids, answers present (the reward
-needs them), prompt + completion within the model's context in real tokens, and no prompt shared
+needs them), one answer per prompt, prompt + completion within the model's context in real tokens, and no prompt shared
 between training data and held-out data (exact and after whitespace/case normalisation).
 On failure every broken rule is printed with the file, the ids and rows, the result is saved to
 metrics/validation.json, and the stage exits non-zero so nothing downstream runs.
@@ -100,7 +100,36 @@ def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int
     if "answer" in columns:
         suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column="answer",
                                                               meta={"rule": "answer present (the reward needs it)"}))
+    if "_answer_conflict" in columns:
+        suite.add_expectation(E.ExpectColumnValuesToBeInSet(column="_answer_conflict", value_set=[False],
+                                                            meta={"rule": CONFLICT_RULE}))
     return suite
+
+
+CONFLICT_RULE = "one answer per prompt (the same prompt with another answer contradicts the reward)"
+
+
+class RepeatedPrompts:
+    """Across a whole file (chunk by chunk, 8-byte digests only): a prompt seen again with another
+    answer is a conflict, naming the row it contradicts; with the same answer it is only counted."""
+
+    def __init__(self):
+        self.first: dict[int, tuple[int, int]] = {}  # prompt digest -> (answer digest, 1-based row)
+        self.identical = 0
+
+    def mark(self, df, offset: int) -> None:
+        if "prompt" not in df or "answer" not in df:
+            return
+        conflicts, against = [], []
+        for i, (prompt, answer) in enumerate(zip(df["prompt"].tolist(), df["answer"].tolist())):
+            key, value = _id_key(prompt), _id_key(answer)
+            seen = self.first.setdefault(key, (value, offset + i + 1))
+            repeat = seen[1] != offset + i + 1
+            conflicts.append(repeat and seen[0] != value)
+            self.identical += repeat and seen[0] == value
+            against.append(f"row {seen[1]}" if conflicts[-1] else "")
+        df["_answer_conflict"] = conflicts
+        df["_conflicts_with"] = against
 
 
 def _run_suite(gx, split: str, df, build_suite: Callable[[list[str]], Any]):
@@ -170,6 +199,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
         if leak_check:
             checked[digest] = split
         seen_ids: set[int] = set()
+        repeated = RepeatedPrompts()
         checks: dict[str, dict[str, Any]] = {}
         offset = 0
         for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
@@ -178,6 +208,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
                 keys = [_id_key(i) for i in df["id"]]
                 df["_id_seen_earlier"] = [k in seen_ids for k in keys]
                 seen_ids.update(keys)
+            repeated.mark(df, offset)
             result = _run_suite(gx, split, df, lambda columns: _suite(
                 gx, f"{split}_suite", columns, split, context - budget, context,
                 heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
@@ -187,6 +218,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
                 idx = list((res.result or {}).get("unexpected_index_list") or [])
                 ids = [str(df["id"].iloc[i]) if "id" in df else f"row {offset + i + 1}" for i in idx]
                 rule = res.expectation_config.meta.get("rule", "?")
+                if rule == CONFLICT_RULE:  # name both rows of each contradiction
+                    ids = [f"{ids[k]} contradicts {df['_conflicts_with'].iloc[i]}" for k, i in enumerate(idx)]
                 check = checks.setdefault(rule, {"rule": rule, "expectation": res.expectation_config.type,
                                                  "success": True, "unexpected_count": 0, "ids": []})
                 check["success"] &= bool(res.success)
@@ -202,6 +235,9 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
             gc.collect()
         if offset == 0:
             raise StageFailed(f"{file_label}: file is empty (no records)")
+        if repeated.identical:
+            print(f"validate: warning: {file_label}: {repeated.identical} row(s) repeat an earlier prompt with the "
+                  "same answer (kept; they weigh that prompt more)")
         total += offset
         # Deterministic (no GX run ids or timestamps): downstream DVC stages depend on this file.
         report["files"][split] = {"file": file_label, "rows": offset,

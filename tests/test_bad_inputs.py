@@ -27,7 +27,11 @@ def with_row(rows, index, **changes):
 # (case id, train file name, train file bytes or text, expected fragments of the message)
 DATA_CASES = [
     ("missing-prompt-column", "train.jsonl", jsonl([{k: v for k, v in r.items() if k != "prompt"} for r in TRAIN]),
-     ["train.jsonl", "rule 'required column 'prompt'' failed"]),
+     ["train.jsonl: no 'prompt' column (columns: answer, id)", "data.columns: {YOUR_COLUMN: prompt}"]),
+    ("csv-prompt-column-named-question", "train.csv", "id,question,answer\nt1,1+1=,2\nt2,2+2=,4\n",
+     ["train.csv: no 'prompt' column (columns: answer, id, question)", "data.columns: {question: prompt}"]),
+    ("conflicting-answers", "train.jsonl", jsonl(TRAIN + [{"id": "t99", "prompt": "10+1=", "answer": "12"}]),
+     ["rule 'one answer per prompt", "t99 contradicts row 1"]),
     ("missing-answer-column", "train.jsonl", jsonl([{k: v for k, v in r.items() if k != "answer"} for r in TRAIN]),
      ["train.jsonl", "rule 'required column 'answer'' failed"]),
     ("empty-prompt", "train.jsonl", jsonl(with_row(TRAIN, 2, prompt="")),

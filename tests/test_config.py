@@ -88,3 +88,11 @@ def test_secret_names_are_recognised_without_catching_token_counts(name, secret)
     from components.tracking import is_secret_key
 
     assert is_secret_key(name) is secret
+
+
+def test_the_smoke_preset_never_registers_under_the_production_name():
+    from pipelines.params_io import merged_config
+
+    production = merged_config(PARAMS, [], []).register.model_name
+    smoke = merged_config(PARAMS, [ROOT / "configs" / "presets" / "fast_test.yaml"], []).register.model_name
+    assert smoke != production and smoke.startswith(production)

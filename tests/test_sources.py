@@ -49,6 +49,21 @@ def test_every_format_gives_identical_records(tmp_path):
         assert load_records(path, "auto", MAPPING) == EXPECTED, fmt
 
 
+def test_files_with_a_byte_order_mark_are_read(tmp_path):
+    """Windows tools write a UTF-8 BOM before the first line: JSONL, JSON and CSV read as without it."""
+    from components.prepare import stream_copy
+
+    for fmt, path in write_all_formats(tmp_path).items():
+        if fmt in ("jsonl", "json", "csv"):
+            bom = path.with_name("bom-" + path.name)
+            bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+            assert load_records(bom, "auto", MAPPING) == EXPECTED, fmt
+            if fmt == "jsonl":  # the streamed copy of a large JSONL file too
+                stream_copy(str(bom), tmp_path / "copy.jsonl", "train", MAPPING)
+                copied = [json.loads(line) for line in (tmp_path / "copy.jsonl").read_text().splitlines()]
+                assert [{k: v for k, v in r.items() if k != "id"} for r in copied] == EXPECTED
+
+
 def test_json_object_with_prompts_list(tmp_path):
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps({"prompts": ["Write a haiku:", "Explain binary search:"]}))

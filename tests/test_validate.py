@@ -89,3 +89,24 @@ def test_prompt_longer_than_context_is_refused(user_data):
     _, _, check = run_validate(tmp_path, good)
     with pytest.raises(StageFailed, match=r"prompt \+ completion within context .* ids \[t0\]"):
         check()
+
+
+def test_a_prompt_repeated_with_another_answer_is_refused_naming_both_rows(user_data, capsys):
+    tmp_path, good = user_data
+    good["train"].append({"id": "t3", "prompt": "5+1=", "answer": "7"})   # contradicts t1 (row 2)
+    good["train"].append({"id": "t4", "prompt": "4+4=", "answer": "8"})   # repeats t0 with the same answer
+    _, _, check = run_validate(tmp_path, good)
+    with pytest.raises(StageFailed) as err:
+        check()
+    msg = str(err.value)
+    assert "one answer per prompt" in msg and "t3 contradicts row 2" in msg, msg
+    assert "t4" not in msg  # an identical repeat is only a warning
+    assert "1 row(s) repeat an earlier prompt with the same answer" in capsys.readouterr().out
+
+
+def test_identical_repeats_pass_with_a_warning(user_data, capsys):
+    tmp_path, good = user_data
+    good["train"].append({"id": "t4", "prompt": "4+4=", "answer": "8"})
+    _, _, check = run_validate(tmp_path, good)
+    assert check() == []
+    assert "repeat an earlier prompt with the same answer" in capsys.readouterr().out
