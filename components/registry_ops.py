@@ -167,10 +167,10 @@ class RunSummary:
 
 def pipeline_runs(client, experiment: str, run_ids: list[str] | None = None, last: int = 5) -> list[RunSummary]:
     """The pipeline parent runs to compare: the given ids, or the `last` newest of the experiment."""
+    exp = client.get_experiment_by_name(experiment)
     if run_ids:
-        runs = [client.get_run(r) for r in run_ids]
+        runs = [resolve_run(client, exp, r) for r in run_ids]
     else:
-        exp = client.get_experiment_by_name(experiment)
         if exp is None:
             raise RegistryRefused(f"experiment '{experiment}' does not exist")
         runs = client.search_runs([exp.experiment_id], filter_string="tags.`grpo.stage` = 'pipeline'",
@@ -182,6 +182,26 @@ def pipeline_runs(client, experiment: str, run_ids: list[str] | None = None, las
                               dict(r.data.metrics), dict(r.data.tags),
                               (end - start) / 1000.0 if end and start else None))
     return out
+
+
+def resolve_run(client, experiment, run_id: str):
+    """A run by its full id or by a prefix of it (the 12 characters `compare` prints), in `experiment`."""
+    from mlflow.exceptions import MlflowException
+
+    if len(run_id) == 32:
+        try:
+            return client.get_run(run_id)
+        except MlflowException as err:
+            raise RegistryRefused(f"no run {run_id} in this tracking store") from err
+    if experiment is None or len(run_id) < 4:
+        raise RegistryRefused(f"no run {run_id!r}: give at least 4 characters of an id from experiment "
+                              f"'{getattr(experiment, 'name', '?')}'")
+    matches = [r for r in client.search_runs([experiment.experiment_id], max_results=50000)
+               if r.info.run_id.startswith(run_id)]
+    if len(matches) != 1:
+        raise RegistryRefused(f"run id prefix {run_id!r} matches {len(matches)} runs in experiment "
+                              f"'{experiment.name}'" + ("; give more characters" if matches else ""))
+    return matches[0]
 
 
 def compare_table(runs: list[RunSummary]) -> str:

@@ -463,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in QUIET_DEFAULTS.items():
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
+    root = getattr(args, "root", None)
+    if root is not None and not (Path(root) / "params.yaml").exists():
+        where = Path(root).resolve()
+        print(f"error: {where} is not a grpo-pipeline repository (no params.yaml there); run the command from the "
+              "repository's folder or pass --root PATH_TO_REPOSITORY", file=sys.stderr)
+        return 2
     code = args.func(args)
     if argv is None and args.func is _cmd_run and not args.dry_run:
         # The command line's own run: everything is written and the servers are stopped; with Prefect's

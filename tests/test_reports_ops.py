@@ -86,3 +86,26 @@ def test_retry_condition_reads_the_failed_prefect_state():
 
     assert retry_transient(None, None, Failed(data=StageError("HTTPConnectionPool: Max retries exceeded")))
     assert not retry_transient(None, None, Failed(data=StageError("validation failed, 2 rule(s) broken")))
+
+
+def test_compare_accepts_the_short_run_ids_it_prints(mlflow_store):
+    from mlflow.tracking import MlflowClient
+
+    from components.registry_ops import RegistryRefused, pipeline_runs
+
+    client = MlflowClient(mlflow_store)
+    experiment = client.create_experiment("short-ids")
+    ids = [client.create_run(experiment, tags={"grpo.stage": "pipeline"}).info.run_id for _ in range(2)]
+    runs = pipeline_runs(client, "short-ids", [ids[0][:12], ids[1]])  # what the table prints, and a full id
+    assert [r.run_id for r in runs] == ids
+    with pytest.raises(RegistryRefused, match="matches 0 runs in experiment 'short-ids'"):
+        pipeline_runs(client, "short-ids", ["ffffffffffff" if not ids[0].startswith("f") else "000000000000"])
+
+
+def test_a_command_outside_the_repository_says_how_to_point_at_it(tmp_path, capsys):
+    from pipelines.cli import main
+
+    assert main(["compare", "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a grpo-pipeline repository (no params.yaml there)" in err and "--root" in err
+    assert "Traceback" not in err
