@@ -31,8 +31,8 @@ def open_store(experiment: str) -> dict[str, str]:
     return {"experiment_id": experiment_id(experiment)}
 
 
-def start(experiment: str, params: dict[str, Any], tags: dict[str, str]) -> dict[str, str]:
-    run = start_run(experiment, "pipeline", tags=tags)
+def start(experiment: str, params: dict[str, Any], tags: dict[str, str], run_name: str = "pipeline") -> dict[str, str]:
+    run = start_run(experiment, run_name, tags=tags)
     run.log_params(params)
     log_environment(run.run_id)
     return {"run_id": run.run_id, "experiment_id": experiment_id(experiment)}

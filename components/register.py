@@ -82,6 +82,16 @@ def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], 
     return tags
 
 
+def version_description(evaluation: dict[str, Any], decision: dict[str, Any]) -> str:
+    """The first lines a model version page shows: its held-out result and the promotion decision."""
+    imp = evaluation["improvement"]
+    return (f"Held-out mean reward {evaluation['candidate']['mean_reward']:.4f} (before GRPO "
+            f"{evaluation['baseline']['mean_reward']:.4f}; improvement {imp['mean']:+.4f}, 95% CI "
+            f"{imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}, n = {evaluation['n']}).\n\n"
+            f"Decision: {'champion' if decision['promote'] else 'challenger'}: {decision['reason']}.\n\n"
+            "Lineage (data and model hashes, commit, environment) is in the tags.")
+
+
 def log_params_file(run, params_path: Path) -> None:
     """The exact params (even if never committed) as `lineage/params.yaml`, secret-looking values redacted."""
     import yaml
@@ -219,6 +229,7 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             client.set_model_version_tag(name, version.version, key, value)
         run.set_tags({"promotion.decision": "champion" if decision["promote"] else "challenger",
                       "promotion.reason": decision["reason"], "model_version": version.version})
+        client.update_model_version(name, version.version, description=version_description(evaluation, decision))
     uri = f"models:/{name}/{version.version}"
     result = {"model_name": name, "version": str(version.version), "model_uri": uri, "promoted": decision["promote"],
               "reason": decision["reason"], "champion_version": None if decision.get("champion_version") is None else str(decision["champion_version"]),

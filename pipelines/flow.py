@@ -150,11 +150,11 @@ class ParentRun:
         self.run_id, self.experiment_id = run_id, experiment_id
 
     @classmethod
-    def start(cls, experiment: str, params: dict[str, Any]) -> "ParentRun":
+    def start(cls, experiment: str, params: dict[str, Any], run_name: str = "pipeline") -> "ParentRun":
         from components.parent_run import run_job
 
         answer = run_job({"action": "start", "experiment": experiment, "params": params,
-                          "tags": {"grpo.stage": "pipeline"}})
+                          "tags": {"grpo.stage": "pipeline"}, "run_name": run_name})
         return cls(answer["run_id"], answer["experiment_id"])
 
     def update(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
@@ -163,6 +163,14 @@ class ParentRun:
 
         run_job({"action": "update", "run_id": self.run_id, "metrics": metrics or {},
                  "tags": {k: str(v) for k, v in (tags or {}).items()}, "status": status})
+
+
+def parent_run_name(cfg, now: float | None = None) -> str:
+    """What ran, readable in the MLflow run list: `grpo-addition · dapo β0.04 · 2026-11-23 14:02`."""
+    g = cfg.grpo
+    algorithm = "reinforce" if g.algorithm == "reinforce" else g.loss_type
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(now))
+    return f"{cfg.register.model_name} · {algorithm} β{g.kl_beta:g}{' LoRA' if g.lora.enabled else ''} · {stamp}"
 
 
 def mlflow_links(tracking: str, experiment_id: str, run_id: str, model_name: str, version: str) -> dict[str, str]:
@@ -260,7 +268,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     timings = Path(tempfile.mkstemp(prefix="grpo-stage-times-", suffix=".jsonl")[1])
     os.environ[STAGE_TIMINGS_ENV] = str(timings)
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
-    parent = ParentRun.start(cfg.tracking.experiment, to_flat_dict(cfg))
+    parent = ParentRun.start(cfg.tracking.experiment, to_flat_dict(cfg), parent_run_name(cfg))
     stages: list[dict[str, Any]] = []
     status = "FAILED"
     gpu_tags = {GPU_TAG} if tag_limit_exists(GPU_TAG) else set()

@@ -86,8 +86,11 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
     parent = parents[0]
     assert parent.data.params["grpo.kl_beta"] == "0.04" and parent.data.params["grpo.steps"] == "6"
     assert parent.data.params["evaluate.max_new_tokens"] == "6"  # a token count, not a secret token
+    # Named after what ran, so runs can be told apart in the run list; children by their stage.
+    assert parent.info.run_name.startswith("grpo-addition · dapo β0.04 · 20"), parent.info.run_name
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert {r.data.tags["grpo.stage"] for r in children} == STAGES
+    assert {r.info.run_name for r in children} == STAGES
     grpo = next(r for r in children if r.data.tags["grpo.stage"] == "grpo")
     # One MLflow point per grpo.metrics_every=2 steps, each the mean of its steps in plots/grpo_steps.csv.
     history = client.get_metric_history(grpo.info.run_id, "reward_mean")
@@ -125,6 +128,11 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
     assert tags["promotion.decision"] == "champion" and tags["registration"] == "complete"
     assert float(tags["improvement_ci95_low"]) <= float(tags["improvement_vs_baseline"])
     assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "1"
+    # The version page leads with its held-out result and the decision.
+    assert version.description.startswith(f"Held-out mean reward {float(tags['heldout_mean_reward']):.4f}")
+    assert "Decision: champion: no champion yet" in version.description
+    # The environment `reproduce` judges bit-identity by.
+    assert tags["env.threads"] == "1" and tags["env.device"] == "cpu" and tags["env.cpu_capability"]
 
 
 def test_fresh_process_loads_champion_and_completes(completed):
