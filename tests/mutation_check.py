@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_objectives.py", "tests/test_engine_variants.py", "tests/test_engine_audit.py",
-         "tests/test_fastlm.py"]
+         "tests/test_fastlm.py", "tests/test_sft.py"]
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -142,6 +142,11 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      '_require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",', '_require(True, "grpo.kl_estimator",'),
     ("defect 7: GSPO with a token-sum loss not warned", "components/config.py",
      'if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":', "if False:"),
+    # the warm start's stop rule (the robust default rests on it)
+    ("sft: stop rule ignored", "components/sft.py",
+     "if check_reward >= s.stop_at_reward:", "if False:"),
+    ("sft: check never run", "components/sft.py",
+     "if check is not None and step % s.check_every == 0:", "if False:"),
     # prompt-once forward
     ("defect 3: fastlm groups prompts by ids alone", "components/fastlm.py",
      "keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)", "keyed = torch.cat([prompt_ids, 0 * prompt_mask.to(prompt_ids.dtype)], dim=1)"),

@@ -44,3 +44,11 @@ def first_digit_or_none(prompts, completions, **_):
         digits = [ch for ch in completion if ch.isdigit()]
         out.append(int(digits[0]) / 9 if digits else None)
     return out
+
+
+def always_one(prompts, completions, **_):
+    return [1.0] * len(completions)
+
+
+def always_zero(prompts, completions, **_):
+    return [0.0] * len(completions)

@@ -1,0 +1,41 @@
+"""The SFT warm start stops on a measured greedy reward (sft.stop_at_reward), not on a step count."""
+
+import json
+
+from components.base_model import build_base_model
+from components.config import load_config
+from components.paths import Paths
+from components.prepare import prepare
+from components.sft import train_sft
+from conftest import ROOT
+
+SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3", "sft.batch_size=32",
+         "sft.check_every=4", "sft.check_prompts=16", "threads=1"]
+
+
+def _train(tmp_path, reward, target):
+    cfg = load_config(ROOT / "params.yaml", SMALL + [f"grpo.rewards=[{{name: 'reward_fixtures:{reward}', weight: 1.0}}]",
+                                                     f"sft.stop_at_reward={target}"])
+    paths = Paths(root=tmp_path)
+    prepare(cfg, paths)
+    build_base_model(cfg, paths)
+    summary = train_sft(cfg, paths)
+    assert json.loads((paths.metrics / "sft.json").read_text()) == summary
+    return summary
+
+
+def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, mlflow_store, capsys):
+    summary = _train(tmp_path, "always_one", 0.5)
+    assert summary["steps"] == 4 and summary["stopped_early"] is True and summary["check_reward"] == 1.0
+    assert "sft: stopped at step 4/24" in capsys.readouterr().out
+
+
+def test_sft_that_never_reaches_the_target_trains_every_epoch_and_says_so(tmp_path, mlflow_store, capsys):
+    summary = _train(tmp_path, "always_zero", 0.5)
+    assert summary["steps"] == 24 and summary["stopped_early"] is False and summary["check_reward"] == 0.0
+    assert "below sft.stop_at_reward 0.5: the warm start is weaker than intended" in capsys.readouterr().out
+
+
+def test_without_a_target_sft_trains_every_epoch(tmp_path, mlflow_store):
+    summary = _train(tmp_path, "always_one", "null")
+    assert summary["steps"] == 24 and "stopped_early" not in summary
