@@ -6,14 +6,18 @@ and kernel setting, each in a fresh process, the kernel settings alternating:
 
 - `default`: whatever PyTorch, MKL and oneDNN pick on this CPU;
 - `avx2`: `ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`, which moves an
-  AVX-512 machine onto the AVX2 kernels that AVX2-only CPUs run (on an AVX2-only CPU both are the same).
+  AVX-512 machine onto the AVX2 kernels that AVX2-only CPUs run (on an AVX2-only CPU both are the same);
+- `scalar` (not run unless asked): PyTorch's unvectorised kernels, MKL and oneDNN on SSE: another
+  rounding on any CPU, the nearest this machine has to another CPU kind.
 
 Prints one row per run (SFT warm start, after GRPO, improvement with its 95% CI, seconds), the median
-and range, and writes benchmarks/results/seed_spread.{json,md}. `grpo-pipeline run` compares its own
-result with the band recorded there. Not a test: it reports, it does not assert.
+and range, and writes benchmarks/results/seed_spread.{json,md} (other kernel settings:
+seed_spread_<settings>.{json,md}). `grpo-pipeline run` compares its own result with the band
+recorded in seed_spread.json. Not a test: it reports, it does not assert.
 
     python benchmarks/seed_spread.py                       # 5 seeds x 2 kernel settings, about 60 min on 2 cores
     python benchmarks/seed_spread.py --seeds 1234 --kernels default   # one run, about 6 min
+    python benchmarks/seed_spread.py --kernels scalar --out /tmp/x    # the unvectorised path
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ sys.path.insert(0, str(ROOT))
 KERNELS = {
     "default": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    # Not vectorised at all: other kernels, other rounding, on any CPU (an AVX2-only machine's stand-in
+    # for "another CPU kind"; slower).
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
 }
 DEFAULT_SEEDS = [1234, 1, 2, 3, 4]  # params.yaml's seed and four others
 # What every run of the default must show (issue: results that hold on any machine and any seed).
@@ -152,7 +159,7 @@ def default_fingerprint() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
-    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=["default", "avx2"])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="params override (the result is then not the default's band and is not written)")
@@ -191,8 +198,10 @@ def main() -> int:
               "criteria": {"min_improvement": MIN_IMPROVEMENT, "ci95_low_above": 0.0, "warm_start_band": WARM_START_BAND},
               "default_fingerprint": default_fingerprint(),
               "command": "python benchmarks/seed_spread.py " + " ".join(sys.argv[1:])}
-    (out / "seed_spread.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "seed_spread.md").write_text(
+    # The default pair is what `grpo-pipeline run` reads; other settings get files of their own.
+    stem = "seed_spread" if args.kernels == ["default", "avx2"] else "seed_spread_" + "_".join(args.kernels)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(
         f"# The embedded default over seeds and kernel settings\n\n`{result['command'].strip()}` on {machine['cpu']} "
         f"({machine['cores']} cores, AVX-512: {'yes' if machine['avx512'] else 'no'}). A run passes when its held-out "
         f"improvement is >= {MIN_IMPROVEMENT} with 95% CI low > 0 and its warm start lies in "
