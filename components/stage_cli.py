@@ -31,6 +31,20 @@ class StageFailed(RuntimeError):
     """A stage refused its inputs; the message is the whole report a user needs."""
 
 
+# Set by the Prefect flow: a refused stage writes its message here instead of printing it, and the
+# flow reports it once, at the end (run alone or under `dvc repro`, the stage prints it itself).
+ERROR_FILE_ENV = "GRPO_STAGE_ERROR_FILE"
+
+
+def report_error(message: str) -> None:
+    target = os.environ.get(ERROR_FILE_ENV)
+    if target:
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(message)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+
+
 def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: list[str] | None = None) -> int:
     """Parse `--params`/`--set`, run the stage, and turn known failures into one clear line + exit 1."""
     parser = argparse.ArgumentParser(description=description)
@@ -52,15 +66,15 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
         _record_compute(stage, time.perf_counter() - started,
                         entered=entered, started_at=started_at)
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(str(err))
         return 1
     except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
         if not _is_tracking_outage(err):
             raise
         from components.tracking import tracking_uri
 
-        print(f"error: the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
-              f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back", file=sys.stderr)
+        report_error(f"the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
+                     f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back")
         return 1
     return 0
 

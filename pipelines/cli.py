@@ -105,6 +105,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
 
         import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
     store.join(timeout=300)  # a parent run must not race the store's first schema creation
+    log_file = attach_run_log(root)
     try:
         if api is not None:
             api.wait_ready()
@@ -113,7 +114,13 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         if api is not None:
             api.request_stop()  # its shutdown (~0.2 s) overlaps the report below; the caller waits for it
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
-        print(f"\npipeline failed: {err}", file=sys.stderr)
+        import traceback
+
+        with log_file.open("a", encoding="utf-8") as fh:
+            fh.write(traceback.format_exc() + "\n" + getattr(err, "detail", "") + "\n")
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"\nerror: {err}\n(full log with the traceback: {log_file})", file=sys.stderr)
         return 1
     ev, reg = result["evaluation"], result["registration"]
     imp = ev["improvement"]
@@ -130,6 +137,18 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     report_overhead(result)
     print("=" * 72)
     return 0
+
+
+def attach_run_log(root: Path) -> Path:
+    """Where this run's full log goes (logs/run-<time>.log): the flow attaches it once Prefect has set
+    up its logging (pipelines/flow.py `quiet_stage_errors`), so tracebacks land there, not on screen."""
+    from pipelines.flow import RUN_LOG_ENV
+
+    path = root / "logs" / time.strftime("run-%Y%m%d-%H%M%S.log")
+    path.parent.mkdir(exist_ok=True)
+    path.touch()
+    os.environ[RUN_LOG_ENV] = str(path)
+    return path
 
 
 def band_report(root: Path, cfg, evaluation: dict) -> str:
@@ -382,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the whole pipeline as a Prefect flow (DVC decides what is stale)")
     run.add_argument("--root", default=".", help="repository root holding params.yaml and dvc.yaml")
+    run.add_argument("--verbose", action="store_true", help="print a failure's traceback here too (always in logs/)")
     run.add_argument("--params", action="append", default=[], metavar="FILE",
                      help="overlay a (partial) params file onto params.yaml; repeatable")
     run.add_argument("--preset", help="overlay configs/presets/NAME.yaml")

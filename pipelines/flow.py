@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -28,7 +29,45 @@ GPU_TAG = "gpu"
 
 
 class StageError(RuntimeError):
-    """A stage exited non-zero; carries the stage's own last lines of output."""
+    """A stage exited non-zero. The message is its one report (a refused input: the rule, the file,
+    the row or key); `detail` keeps its last lines of output for the log and the retry rule."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class OneLineStageErrors(logging.Filter):
+    """On the console, a failed stage is one line in Prefect's logs, not a traceback: the report itself
+    is printed once, by the CLI, and the full traceback goes to the run's log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        text = record.getMessage()
+        if isinstance(error, StageError) or "StageError" in text:
+            first = str(error).splitlines()[0] if isinstance(error, StageError) else ""
+            record.msg = text.split("StageError")[0].rstrip(" :('\"") + (f": {first}" if first else "")
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+RUN_LOG_ENV = "GRPO_RUN_LOG"  # set by `grpo-pipeline run`: the file that gets the full log, tracebacks included
+
+
+def quiet_stage_errors() -> None:
+    """Install `OneLineStageErrors` on the console handlers Prefect logs through, and the run's log file
+    (`GRPO_RUN_LOG`) on the root logger; idempotent."""
+    root = logging.getLogger()
+    for logger in (root, logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+                    and not any(isinstance(f, OneLineStageErrors) for f in handler.filters):
+                handler.addFilter(OneLineStageErrors())
+    path = os.environ.get(RUN_LOG_ENV)
+    if path and not any(getattr(h, "baseFilename", None) == str(Path(path).resolve()) for h in root.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root.addHandler(handler)
 
 
 def stage_env(parent_run_id: str | None) -> dict[str, str]:
@@ -51,11 +90,18 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    import tempfile
+
+    from components.stage_cli import ERROR_FILE_ENV
+
     print_dvc_lines_once()
     logger = get_run_logger()
     started = time.perf_counter()
     previous_env, previous_cwd = dict(os.environ), os.getcwd()
+    handle, report = tempfile.mkstemp(prefix=f"grpo-{stage}-error-", suffix=".txt")
+    os.close(handle)
     os.environ.update(stage_env(parent_run_id))
+    os.environ[ERROR_FILE_ENV] = report
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
         with captured_output() as lines, Repo(root) as repo:
@@ -63,12 +109,16 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
             ran = repo.reproduce(stage, single_item=True)
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
+        refused = Path(report).read_text(encoding="utf-8").strip()
+        if refused:  # the stage's own report: the whole message, once
+            raise StageError(f"{stage}: {refused}", detail=tail) from None
         cause = f": {err.__cause__}" if err.__cause__ else ""
-        raise StageError(f"stage '{stage}' failed ({err}{cause}):\n{tail}") from None
+        raise StageError(f"stage '{stage}' failed ({err}{cause}); its last lines:\n{tail}", detail=tail) from None
     finally:
         os.chdir(previous_cwd)
         os.environ.clear()
         os.environ.update(previous_env)
+        Path(report).unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     skipped = not ran
     logger.info("stage %s %s in %.1fs", stage, "up to date" if skipped else "ran", seconds)
@@ -261,6 +311,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     from pipelines.params_io import apply_to_params
     from pipelines.retries import backoff_delays, retry_transient
 
+    quiet_stage_errors()
     if overrides and apply_to_params(root_path / "params.yaml", [], override_list(overrides)):
         print(f"params.yaml updated with the deployment's overrides: {override_list(overrides)}")
     cfg = load_config(root_path / "params.yaml")

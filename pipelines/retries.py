@@ -36,7 +36,7 @@ def is_transient(error: BaseException | str | None) -> bool:
         name = type(error).__name__
         if name in ("ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError", "PoolTimeout"):
             return True  # httpx (Prefect's client) and requests (MLflow's)
-    text = str(error)
+    text = f"{error}\n{getattr(error, 'detail', '')}"  # a StageError's report and the stage's last lines
     if any(marker in text for marker in DETERMINISTIC_MARKERS):
         return False
     return any(marker in text for marker in TRANSIENT_MARKERS)

@@ -240,6 +240,10 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     assert "rule 'prompt not empty or whitespace' failed" in out and "ids [b]" in out
     assert "rule 'unique ids' failed" in out and "ids [a, a]" in out
     assert "rule 'no prompt shared with held-out data' failed" in out and "ids [c]" in out
+    # One report, printed once, no traceback on screen; the traceback is in the run's log file.
+    assert out.count("rule 'unique ids' failed") == 1 and "Traceback" not in out, out
+    logs = sorted((repo / "logs").glob("run-*.log"))
+    assert logs and f"full log with the traceback: {logs[-1]}" in out and "Traceback" in logs[-1].read_text()
     assert not ran_stages(out) & {"sft", "grpo", "evaluate", "register"}
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'grpo-addition'")) == before
     assert client.get_model_version_by_alias("grpo-addition", "champion").version == champion
