@@ -45,8 +45,9 @@ class OneLineStageErrors(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         text = record.getMessage()
         if isinstance(error, StageError) or "StageError" in text:
-            first = str(error).splitlines()[0] if isinstance(error, StageError) else ""
-            record.msg = text.split("StageError")[0].rstrip(" :('\"") + (f": {first}" if first else "")
+            first = (": " + str(error).splitlines()[0]) if isinstance(error, StageError) \
+                else " (a stage failed; its report is printed at the end)"
+            record.msg = text.split("StageError")[0].rstrip(" :('\"") + first
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
 

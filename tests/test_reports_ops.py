@@ -109,3 +109,29 @@ def test_a_command_outside_the_repository_says_how_to_point_at_it(tmp_path, caps
     err = capsys.readouterr().err
     assert "is not a grpo-pipeline repository (no params.yaml there)" in err and "--root" in err
     assert "Traceback" not in err
+
+
+def test_a_failed_stage_is_one_line_in_prefects_console_log():
+    import io
+    import logging
+
+    from pipelines.flow import OneLineStageErrors, StageError
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(OneLineStageErrors())
+    logger = logging.getLogger("test.one-line")
+    logger.addHandler(handler)
+    try:
+        raise StageError("validate: validation failed, 1 rule(s) broken; nothing was trained:\n  - rule 'x'",
+                         detail="the stage's last lines")
+    except StageError as err:
+        logger.error("Task run failed with exception: %r - Retries are exhausted", err, exc_info=True)
+        logger.error("Finished in state Failed('Task run encountered an exception StageError: %s')", err)
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines == ["Task run failed with exception: validate: validation failed, 1 rule(s) broken; nothing was "
+                     "trained:", "Finished in state Failed('Task run encountered an exception (a stage failed; its "
+                     "report is printed at the end)"], lines
+    assert "Traceback" not in stream.getvalue() and "rule 'x'" not in stream.getvalue()
