@@ -105,9 +105,12 @@ def resolve_version(client, name: str, version: str | None, run_id: str | None):
     """The registered version to reproduce, by number or by the run that registered it."""
     if version is not None:
         return client.get_model_version(name, version)
-    matches = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id == run_id]
+    # A full run id, or the short prefix the tool prints
+    matches = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id and v.run_id.startswith(run_id)]
     if not matches:
         raise ValueError(f"no version of {name} was registered by run {run_id}")
+    if len({v.run_id for v in matches}) > 1:
+        raise ValueError(f"run id prefix {run_id!r} matches {len(matches)} versions of {name}; give more characters")
     return matches[0]
 
 
