@@ -540,9 +540,6 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(s.stop_at_reward is None or s.stop_at_reward > 0, "sft.stop_at_reward", "must be > 0, or null")
     _require(s.check_every >= 1, "sft.check_every", "must be >= 1")
     _require(s.check_prompts >= 1, "sft.check_prompts", "must be >= 1")
-    _require(not (s.stop_at_reward is not None and cfg.distributed.strategy == "fsdp2" and cfg.distributed.nproc > 1),
-             "sft.stop_at_reward", "is not supported with distributed.strategy: fsdp2 (the sharded model cannot "
-             "decode the check on one rank); set it to null or use ddp")
     ops = cfg.operations
     _require(ops.cron is None or len(ops.cron.split()) in (5, 6), "operations.cron",
              "must be a cron expression with 5 fields (minute hour day month weekday), or null")
@@ -690,9 +687,19 @@ def config_value(cfg: Any, dotted: str) -> Any:
     return value
 
 
+def trained_value(cfg: Any, key: str) -> Any:
+    """A params value as it bears on what is trained. `distributed` reduces to whether sampling is seeded
+    per group: the process count, backend and sharding change where it runs, not the result (N
+    processes give one process's weights, tests/test_distributed.py), so a run may resume on other hardware."""
+    if key == "distributed":
+        d = cfg.distributed
+        return {"per_group_sampling": d.per_group_sampling or d.nproc > 1}
+    return config_value(cfg, key)
+
+
 def stage_params_hash(cfg: "PipelineConfig", stage: str, *inputs: Any) -> str:
-    """`section_hash` of exactly the params DVC lists for `stage`, plus input hashes (data, start model)."""
-    return section_hash({key: config_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)
+    """`section_hash` of the params DVC lists for `stage` (as they bear on the result), plus input hashes."""
+    return section_hash({key: trained_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)
 
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:

@@ -15,8 +15,8 @@ import torch
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data import read_jsonl, reward_columns, split_path
-from components.distributed import (DistContext, all_reduce_sum, init, launch, needs_launch, shutdown, tracking_run,
-                                    wrap_ddp)
+from components.distributed import (DistContext, all_reduce_sum, all_true, init, launch, needs_launch, shutdown,
+                                    tracking_run, wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
 from components.paths import Paths
 from components.prompting import PromptFormatter
@@ -103,14 +103,15 @@ class WarmStartCheck:
         self.tokenizer, self.max_new_tokens = tokenizer, cfg.grpo.max_completion_length
 
     @torch.no_grad()
-    def __call__(self, model) -> float:
+    def __call__(self, model, stop_together=None) -> float:
+        """`stop_together`: with a sharded (FSDP) model every rank decodes the same prompts in lockstep."""
         was_training = model.training
         model.eval()
         try:
             completions, lengths = [], []
             for start in range(0, len(self.prompts), 256):
                 rollout = sample_groups(model, self.tokenizer, self.prompts[start:start + 256], 1, self.max_new_tokens,
-                                        greedy=True)
+                                        greedy=True, stop_together=stop_together)
                 completions += decode_completions(self.tokenizer, rollout)
                 lengths += rollout.completion_mask.sum(-1).tolist()
         finally:
@@ -144,6 +145,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     check = WarmStartCheck(cfg, paths, tokenizer, PromptFormatter(cfg.prompt, tokenizer)) \
         if s.stop_at_reward is not None else None
     check_reward, stopped = None, False
+    lockstep = (lambda done: all_true(ctx, done)) if ctx.lockstep else None
     started = time.perf_counter()
     with tracking_run(ctx, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
         step = 0
@@ -161,7 +163,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                 step += 1
                 epoch_loss += loss_value * len(idx)
                 if check is not None and step % s.check_every == 0:
-                    check_reward = check(model)
+                    check_reward = check(model, lockstep)
                     run.log_metrics({"check_reward": check_reward}, step=step, flush=False)
                     if check_reward >= s.stop_at_reward:
                         stopped = True
@@ -182,7 +184,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
         summary = {"enabled": True, "final_loss": round(epoch_loss / n, 6), "examples": n, "steps": step}
         if check is not None:
             if check_reward is None or not stopped:  # never reached: the last weights' figure
-                check_reward = check(model)
+                check_reward = check(model, lockstep)
             summary.update(check_reward=round(check_reward, 6), stopped_early=stopped)
             if not stopped and ctx.is_main:
                 print(f"sft: warning: greedy reward {check_reward:.3f} after all {s.epochs} epochs is below "

@@ -131,7 +131,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "if mode == \"periodic\" and step % sync_every == 0:"),
     # each audit defect as it was before its fix: the test named in the table failed on it
     ("defect 1: resume key from the grpo section only", "components/config.py",
-     "return section_hash({key: config_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)",
+     "return section_hash({key: trained_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)",
      "return section_hash(cfg.grpo, cfg.seed, *inputs)"),
     ("defect 5: unscored completions scored 0, as before", "components/grpo.py",
      "first_totals = first.rewards.advantage_rewards()", "first_totals = first.rewards.total"),

@@ -33,8 +33,13 @@ def test_resume_key_covers_every_param_dvc_reruns_grpo_for():
     # ... and the data and the starting model's hashes.
     assert stage_params_hash(base, "grpo", "other data", "model") != key
     assert stage_params_hash(base, "grpo", "data", "other model") != key
-    # Params DVC does not list for grpo leave the key (and the checkpoints) alone.
+    # Params DVC does not list for grpo leave the key (and the checkpoints) alone; so does moving a
+    # per-group-seeded run to another number of processes (the same weights, tested in test_distributed).
     assert stage_params_hash(load_config(PARAMS, ["evaluate.batch_size=7"]), "grpo", "data", "model") == key
+    seeded = stage_params_hash(load_config(PARAMS, ["distributed.per_group_sampling=true"]), "grpo", "d", "m")
+    assert stage_params_hash(load_config(PARAMS, ["distributed.per_group_sampling=true", "distributed.nproc=2"]),
+                             "grpo", "d", "m") == seeded
+    assert stage_params_hash(load_config(PARAMS, ["distributed.nproc=2"]), "grpo", "d", "m") == seeded
 
 
 # ------------------------------------------------------------------- 2 and 3. the prompt-once forward

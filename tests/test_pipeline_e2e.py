@@ -241,7 +241,8 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     assert "rule 'unique ids' failed" in out and "ids [a, a]" in out
     assert "rule 'no prompt shared with held-out data' failed" in out and "ids [c]" in out
     # One report, printed once, no traceback on screen; the traceback is in the run's log file.
-    assert out.count("rule 'unique ids' failed") == 1 and "Traceback" not in out, out
+    assert out.count("error: validate: validation failed") == 1 and "Traceback" not in out, out
+    assert out.count("rule 'unique ids' failed") == 2  # once per file: train.jsonl and its SFT copy
     logs = sorted((repo / "logs").glob("run-*.log"))
     assert logs and f"full log with the traceback: {logs[-1]}" in out and "Traceback" in logs[-1].read_text()
     assert not ran_stages(out) & {"sft", "grpo", "evaluate", "register"}
