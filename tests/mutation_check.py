@@ -103,8 +103,9 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "advantages = group_advantages(reward_t, g.group_size, \"group\")"),
     ("loop: unscored completions treated as scored", "components/grpo.py",
      "scorable = ~torch.isnan(reward_t)", "scorable = torch.ones_like(reward_t, dtype=torch.bool)"),
-    ("loop: reinforce gives unscored completions reward 1", "components/grpo.py",
-     "advantages = torch.nan_to_num(reward_t, nan=0.0)", "advantages = torch.nan_to_num(reward_t, nan=1.0)"),
+    # (their advantage's value is never used: loss_mask drops their tokens; a NaN would poison the loss)
+    ("loop: reinforce passes unscored NaN rewards on as advantages", "components/grpo.py",
+     "advantages = torch.nan_to_num(reward_t, nan=0.0)", "advantages = reward_t"),
     ("loop: mask_truncated_completions ignored", "components/grpo.py",
      "mask = loss_mask(rollout, scorable, g.mask_truncated_completions)", "mask = loss_mask(rollout, scorable, False)"),
     ("loop: policy used as the reference", "components/grpo.py",

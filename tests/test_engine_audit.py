@@ -60,6 +60,14 @@ def test_sliding_window_shorter_than_a_row_falls_back_to_the_plain_forward():
     assert PrefixSharedLM.for_model(_mistral(32), VOCAB, max_length=17, completion_length=6) is not None
 
 
+def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
+    """Rows longer than the self-check (capped at MAX_CHECK_LENGTH) are still refused on the config alone."""
+    import components.fastlm as fastlm
+
+    monkeypatch.setattr(fastlm, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
+    assert PrefixSharedLM.for_model(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
+
+
 def test_full_attention_rules():
     class C:
         def __init__(self, **kw):
