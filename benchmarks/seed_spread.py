@@ -51,16 +51,6 @@ MIN_IMPROVEMENT = 0.15
 WARM_START_BAND = (0.35, 0.70)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -171,6 +161,8 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         return 0
     flags = cpu_flags()
+    from components.run_environment import cpu_model
+
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": "avx2" in flags,
                "avx512": sorted(f for f in flags if f.startswith("avx512")), "python": platform.python_version()}
     print(f"seed spread on {machine['cpu']} ({machine['cores']} cores, AVX-512: {'yes' if machine['avx512'] else 'no'})")
