@@ -340,8 +340,8 @@ class PrefixSharedLM:
     def matches_reference_forward(self, vocab_size: int, prompt_length: int = 5, completion_length: int = 4) -> bool:
         """Compare log-probs with the Hugging Face forward on a small left-padded batch of full-length rows.
 
-        Row 3 repeats row 0's prompt ids with another mask (a pad-id token made real), which must not
-        be merged with row 0's prompt.
+        Rows 3 and 4 repeat row 0's prompt ids side by side, row 4 with another mask (a padded token made
+        real), so the check fails if prompts that differ only in their mask are merged.
         """
         param = next(self.model.parameters())
         gen = torch.Generator().manual_seed(0)
