@@ -6,6 +6,7 @@ models/sft.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -14,7 +15,7 @@ import time
 import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data import read_jsonl, reward_columns, split_path
+from components.data import iter_jsonl, read_jsonl, reward_columns, split_path
 from components.distributed import (DistContext, all_reduce_sum, all_true, init, launch, needs_launch, shutdown,
                                     tracking_run, wrap_ddp)
 from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
@@ -95,7 +96,8 @@ class WarmStartCheck:
     another). Every rank computes the same number from the same weights, so all stop together."""
 
     def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer, format_prompt):
-        records = read_jsonl(split_path(paths.data, "train"))[: cfg.sft.check_prompts]
+        # The first check_prompts records only: a large training file is not read whole for them.
+        records = [r for _, r in itertools.islice(iter_jsonl(split_path(paths.data, "train")), cfg.sft.check_prompts)]
         self.prompts = [format_prompt(r) for r in records]
         self.raw_prompts = [r["prompt"] for r in records]
         self.columns = reward_columns(records, 1)
