@@ -4,7 +4,8 @@ For the embedded default, builds a tiny Llama and a character-level tokenizer fr
 of the prepared datasets, and writes the checkpoint `save_pretrained` would write, with torch alone
 (components/tiny_checkpoint.py: no Hugging Face modelling import on the run's critical path). For a
 user's model directory it only checks the directory loads safely and records a pointer (no
-multi-GB copy).
+multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/gguf_model.py),
+with the GGUF's sha256 in `provenance.json` and the MLflow tags.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import sys
 
 from components.config import PipelineConfig
+from components.gguf_model import convert_gguf, file_sha256
 from components.data import SPLITS, iter_jsonl, split_path
 from components.modeling import (build_char_tokenizer, hub_download_allowed, resolve_model_dir, write_pointer,
                                  write_provenance)
+from components.model_source import gguf_source
 from components.paths import Paths
 from components.stage_cli import stage_main
 from components.tiny_checkpoint import write_tiny_checkpoint
@@ -34,6 +37,18 @@ def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
 
     out = paths.base_model
     with stage_run(cfg.tracking.experiment, "model") as run:
+        gguf = gguf_source(cfg.model.name_or_path, cfg.model.gguf_file)
+        if gguf is not None:
+            sha256 = file_sha256(gguf)
+            print(f"model: converting {gguf.name} (sha256 {sha256[:12]}) to safetensors ...", flush=True)
+            parameters = convert_gguf(gguf, out)
+            source = {"source": cfg.model.name_or_path, "gguf_file": str(gguf), "gguf_sha256": sha256,
+                      "parameters": parameters}
+            write_provenance(out, source)
+            run.set_tags({"model.source": cfg.model.name_or_path, "model.gguf_sha256": sha256})
+            run.log_metrics({"parameters": parameters})
+            print(f"model: {parameters:,} parameters from {gguf.name}, float32 safetensors in {out}")
+            return
         if cfg.model.name_or_path:
             hub = hub_download_allowed(cfg.model.name_or_path, cfg.model.allow_download)
             if not hub:

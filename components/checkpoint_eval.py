@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from components.checkpoints import TRAINABLE_FILE
 from components.config import PipelineConfig
 from components.data import file_md5, read_jsonl, split_path
 from components.modeling import (ModelLoadError, load_policy_model, load_tokenizer, pick_device, resolve_model_dir,
@@ -23,7 +24,8 @@ from components.rollout import decode_completions, sample_groups
 
 
 def is_training_checkpoint(path: Path) -> bool:
-    return (path / "model.safetensors").exists() and (path / "meta.json").exists() and not (path / "config.json").exists()
+    weights = (path / "model.safetensors").exists() or (path / TRAINABLE_FILE).exists()
+    return weights and (path / "meta.json").exists() and not (path / "config.json").exists()
 
 
 def load_for_eval(cfg: PipelineConfig, path: Path, paths: Paths, device):
@@ -34,6 +36,9 @@ def load_for_eval(cfg: PipelineConfig, path: Path, paths: Paths, device):
         return load_tokenizer(path, cfg.model.trust_remote_code), load_policy_model(cfg, path, device)
     from safetensors.torch import load_model
 
+    if (path / TRAINABLE_FILE).exists():
+        raise ModelLoadError(f"{path}: a LoRA training checkpoint holds only the adapter's optimizer state; "
+                             "evaluate models/grpo (the base model plus the final adapter)")
     start = resolve_model_dir(paths.sft_model)
     model = load_policy_model(cfg, start, device)
     try:

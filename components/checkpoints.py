@@ -28,6 +28,9 @@ def _step_dirs(root: Path) -> list[Path]:
                   key=lambda p: int(p.name[len(PREFIX):]))
 
 
+TRAINABLE_FILE = "trainable.safetensors"  # LoRA runs: only the adapter weights (the base never changes)
+
+
 def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, state: dict[str, Any],
                     reference=None) -> Path:
     """Write step `step` atomically and keep only the newest `KEEP` checkpoints."""
@@ -39,7 +42,13 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
+        if any(not p.requires_grad for p in model.parameters()):  # LoRA: the frozen base is models/base already
+            from safetensors.torch import save_file
+
+            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                      str(tmp / TRAINABLE_FILE))
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
         import torch  # here, not at module level: the stage CLI imports this module's error class
@@ -87,9 +96,17 @@ def discard_foreign(root: Path, run_hash: str) -> list[Path]:
 
 def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, Any]:
     """Restore weights and optimizer in place; return the rest of the saved state."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
 
-    load_model(model, str(path / "model.safetensors"))
+    if (path / TRAINABLE_FILE).exists():
+        saved = load_file(str(path / TRAINABLE_FILE))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if set(saved) != trainable:
+            raise CheckpointWriteError(f"{path / TRAINABLE_FILE} holds other trainable weights than this model "
+                                       f"({len(saved)} saved, {len(trainable)} trainable): not resuming from it")
+        model.load_state_dict(saved, strict=False)
+    else:
+        load_model(model, str(path / "model.safetensors"))
     if reference is not None and (path / "reference.safetensors").exists():
         load_model(reference, str(path / "reference.safetensors"))
     import torch

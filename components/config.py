@@ -27,8 +27,8 @@ class ConfigError(ValueError):
 class TaskConfig:
     """The embedded procedural task (used when no user data is given)."""
 
-    name: Literal["addition"] = "addition"
-    """Built-in task generator. `addition`: "37+45=" -> "82"."""
+    name: Literal["addition", "addition_question"] = "addition"
+    """Built-in task generator. `addition`: "37+45=" -> "82"; `addition_question`: "What is 37 + 45?" -> "82"."""
     min_operand: int = 0
     """Smallest operand (inclusive)."""
     max_operand: int = 99
@@ -94,7 +94,11 @@ class ModelConfig:
     """The starting policy."""
 
     name_or_path: str | None = None
-    """A local Hugging Face model directory; unset builds the tiny default from `tiny`."""
+    """A local Hugging Face model directory, a `.gguf` file (converted once to safetensors by the `model`
+    stage), or `package:MODULE/FILE.gguf` for a GGUF shipped inside an installed Python package; unset
+    builds the tiny default from `tiny`."""
+    gguf_file: str | None = None
+    """The GGUF file's name when name_or_path is the folder holding it."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype; `auto`: bfloat16 on a GPU that supports it, float32 otherwise."""
     trust_remote_code: bool = False
@@ -296,6 +300,9 @@ class RegisterConfig:
     """Registered model name."""
     min_ci_low: float = 0.0
     """A challenger replaces the champion only if the CI lower bound of its improvement exceeds this."""
+    merge_lora: bool = False
+    """With LoRA, register the base with the adapter merged in (a full copy) instead of the adapter alone,
+    which is linked to its base (registered once as `<model_name>-base`)."""
 
 
 @dataclass
@@ -626,7 +633,7 @@ def validate_config(cfg: PipelineConfig) -> None:
                  "process samples the same number of groups in lockstep")
     _require(bool(cfg.register.model_name.strip()), "register.model_name", "must not be empty")
     if cfg.model.name_or_path is None:
-        longest_prompt = len(f"{t.max_operand}+{t.max_operand}=")
+        longest_prompt = len(("What is {a} + {a}?" if t.name == "addition_question" else "{a}+{a}=").format(a=t.max_operand))
         _require(longest_prompt + g.max_completion_length <= tiny.max_position_embeddings,
                  "grpo.max_completion_length",
                  f"prompt ({longest_prompt}) + completion ({g.max_completion_length}) tokens exceed "

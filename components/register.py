@@ -26,10 +26,6 @@ from components.paths import Paths
 from components.run_environment import run_environment
 from components.stage_cli import stage_main
 
-SERVING_MODULE = Path(__file__).with_name("serving_model.py")
-PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
-
-
 def git_dirty_files(root: Path = Path(".")) -> str:
     """Tracked files that differ from HEAD (params.yaml after a --set run, typically), comma-separated."""
     try:
@@ -183,24 +179,20 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             version = existing[0]
             print(f"register: candidate {candidate_md5} is already version {version.version}; not registering again")
         else:
-            from mlflow.models import ModelSignature
-            from mlflow.types import ColSpec, Schema
-
             tags = lineage_tags(cfg, paths, evaluation, candidate_md5)
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
             log_params_file(run, paths.root / "params.yaml")
             from components.modeling import load_tokenizer
             from components.prompting import PromptFormatter
+            from components.registered_model import log_trained_model
 
             formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
             with mlflow.start_run(run_id=run.run_id):
-                info = mlflow.pyfunc.log_model(
-                    name="model", python_model=str(SERVING_MODULE), artifacts={"model_dir": str(paths.grpo_model)},
-                    pip_requirements=PIP_REQUIREMENTS,
-                    model_config={"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting},
-                    signature=ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
-                                             outputs=Schema([ColSpec("string")])))
+                info, model_tags = log_trained_model(client, name, paths.grpo_model,
+                                                     {"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting},
+                                                     cfg.register.merge_lora)
+            tags.update(model_tags)
             if not client.search_registered_models(filter_string=f"name = '{name}'"):
                 from mlflow.exceptions import MlflowException
 

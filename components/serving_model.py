@@ -1,8 +1,10 @@
 """MLflow pyfunc model (logged "from code", so loading unpickles nothing): prompts in, completions out.
 
 `mlflow.pyfunc.load_model("models:/NAME@champion").predict(pd.DataFrame({"prompt": [...]}))`
-returns one greedy completion per prompt. Self-contained: it imports only torch and transformers,
-so the logged model runs without this repository.
+returns one greedy completion per prompt. Self-contained: it imports only torch and transformers
+(and peft for a LoRA adapter), so the logged model runs without this repository. A LoRA adapter version
+names its base (`base_model_uri` in the model config, a registered version): loading it loads that base
+version from the same tracking server and applies the adapter.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ class CompletionModel(PythonModel):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model_dir = context.artifacts["model_dir"]
+        config = context.model_config or {}
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
-        config = context.model_config or {}
+        if config.get("base_model_uri"):
+            from peft import PeftModel
+
+            base = mlflow.pyfunc.load_model(config["base_model_uri"]).unwrap_python_model().model
+            self.model = PeftModel.from_pretrained(base, model_dir).merge_and_unload().eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
         self.max_new_tokens = int(config.get("max_new_tokens", 32))
         self.template = config.get("template", "{prompt}")
         self.system = config.get("system")

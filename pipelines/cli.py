@@ -80,7 +80,7 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
             from components.model_source import check_model_source
 
             os.chdir(root)
-            check_model_source(cfg.model.name_or_path, cfg.model.allow_download)
+            check_model_source(cfg.model.name_or_path, cfg.model.allow_download, cfg.model.gguf_file)
         if args.dry_run:
             from components.dry_run import dry_run
 

@@ -52,7 +52,10 @@ def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
     ]
     proc = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in overrides for x in ("--set", o)], repo, env=env)
     assert "registered model: models:/tiny-qwen2-chat/1 -> champion" in proc.stdout
-    assert json.loads((repo / "models" / "grpo" / "provenance.json").read_text())["lora_merged"] is True
+    # models/grpo is the adapter alone, its base named; the registry links the adapter to that base.
+    grpo_files = {p.name for p in (repo / "models" / "grpo").iterdir()}
+    assert "adapter_model.safetensors" in grpo_files and "model.safetensors" not in grpo_files, grpo_files
+    assert json.loads((repo / "models" / "grpo" / "provenance.json").read_text())["base_model"] == str(model_dir)
     assert dir_md5(model_dir) == base_md5, "the user's model directory must never be written"
     # Validation counted tokens of the chat-formatted prompts, not the raw ones.
     assert (repo / "metrics" / "validation.json").exists()
@@ -64,8 +67,12 @@ model = mlflow.pyfunc.load_model("models:/tiny-qwen2-chat@champion")
 config = model.model_config
 assert config["chat"] is True and config["system"] == "Add the numbers.", config
 served = model.predict(pd.DataFrame({"prompt": ["3+4="]}))
+from components.modeling import load_model
 tok = AutoTokenizer.from_pretrained("models/grpo"); tok.padding_side = "left"
-lm = AutoModelForCausalLM.from_pretrained("models/grpo").eval()
+lm = load_model("models/grpo", torch.device("cpu"))
+version = mlflow.MlflowClient().get_model_version_by_alias("tiny-qwen2-chat", "champion")
+assert version.tags["model.kind"] == "lora-adapter" and version.tags["base.model_uri"] == "models:/tiny-qwen2-chat-base/1"
+assert config["base_model_uri"] == "models:/tiny-qwen2-chat-base/1", config
 text = tok.apply_chat_template([{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": "3+4="}],
                                tokenize=False, add_generation_prompt=True)
 assert text.endswith("<|assistant|>"), text
