@@ -37,7 +37,7 @@ from components.prompting import PromptFormatter
 from components.reports import GRPOReporter
 from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
-from components.stage_cli import StageFailed, stage_main
+from components.stage_cli import StageFailed, set_progress, stage_main
 
 MAX_BAD_STEPS = 3
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
@@ -491,6 +491,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         rollout_gen.set_state(state["rollout_rng"])
         torch.set_rng_state(state["torch_rng"])
         say(f"grpo: resumed from {resume_from} at step {start_step}/{g.steps}")
+    last_checkpoint = start_step if resume_from is not None else 0
     if per_group:
         # DDP and FSDP need every forward through their wrapper, and per-group sampling promises the
         # same result for any number of processes: both use the plain forward, not the prompt-once one.
@@ -510,6 +511,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
         started = time.perf_counter()
         for step in range(start_step, g.steps):
+            set_progress(f"at step {step + 1} of {g.steps}; "
+                         + (f"the last checkpoint is step {last_checkpoint}" if last_checkpoint else "no checkpoint yet"))
             t_step = time.perf_counter()
             lr = learning_rate(step, g)
             for group in optimizer.param_groups:
@@ -631,6 +634,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 elif ctx.is_main:
                     save_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer, saved,
                                     policy.reference if moving_reference else None)
+                last_checkpoint = step + 1
 
         if window:  # the last, partial window (also when the last steps were skipped)
             run.log_metrics(window_mean(window), step=history[-1]["step"])

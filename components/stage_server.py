@@ -318,8 +318,11 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
         return None
 
     def interrupt(signum, _frame):
-        conn.sendall(b"kill")
-        signal.signal(signum, signal.SIG_DFL)
+        # The stage stops itself cleanly (components/stage_cli.py) and reports where; wait for its exit code.
+        try:
+            conn.sendall(b"kill")
+        except OSError:
+            pass
 
     previous = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
@@ -342,8 +345,11 @@ def start_server(cwd: str) -> tuple["subprocess.Popen[bytes]", str]:
     path = os.path.join(tempfile.gettempdir(), f"grpo-stages-{os.getpid()}-{time.monotonic_ns()}.sock")
     if os.path.exists(path):
         os.unlink(path)
+    # Its own session: a Ctrl-C in the terminal reaches the CLI and the stage's launcher, which stop
+    # the stage in order; it must not kill the stage (or the server's import levels) mid-write.
     proc = subprocess.Popen([sys.executable, "-m", "components.stage_server", "--socket", path,
-                             "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, cwd=cwd)
+                             "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, cwd=cwd,
+                            start_new_session=True)
     deadline = time.monotonic() + 10.0
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)  # bound before imports, so this waits milliseconds

@@ -87,11 +87,42 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
             os.chdir(root)
             dry_run(cfg)
             return 0
+        from pipelines.safekeeping import WorkingCopySnapshot
+
+        snapshot = WorkingCopySnapshot.take(root)
         if apply_to_params(params, overlays, args.overrides):
             print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        code = _run_flow(args, root, cfg, api)
+    except BaseException:
+        _undo(snapshot, None)
+        raise
+    if code == 0:
+        snapshot.discard()
+    else:
+        _undo(snapshot, Path(os.environ.get("GRPO_RUN_LOG", root / "logs" / "run.log")))
+    return code
+
+
+def _undo(snapshot, log_file: Path | None) -> None:
+    """A failed or interrupted run: its reports beside its log, then the working copy as it was."""
+    kept = snapshot.keep_reports(log_file.with_suffix("")) if log_file is not None else []
+    try:
+        snapshot.restore()
+    except Exception as err:  # noqa: BLE001 - the run's own failure stays the report
+        print(f"warning: could not restore the working copy ({err}); `git checkout params.yaml dvc.lock && "
+              "dvc checkout` does it by hand", file=sys.stderr)
+    else:
+        print("nothing the run changed was kept: params.yaml, dvc.lock and outputs are as before it "
+              "(GRPO checkpoints stay, so rerunning the same command resumes)"
+              + (f"; its reports: {', '.join(str(p) for p in kept)}" if kept else ""), file=sys.stderr)
+    snapshot.discard()
+
+
+def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
     from components.stage_server import imports_without_collection
     from pipelines import warmup
 
@@ -106,6 +137,11 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
     store.join(timeout=300)  # a parent run must not race the store's first schema creation
     log_file = attach_run_log(root)
+    from prefect.exceptions import CancelledRun
+
+    from pipelines import interrupts
+
+    interrupts.install()
     try:
         if api is not None:
             api.wait_ready()
@@ -113,6 +149,11 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
             result = grpo_pipeline(root=str(root))
         if api is not None:
             api.request_stop()  # its shutdown (~0.2 s) overlaps the report below; the caller waits for it
+    except CancelledRun as stop:  # one line; the flow run is Cancelled, the checkpoints are kept
+        with log_file.open("a", encoding="utf-8") as fh:
+            fh.write(f"cancelled: {stop}\n")
+        print(f"\n{stop}", file=sys.stderr)
+        return interrupts.exit_code()
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         import traceback
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from components.config import load_config, to_flat_dict
 from components.tracking import PARENT_RUN_ENV
+from pipelines import interrupts
 
 STAGES = ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")
 GPU_STAGES = {"sft", "grpo", "evaluate"}
@@ -35,6 +37,10 @@ class StageError(RuntimeError):
     def __init__(self, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.detail = detail
+
+
+class StageInterruptedError(StageError):
+    """The stage stopped on SIGINT/SIGTERM and said where (`interrupted during grpo at step N; ...`)."""
 
 
 class OneLineStageErrors(logging.Filter):
@@ -93,7 +99,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
 
     import tempfile
 
-    from components.stage_cli import ERROR_FILE_ENV
+    from components.stage_cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
 
     print_dvc_lines_once()
     logger = get_run_logger()
@@ -111,6 +117,8 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
         refused = Path(report).read_text(encoding="utf-8").strip()
+        if refused.startswith(INTERRUPT_PREFIX):
+            raise StageInterruptedError(refused, detail=tail) from None
         if refused:  # the stage's own report: the whole message, once
             raise StageError(f"{stage}: {refused}", detail=tail) from None
         cause = f": {err.__cause__}" if err.__cause__ else ""
@@ -273,11 +281,16 @@ def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> d
     from components.locks import LOCK_HELD_ENV, PIPELINE_LOCK, file_lock
 
     root_path = Path(root).resolve()
-    if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
-        return _run_stages(root_path, overrides)
-    wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
-    with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
-        return _run_stages(root_path, overrides)
+    try:
+        if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
+            return _run_stages(root_path, overrides)
+        wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
+        with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
+            return _run_stages(root_path, overrides)
+    except StageInterruptedError as stop:  # stopped on purpose: Cancelled, not Failed
+        from prefect.states import Cancelled
+
+        return Cancelled(message=str(stop))
 
 
 def _run_stages(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -328,6 +341,9 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     tags: dict[str, Any] = {}
     try:
         for stage in STAGES:
+            if interrupts.requested():  # a signal between two stages: the next one never starts
+                raise StageInterruptedError(f"interrupted before {stage} "
+                                            f"({signal.Signals(interrupts.requested()).name}); rerun to resume")
             stage_tags = gpu_tags if stage in GPU_STAGES else set()
             task_ = run_stage.with_options(name=f"stage-{stage}", tags=stage_tags, retries=ops.stage_retries,
                                            retry_delay_seconds=backoff_delays(ops.retry_delay_s, ops.stage_retries),
@@ -344,6 +360,9 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
                    for split in SPLITS},
                 "model_version": registration["version"], "model_name": registration["model_name"]}
         status = "FINISHED"
+    except StageInterruptedError:
+        status = "KILLED"
+        raise
     finally:
         os.environ.pop(STAGE_TIMINGS_ENV, None)
         compute = read_compute_times(timings)

@@ -69,7 +69,8 @@ class TemporaryPrefectAPI:
         else:
             env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
             self.process = subprocess.Popen([sys.executable, "-m", "pipelines.warmup", "serve-prefect-api",
-                                             str(self.port)], env={**env, **self.SETTINGS}, stdin=subprocess.DEVNULL)
+                                             str(self.port)], env={**env, **self.SETTINGS}, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         import time
@@ -130,6 +131,7 @@ class ForkedServer:
             if os.getppid() != parent:  # the CLI exited before the death signal was armed
                 os._exit(0)
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.setsid()  # a terminal's Ctrl-C must not stop the API while the CLI still reports to it
             for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn installs its own once it serves
                 signal.signal(sig, signal.SIG_DFL)
             os.environ.update(settings)

@@ -33,6 +33,24 @@ def completed(tmp_path_factory):
     return {"repo": repo, "env": env, "output": proc.stdout}
 
 
+USER_STATE = ("params.yaml", "dvc.lock", "data/prepared", "models", "metrics", "plots")
+
+
+def tree_hashes(repo: Path, rels: tuple[str, ...]) -> dict[str, str]:
+    """sha256 of every file under each path (a path that does not exist is recorded as absent)."""
+    import hashlib
+
+    hashes = {}
+    for rel in rels:
+        target = repo / rel
+        files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file()) \
+            if target.exists() else []
+        hashes.update({str(f.relative_to(repo)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files})
+        if not target.exists():
+            hashes[rel] = "absent"
+    return hashes
+
+
 def mlflow_client(env):
     from mlflow.tracking import MlflowClient
 
@@ -226,6 +244,7 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     before = sorted(str(v.version) for v in client.search_model_versions("name = 'grpo-addition'"))
     champion = client.get_model_version_by_alias("grpo-addition", "champion").version
     grpo_weights = (repo / "models" / "grpo" / "model.safetensors").read_bytes()
+    before_run = tree_hashes(repo, USER_STATE)
     heldout_prompt = json.loads((repo / "data" / "prepared" / "heldout.jsonl").read_text().splitlines()[0])["prompt"]
     bad = [{"id": "a", "prompt": "1+2=", "answer": "3"}, {"id": "b", "prompt": "  ", "answer": "0"},
            {"id": "a", "prompt": "2+2=", "answer": "4"}, {"id": "c", "prompt": heldout_prompt, "answer": "1"}]
@@ -249,7 +268,13 @@ def test_bad_dataset_stops_at_validate_and_leaves_registry_alone(completed):
     assert sorted(str(v.version) for v in client.search_model_versions("name = 'grpo-addition'")) == before
     assert client.get_model_version_by_alias("grpo-addition", "champion").version == champion
     assert (repo / "models" / "grpo" / "model.safetensors").read_bytes() == grpo_weights
-    assert json.loads((repo / "metrics" / "validation.json").read_text())["success"] is False
+    # A failed run changes nothing the user had: params (its --set not applied), lock, data, models, metrics.
+    after_run = tree_hashes(repo, USER_STATE)
+    assert after_run == before_run, sorted(k for k in set(before_run) | set(after_run)
+                                           if before_run.get(k) != after_run.get(k))
+    assert "nothing the run changed was kept" in out
+    kept = logs[-1].with_suffix("") / "validation.json"  # the failed run's own report, beside its log
+    assert json.loads(kept.read_text())["success"] is False and f"its reports: {kept}" in out
 
 
 def test_registration_is_never_restored_from_dvc_run_cache(completed, tmp_path):

@@ -1,0 +1,76 @@
+"""Ctrl-C and SIGTERM during `grpo-pipeline run`: stop the running stage cleanly, end the Prefect flow
+run Cancelled, exit 130 (SIGINT) or 143 (SIGTERM), and say where to resume.
+
+A terminal's Ctrl-C reaches the CLI's process group: the CLI and the stage's launcher
+(`python -m components.launch`), which asks the stage to stop. The stage server and the temporary
+Prefect API run in sessions of their own, so they keep serving until the stage has reported. A
+SIGTERM (a scheduler, `kill`) reaches the CLI alone: it forwards it to the stage's launcher. The
+stage raises where it was, writes nothing half-done (checkpoints and outputs are renamed into place),
+and reports `interrupted during grpo at step N; the last checkpoint is step M` (components/stage_cli.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+_requested: dict[str, int | None] = {"signum": None}
+
+
+def requested() -> int | None:
+    """The first stop signal this process received, if any."""
+    return _requested["signum"]
+
+
+def exit_code() -> int:
+    """128 + the signal: 130 for Ctrl-C, 143 for SIGTERM (SIGINT when the stage reported it alone)."""
+    return 128 + (_requested["signum"] or signal.SIGINT)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes below `pid` (Linux /proc); empty elsewhere."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return found
+
+
+def stage_launchers(pid: int | None = None) -> list[int]:
+    """The running stage's launcher processes (`components.launch`, or a stage module run directly)."""
+    launchers = []
+    for child in _descendants(pid or os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.startswith(b"components.") and part != b"components.stage_server" for part in cmdline):
+            launchers.append(child)
+    return launchers
+
+
+def _on_signal(signum: int, _frame) -> None:
+    if _requested["signum"] is None:
+        _requested["signum"] = signum
+        print(f"\n{signal.Signals(signum).name}: stopping the running stage (it saves nothing half-done) ...",
+              flush=True)
+    for pid in stage_launchers():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def install() -> None:
+    """Handle SIGINT and SIGTERM in the CLI for the rest of the run (main thread only)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)

@@ -1,0 +1,123 @@
+"""A failed or interrupted run leaves the working copy as it found it.
+
+DVC deletes a stage's outputs before it reruns the stage, and `run --set` writes params.yaml first
+(so that `dvc repro` reproduces the run). If the run then fails, the user would be left with the new
+params, a rewritten dvc.lock and half of a new run's outputs. So, before a run, this keeps copies of
+params.yaml, dvc.lock and the uncached outputs (metrics, plots: small files), and records which
+outputs existed; on failure it puts them back, and restores the cached outputs (data/prepared,
+models/...) from the DVC cache as the restored dvc.lock names them (`dvc checkout`). The overrides of a
+failed run are therefore not applied; they are applied for good only when the run succeeds.
+
+Kept as the failed run left them: persistent outputs (GRPO checkpoints, keyed to their inputs, so a
+rerun of the same command resumes from them and nothing else ever does) and the run's log in logs/,
+where the failed run's own reports (e.g. metrics/validation.json) are copied for reading.
+
+Chosen over `dvc exp run`: experiments apply params in a temporary commit and are restored with
+`dvc exp apply`, but they need a clean git tree and do not undo dvc.lock or outputs of a run that failed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+KEPT_FILES = ("params.yaml", "dvc.lock")
+
+
+@dataclass
+class Output:
+    path: str
+    cached: bool
+    persist: bool
+
+
+def dvc_outputs(root: Path) -> list[Output]:
+    """Every out, metric and plot path of dvc.yaml with its cache and persist flags."""
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    found = []
+    for stage in stages.values():
+        for section in ("outs", "metrics", "plots"):
+            for entry in stage.get(section, []) or []:
+                path, flags = (entry, {}) if isinstance(entry, str) else next(iter(entry.items()))
+                flags = flags or {}
+                found.append(Output(path, bool(flags.get("cache", True)), bool(flags.get("persist", False))))
+    return found
+
+
+@dataclass
+class WorkingCopySnapshot:
+    """What a run may change, taken before it starts; `restore()` after a failure, `discard()` after success."""
+
+    root: Path
+    backup: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="grpo-safekeeping-")))
+    existed: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def take(cls, root: Path) -> "WorkingCopySnapshot":
+        snapshot = cls(root)
+        for name in KEPT_FILES:
+            snapshot._keep(name)
+        for out in dvc_outputs(root):
+            snapshot.existed[out.path] = (root / out.path).exists()
+            if not out.cached and not out.persist:
+                snapshot._keep(out.path)
+        return snapshot
+
+    def _keep(self, rel: str) -> None:
+        source = self.root / rel
+        self.existed[rel] = source.exists()
+        if source.is_dir():
+            shutil.copytree(source, self.backup / rel)
+        elif source.exists():
+            (self.backup / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, self.backup / rel)
+
+    def _put_back(self, rel: str) -> None:
+        target, kept = self.root / rel, self.backup / rel
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        if kept.is_dir():
+            shutil.copytree(kept, target)
+        elif kept.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(kept, target)
+
+    def keep_reports(self, log_dir: Path) -> list[Path]:
+        """Copy the failed run's reports (metrics/*.json it wrote) beside its log before they are undone."""
+        copied = []
+        for report in sorted((self.root / "metrics").glob("*.json")):
+            kept = self.backup / "metrics" / report.name
+            if not kept.exists() or kept.read_bytes() != report.read_bytes():
+                log_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(report, log_dir / report.name)
+                copied.append(log_dir / report.name)
+        return copied
+
+    def restore(self) -> None:
+        """params.yaml, dvc.lock and every non-persistent output as they were before the run."""
+        for name in KEPT_FILES:
+            self._put_back(name)
+        restore_from_cache = []
+        for out in dvc_outputs(self.root):
+            if out.persist:
+                continue
+            if not out.cached:
+                self._put_back(out.path)
+            elif self.existed.get(out.path):
+                restore_from_cache.append(out.path)
+            else:  # a new output of the failed run: it did not exist before
+                self._put_back(out.path)
+        if restore_from_cache and (self.root / "dvc.lock").exists():
+            from dvc.repo import Repo
+
+            with Repo(str(self.root)) as repo:
+                repo.checkout(targets=restore_from_cache, force=True, allow_missing=True)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.backup, ignore_errors=True)
