@@ -531,7 +531,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                                                                                       g, rewards, rollout_gen)
             except RewardError as err:
                 reward_failures += 1
-                run.log_metrics({"reward_failures": reward_failures}, step=step + 1)
+                run.log_metrics({"rollout/reward_failures": reward_failures}, step=step + 1)
                 say(f"grpo: step {step + 1} skipped: {err} ({reward_failures} in a row)", flush=True)
                 if reward_failures > g.max_reward_failures:
                     raise StageFailed(f"grpo: rewards failed on {reward_failures} steps in a row "
@@ -605,7 +605,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             history.append({"step": step + 1, **{k: round(v, 6) for k, v in metrics.items()}})
             window.append(metrics)
             if (step + 1) % g.metrics_every == 0:
-                run.log_metrics(window_mean(window), step=step + 1)
+                run.log_metrics(mlflow_metric_names(window_mean(window)), step=step + 1)
                 window = []
             for callback in callbacks if ctx.is_main else ():
                 callback(step + 1, policy.model, metrics)
@@ -637,7 +637,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 last_checkpoint = step + 1
 
         if window:  # the last, partial window (also when the last steps were skipped)
-            run.log_metrics(window_mean(window), step=history[-1]["step"])
+            run.log_metrics(mlflow_metric_names(window_mean(window)), step=history[-1]["step"])
         if ctx.lockstep:  # the final model, gathered whole, saved by rank 0 as a normal HF directory
             from components.fsdp import full_model_state, plain_copy
 
@@ -654,6 +654,24 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         reporter.finish(history, paths.plots)
         run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
+
+
+# MLflow groups a run's charts by the prefix before "/", unprefixed ones first: the charts that say whether
+# training works (reward, KL, entropy, length) stay unprefixed; the rest is grouped (plots/grpo_steps.csv
+# keeps the plain names).
+METRIC_GROUPS = {
+    "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
+              "clip_high_frac"),
+    "rollout": ("truncated_frac", "zero_std_group_frac", "kept_completions", "sampled_completions",
+                "unscored_completions", "reward_failures"),
+    "time": ("step_seconds", "completions_per_s"),
+}
+_GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}
+
+
+def mlflow_metric_names(metrics: dict[str, float]) -> dict[str, float]:
+    """`grad_norm` -> `optim/grad_norm`; reward_mean, reward_std, kl, entropy, completion_length as they are."""
+    return {(f"{_GROUP_OF[k]}/{k}" if k in _GROUP_OF else k): v for k, v in metrics.items()}
 
 
 def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:

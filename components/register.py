@@ -23,6 +23,7 @@ from components.data import SPLITS, dir_md5, file_md5, read_jsonl, split_path
 from components.evaluate import paired_bootstrap
 from components.modeling import pick_device
 from components.paths import Paths
+from components.registry_ops import current_tags
 from components.run_environment import run_environment
 from components.stage_cli import stage_main
 
@@ -66,13 +67,16 @@ def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], 
     tags.update(dvc_lock_hashes(paths.root))
     lock = paths.root / "requirements.lock"
     tags.update({
-        "lock_md5": file_md5(lock) if lock.exists() else "none", "git_dirty_files": git_dirty_files(paths.root),
-        "git_commit": git_commit(paths.root), "params_hash": section_hash(cfg), "candidate_md5": candidate_md5,
-        "heldout_md5": evaluation["heldout_md5"], "heldout_n": str(evaluation["n"]),
-        "heldout_mean_reward": f"{evaluation['candidate']['mean_reward']:.6f}",
-        "improvement_vs_baseline": f"{evaluation['improvement']['mean']:.6f}",
-        "improvement_ci95_low": f"{evaluation['improvement']['ci95_low']:.6f}",
-        "improvement_ci95_high": f"{evaluation['improvement']['ci95_high']:.6f}",
+        # Grouped by prefix, so the version page lists them together: eval.* (the evidence), lineage.*
+        # (what to rebuild it from), data.*, dvc.*, env.* (registry_ops.LEGACY_TAGS: the names before).
+        "lineage.lock_md5": file_md5(lock) if lock.exists() else "none",
+        "lineage.git_dirty_files": git_dirty_files(paths.root), "lineage.git_commit": git_commit(paths.root),
+        "lineage.params_hash": section_hash(cfg), "lineage.candidate_md5": candidate_md5,
+        "eval.heldout_md5": evaluation["heldout_md5"], "eval.heldout_n": str(evaluation["n"]),
+        "eval.heldout_mean_reward": f"{evaluation['candidate']['mean_reward']:.6f}",
+        "eval.improvement": f"{evaluation['improvement']['mean']:.6f}",
+        "eval.improvement_ci95_low": f"{evaluation['improvement']['ci95_low']:.6f}",
+        "eval.improvement_ci95_high": f"{evaluation['improvement']['ci95_high']:.6f}",
     })
     tags.update(run_environment(cfg.threads, str(pick_device(cfg.device))))
     return tags
@@ -128,10 +132,10 @@ def decide(client, name: str, version: str, evaluation: dict[str, Any], predicti
     if str(champion.version) == str(version):
         return {"promote": True, "reason": "already champion", "champion_version": version}
     base = {"champion_version": champion.version}
-    if champion.tags.get("heldout_md5") != evaluation["heldout_md5"]:
+    if current_tags(champion.tags).get("eval.heldout_md5") != evaluation["heldout_md5"]:
         return base | {"promote": False, "reason": (
             f"champion v{champion.version} was evaluated on a different held-out set "
-            f"({champion.tags.get('heldout_md5')} vs {evaluation['heldout_md5']}); not comparable")}
+            f"({current_tags(champion.tags).get('eval.heldout_md5')} vs {evaluation['heldout_md5']}); not comparable")}
     theirs = champion_rewards(client, champion)
     ids = [str(p["id"]) for p in predictions]
     if theirs is None or any(i not in theirs for i in ids):
@@ -168,7 +172,7 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
     existing = []
     if client.search_registered_models(filter_string=f"name = '{name}'"):
         same = [v for v in client.search_model_versions(f"name = '{name}'")
-                if v.tags.get("candidate_md5") == candidate_md5]
+                if current_tags(v.tags).get("lineage.candidate_md5") == candidate_md5]
         existing = [v for v in same if v.tags.get("registration") == "complete"]
         for half in (v for v in same if v.tags.get("registration") != "complete"):
             # A run killed mid-registration: the version never got its tags or aliases; remove it.

@@ -94,23 +94,41 @@ def append_audit(client, name: str, record: dict[str, Any]) -> None:
     client.set_registered_model_tag(name, AUDIT_TAG, text)
 
 
+# Version tags as named before they were grouped by prefix (versions registered earlier still carry them).
+LEGACY_TAGS = {"eval.heldout_md5": "heldout_md5", "eval.heldout_n": "heldout_n",
+               "eval.heldout_mean_reward": "heldout_mean_reward", "eval.improvement": "improvement_vs_baseline",
+               "eval.improvement_ci95_low": "improvement_ci95_low", "eval.improvement_ci95_high": "improvement_ci95_high",
+               "lineage.candidate_md5": "candidate_md5", "lineage.params_hash": "params_hash",
+               "lineage.lock_md5": "lock_md5", "lineage.git_commit": "git_commit",
+               "lineage.git_dirty_files": "git_dirty_files"}
+
+
+def current_tags(tags: dict[str, str]) -> dict[str, str]:
+    """A version's tags under today's names, whichever names it was registered with."""
+    merged = dict(tags)
+    for new, old in LEGACY_TAGS.items():
+        if new not in merged and old in merged:
+            merged[new] = merged[old]
+    return merged
+
+
 def check_promotable(client, name: str, version) -> None:
     """Refuse a version that is half-registered, lacks a held-out evaluation, or is not comparable."""
-    tags = version.tags
+    tags = current_tags(version.tags)
     if tags.get("registration") != "complete":
         raise RegistryRefused(f"version {version.version} of '{name}' is not a complete registration "
                               f"(an interrupted `register`); it cannot be promoted")
-    missing = [k for k in ("heldout_md5", "heldout_mean_reward") if not tags.get(k)]
+    missing = [k for k in ("eval.heldout_md5", "eval.heldout_mean_reward") if not tags.get(k)]
     if missing:
         raise RegistryRefused(f"version {version.version} of '{name}' has no held-out evaluation "
                               f"(tags {', '.join(missing)} missing); evaluate it with the pipeline before promoting")
     champion = alias_version(client, name, "champion")
     if champion is not None and str(champion.version) != str(version.version):
-        theirs = champion.tags.get("heldout_md5")
-        if theirs != tags["heldout_md5"]:
+        theirs = current_tags(champion.tags).get("eval.heldout_md5")
+        if theirs != tags["eval.heldout_md5"]:
             raise RegistryRefused(
                 f"version {version.version} of '{name}' was evaluated on a different held-out dataset "
-                f"(md5 {tags['heldout_md5']}) than champion v{champion.version} (md5 {theirs}); "
+                f"(md5 {tags['eval.heldout_md5']}) than champion v{champion.version} (md5 {theirs}); "
                 f"their rewards are not comparable, so it is not promoted")
 
 
@@ -147,7 +165,7 @@ def rollback(client, name: str, why: str) -> dict[str, Any]:
 
 def check_promotable_for_rollback(name: str, version) -> None:
     """A rollback goes back to a version that was champion: it only has to be complete and evaluated."""
-    if version.tags.get("registration") != "complete" or not version.tags.get("heldout_md5"):
+    if version.tags.get("registration") != "complete" or not current_tags(version.tags).get("eval.heldout_md5"):
         raise RegistryRefused(f"previous champion v{version.version} of '{name}' lacks a complete registration "
                               f"or a held-out evaluation; not rolled back")
 

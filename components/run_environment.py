@@ -37,6 +37,6 @@ def run_environment(threads: int, device: str) -> dict[str, str]:
 
 def differences(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
     """`key: recorded -> current` for each environment fact that differs (missing tags count as unknown)."""
-    keys = sorted(k for k in current if k.startswith("env.") or k == "lock_md5")
+    keys = sorted(k for k in current if k.startswith("env.") or k == "lineage.lock_md5")
     return [f"{k.removeprefix('env.')}: {recorded.get(k, 'unrecorded')} -> {current[k]}" for k in keys
             if recorded.get(k) != current[k]]

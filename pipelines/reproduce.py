@@ -22,6 +22,7 @@ from typing import Iterator
 
 from components.data import SPLITS, dir_md5, file_md5, split_path
 from components.paths import Paths
+from components.registry_ops import current_tags
 from components.tracking import PARENT_RUN_ENV
 
 REWARD_TOLERANCE_GPU = 0.02
@@ -120,10 +121,10 @@ def reproduce(root: Path, name: str, version: str | None = None, run_id: str | N
 
     client = mlflow_client()
     mv = resolve_version(client, name, version, run_id)
-    tags = mv.tags
-    commit = tags.get("git_commit", "unknown").removesuffix("-dirty")
+    tags = current_tags(mv.tags)
+    commit = tags.get("lineage.git_commit", "unknown").removesuffix("-dirty")
     if commit == "unknown":
-        raise ValueError(f"{name} v{mv.version} has no git_commit tag; it cannot be reproduced")
+        raise ValueError(f"{name} v{mv.version} has no lineage.git_commit tag; it cannot be reproduced")
     report = ReproduceReport(model=f"models:/{name}/{mv.version}", commit=commit)
     work = Path(tempfile.mkdtemp(prefix="grpo-reproduce-"))
     tree = work / "tree"
@@ -159,7 +160,7 @@ def judge_environment(report: ReproduceReport, tags: dict[str, str], tree: Path)
     cfg = load_config(tree / "params.yaml")
     current = run_environment(cfg.threads, str(pick_device(cfg.device)))
     lock = tree / "requirements.lock"
-    current["lock_md5"] = file_md5(lock) if lock.exists() else "none"
+    current["lineage.lock_md5"] = file_md5(lock) if lock.exists() else "none"
     report.environment_differences = differences(tags, current)
     report.reward = json.loads((tree / "metrics" / "eval.json").read_text())["candidate"]["mean_reward"]
     spread = tree / "benchmarks" / "results" / "seed_spread.json"
@@ -199,10 +200,10 @@ def compare(report: ReproduceReport, tags: dict[str, str], paths: Paths) -> None
             ours = file_md5(split_path(paths.data, split))
             report.checks.append(Comparison(f"{split} data md5", tags[key], ours, ours == tags[key]))
     weights = dir_md5(paths.grpo_model)
-    report.checks.append(Comparison("model weights md5", tags.get("candidate_md5", "?"), weights,
-                                    weights == tags.get("candidate_md5") or on_gpu))
+    report.checks.append(Comparison("model weights md5", tags.get("lineage.candidate_md5", "?"), weights,
+                                    weights == tags.get("lineage.candidate_md5") or on_gpu))
     evaluation = json.loads((paths.metrics / "eval.json").read_text())
-    recorded = float(tags.get("heldout_mean_reward", "nan"))
+    recorded = float(tags.get("eval.heldout_mean_reward", "nan"))
     ours = evaluation["candidate"]["mean_reward"]
     tolerance = REWARD_TOLERANCE_GPU if on_gpu else 5e-7
     report.checks.append(Comparison(f"held-out mean reward (tolerance {tolerance:g})", f"{recorded:.6f}",

@@ -194,7 +194,7 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
         except Exception:  # noqa: BLE001 - no champion yet is fine
             champion = None
         if champion is not None:
-            assert champion.tags.get("registration") == "complete" and "candidate_md5" in champion.tags
+            assert champion.tags.get("registration") == "complete" and "lineage.candidate_md5" in champion.tags
             assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
     run(register, repo, env=env)
     versions = client.search_model_versions("name = 'grpo-addition'")

@@ -338,7 +338,7 @@ def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
     assert "champion" in dom and f"Version {champion.version}" in dom, dom[-2000:]
     version_dom = browse(f"{model_page}/versions/{champion.version}", tmp_path / "profile", "--dump-dom").stdout
     assert "champion" in version_dom
-    assert "heldout_mean_reward" in version_dom and champion.tags["heldout_mean_reward"] in version_dom
+    assert "eval.heldout_mean_reward" in version_dom and champion.tags["eval.heldout_mean_reward"] in version_dom
     ARTIFACTS.mkdir(exist_ok=True)
     # The model page (tall enough that both versions' rows, with their aliases, are in view) and the
     # champion version's page (aliases and the held-out tags at the top).
@@ -349,6 +349,21 @@ def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
         shot.unlink(missing_ok=True)
         browse(url, tmp_path / "profile", f"--screenshot={shot}", f"--window-size={size}")
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    # The version page leads with the held-out result and the decision (its description), before the tags.
+    assert version_dom.find("Held-out mean reward") < version_dom.find("eval.heldout_md5"), "description not first"
+    # The GRPO run's charts: reward, KL, entropy, length first (unprefixed), then the optim/ rollout/ time/ groups.
+    grpo = client.search_runs([client.get_experiment_by_name("grpo-pipeline").experiment_id],
+                              "tags.`grpo.stage` = 'grpo'", max_results=1)[0]
+    charts = f"{servers['mlflow']}/#/experiments/{grpo.info.experiment_id}/runs/{grpo.info.run_id}/model-metrics"
+    charts_dom = browse(charts, tmp_path / "profile", "--dump-dom").stdout
+    first = {key: charts_dom.find(key) for key in ("reward_mean", "kl", "entropy", "completion_length")}
+    later = {key: charts_dom.find(key) for key in ("optim/grad_norm", "rollout/zero_std_group_frac", "time/generation")}
+    assert all(i >= 0 for i in [*first.values(), *later.values()]), (first, later)
+    assert max(first.values()) < min(later.values()), (first, later)
+    shot = ARTIFACTS / "mlflow-grpo-run-charts.png"
+    shot.unlink(missing_ok=True)
+    browse(charts, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1400,1800")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
 def cli(served, servers, *args: str):
@@ -488,7 +503,7 @@ def test_mlflow_on_postgresql_registers_and_promotes(served, postgres, tmp_path)
         with psycopg2.connect(postgres) as conn, conn.cursor() as cur:
             cur.execute("SELECT alias, version FROM registered_model_aliases WHERE name = %s ORDER BY alias", (MODEL,))
             assert cur.fetchall() == [("challenger", 1), ("champion", 1)]
-            cur.execute("SELECT value FROM model_version_tags WHERE name = %s AND key = 'heldout_md5'", (MODEL,))
+            cur.execute("SELECT value FROM model_version_tags WHERE name = %s AND key = 'eval.heldout_md5'", (MODEL,))
             assert cur.fetchone()[0] == json.loads((repo / "metrics" / "eval.json").read_text())["heldout_md5"]
     finally:
         stop(server)

@@ -118,9 +118,13 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
     assert len(per_step) == 6
     for point in history:
         assert point.value == pytest.approx((per_step[point.step - 2] + per_step[point.step - 1]) / 2, abs=1e-5)
-    for key in ("loss", "pg_loss", "kl", "reward_std", "advantage_mean", "logprob_mean", "completion_length",
-                "zero_std_group_frac", "grad_norm", "learning_rate", "step_seconds", "completions_per_s", "entropy"):
+    # The charts that say whether training works come first, unprefixed; the rest grouped by prefix.
+    for key in ("reward_mean", "reward_std", "kl", "entropy", "completion_length", "optim/loss", "optim/pg_loss",
+                "optim/advantage_mean", "optim/logprob_mean", "rollout/zero_std_group_frac", "optim/grad_norm",
+                "optim/learning_rate", "time/step_seconds", "time/completions_per_s", "time/generation"):
         assert key in grpo.data.metrics, key
+    assert not {k for k in grpo.data.metrics if "/" not in k} - {"reward_mean", "reward_std", "kl", "entropy",
+                                                                  "completion_length"}
     validate = next(r for r in children if r.data.tags["grpo.stage"] == "validate")
     assert [a.path for a in client.list_artifacts(validate.info.run_id)] == ["data_docs", "validation.json"]
     docs = {a.path for a in client.list_artifacts(validate.info.run_id, "data_docs")}
@@ -133,21 +137,23 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
     assert str(version.version) == "1"
     tags = version.tags
     head = run(["git", "rev-parse", "HEAD"], completed["repo"]).stdout.strip()
-    assert tags["git_commit"].startswith(head)
+    assert tags["lineage.git_commit"].startswith(head)
     lock = (completed["repo"] / "dvc.lock").read_text()
     for split in ("sft", "train", "heldout"):
         assert re.fullmatch(r"[0-9a-f]{32}", tags[f"data.{split}.md5"])
-    assert tags["data.heldout.md5"] == tags["heldout_md5"]
-    assert re.fullmatch(r"[0-9a-f]{16}", tags["params_hash"])
-    assert re.fullmatch(r"[0-9a-f]{32}", tags["lock_md5"])
+    assert tags["data.heldout.md5"] == tags["eval.heldout_md5"]
+    assert re.fullmatch(r"[0-9a-f]{16}", tags["lineage.params_hash"])
+    assert re.fullmatch(r"[0-9a-f]{32}", tags["lineage.lock_md5"])
     assert tags["dvc.models/grpo.md5"].endswith(".dir") and tags["dvc.data/prepared.md5"].endswith(".dir")
     assert tags["dvc.models/grpo.md5"] in lock
     assert "md5:" in lock
     assert tags["promotion.decision"] == "champion" and tags["registration"] == "complete"
-    assert float(tags["improvement_ci95_low"]) <= float(tags["improvement_vs_baseline"])
+    assert float(tags["eval.improvement_ci95_low"]) <= float(tags["eval.improvement"])
+    # Grouped by prefix: nothing but the registration flag is left without one.
+    assert {k for k in tags if "." not in k} == {"registration"}, sorted(tags)
     assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "1"
     # The version page leads with its held-out result and the decision.
-    assert version.description.startswith(f"Held-out mean reward {float(tags['heldout_mean_reward']):.4f}")
+    assert version.description.startswith(f"Held-out mean reward {float(tags['eval.heldout_mean_reward']):.4f}")
     assert "Decision: champion: no champion yet" in version.description
     # The environment `reproduce` judges bit-identity by.
     assert tags["env.threads"] == "1" and tags["env.device"] == "cpu" and tags["env.cpu_capability"]

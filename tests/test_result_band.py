@@ -60,6 +60,6 @@ def test_reproduce_expects_bits_only_in_the_same_environment():
 
 
 def test_environment_differences_name_each_fact():
-    recorded = {"env.cpu": "A", "env.threads": "2", "lock_md5": "x"}
-    current = {"env.cpu": "B", "env.threads": "2", "lock_md5": "x", "env.torch": "2.13.0"}
+    recorded = {"env.cpu": "A", "env.threads": "2", "lineage.lock_md5": "x"}
+    current = {"env.cpu": "B", "env.threads": "2", "lineage.lock_md5": "x", "env.torch": "2.13.0"}
     assert differences(recorded, current) == ["cpu: A -> B", "torch: unrecorded -> 2.13.0"]
