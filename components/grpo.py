@@ -37,7 +37,8 @@ from components.prompting import PromptFormatter
 from components.reports import GRPOReporter
 from components.rewards import RewardError, RewardModel, RewardResult
 from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
-from components.stage_cli import StageFailed, set_progress, stage_main
+from components.interruptions import set_progress
+from components.stage_cli import StageFailed, stage_main
 
 MAX_BAD_STEPS = 3
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.

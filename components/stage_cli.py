@@ -7,13 +7,12 @@ import gc
 import importlib
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
+from components.interruptions import StageInterrupted, progress, set_progress, stop_on_signals  # noqa: F401
 
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
@@ -39,33 +38,6 @@ ERROR_FILE_ENV = "GRPO_STAGE_ERROR_FILE"
 
 
 INTERRUPT_PREFIX = "interrupted during "
-_progress = {"text": ""}
-
-
-class StageInterrupted(BaseException):
-    """SIGINT or SIGTERM reached the stage. Raised where the stage was, so its `finally` blocks run and
-    nothing half-written is left: checkpoints and outputs are written to a temporary name and renamed."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def set_progress(text: str) -> None:
-    """Where the stage is (`at step 12 of 40; the last checkpoint is step 10`), for an interruption's report."""
-    _progress["text"] = text
-
-
-def _stop_on_signals() -> None:
-    """First SIGINT/SIGTERM: raise StageInterrupted in the stage; later ones are ignored (one clean stop)."""
-    def interrupted(signum, _frame):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        raise StageInterrupted(signum)
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, interrupted)
 
 
 def report_error(message: str) -> None:
@@ -89,7 +61,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     from components.model_source import ModelLoadError
 
     stage = _stage_name(run)
-    _stop_on_signals()
+    stop_on_signals()
     try:
         cfg = load_config(args.params, args.overrides)
         entered = time.time()
@@ -110,7 +82,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
                      f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back")
         return 1
     except StageInterrupted as stop:
-        where = f" {_progress['text']}" if _progress["text"] else ""
+        where = f" {progress()}" if progress() else ""
         report_error(f"{INTERRUPT_PREFIX}{'model' if stage == 'base_model' else stage}{where} ({stop}); "
                      "rerun to resume")
         return 128 + stop.signum

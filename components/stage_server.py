@@ -230,7 +230,9 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
                 except OSError:
                     message = b""
                 if not message or message.startswith(b"kill"):  # the caller went away or was interrupted
-                    os.kill(pid, signal.SIGTERM)
+                    # The caller's own signal (SIGINT for a Ctrl-C), so the stage reports what stopped it.
+                    wanted = message[4:].strip()
+                    os.kill(pid, int(wanted) if wanted.isdigit() else signal.SIGTERM)
                     caller_gone = caller_gone or not message
         finally:
             if exited is not None:
@@ -320,7 +322,7 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
     def interrupt(signum, _frame):
         # The stage stops itself cleanly (components/stage_cli.py) and reports where; wait for its exit code.
         try:
-            conn.sendall(b"kill")
+            conn.sendall(f"kill {signum}".encode())
         except OSError:
             pass
 

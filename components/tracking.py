@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from components.interruptions import deferred
+
 PARENT_RUN_ENV = "GRPO_PARENT_RUN_ID"
 # Whole name parts (split on . _ - and case changes), so MLFLOW_TRACKING_TOKEN, api_token and
 # AWS_SECRET_ACCESS_KEY match while max_new_tokens (a token count, not a token) does not.
@@ -84,8 +86,9 @@ class StageRun:
         from mlflow.entities import Param
 
         items = [Param(k, str(v)[:6000]) for k, v in params.items() if not is_secret_key(k)]
-        for i in range(0, len(items), 100):
-            self._client.log_batch(self.run_id, params=items[i: i + 100])
+        with deferred():
+            for i in range(0, len(items), 100):
+                self._client.log_batch(self.run_id, params=items[i: i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, flush: bool = True) -> None:
         from mlflow.entities import Metric
@@ -96,13 +99,15 @@ class StageRun:
             self.flush()
 
     def flush(self) -> None:
-        for i in range(0, len(self._pending), 1000):
-            self._client.log_batch(self.run_id, metrics=self._pending[i: i + 1000])
-        self._pending = []
+        with deferred():  # an SQLite write cut by a signal would keep its lock
+            for i in range(0, len(self._pending), 1000):
+                self._client.log_batch(self.run_id, metrics=self._pending[i: i + 1000])
+            self._pending = []
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
-            self._client.set_tag(self.run_id, k, str(v))
+        with deferred():
+            for k, v in tags.items():
+                self._client.set_tag(self.run_id, k, str(v))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -133,6 +138,10 @@ def stage_run(experiment: str, stage: str, params: dict[str, Any] | None = None)
     try:
         yield run
         status = "FINISHED"
+    except KeyboardInterrupt:  # stopped by a signal (components/interruptions.py)
+        status = "KILLED"
+        raise
     finally:
-        run.flush()
-        client().set_terminated(run.run_id, status=status)
+        with deferred():
+            run.flush()
+            client().set_terminated(run.run_id, status=status)

@@ -50,7 +50,11 @@ class OneLineStageErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         text = record.getMessage()
-        if isinstance(error, StageError) or "StageError" in text:
+        if isinstance(error, StageInterruptedError) or "StageInterruptedError" in text:
+            # The flow run's Cancelled line and the CLI's last line carry the message.
+            record.msg = text.split("StageInterruptedError")[0].split("(")[0].rstrip(" :('\"") + " (interrupted)"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        elif isinstance(error, StageError) or "StageError" in text:
             first = (": " + str(error).splitlines()[0]) if isinstance(error, StageError) \
                 else " (a stage failed; its report is printed at the end)"
             record.msg = text.split("StageError")[0].rstrip(" :('\"") + first
@@ -282,11 +286,12 @@ def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> d
 
     root_path = Path(root).resolve()
     try:
-        if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
-            return _run_stages(root_path, overrides)
-        wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
-        with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
-            return _run_stages(root_path, overrides)
+        with interrupts.inside_flow():
+            if os.environ.get(LOCK_HELD_ENV) == str(os.getpid()):
+                return _run_stages(root_path, overrides)
+            wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
+            with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
+                return _run_stages(root_path, overrides)
     except StageInterruptedError as stop:  # stopped on purpose: Cancelled, not Failed
         from prefect.states import Cancelled
 

@@ -11,11 +11,15 @@ and reports `interrupted during grpo at step N; the last checkpoint is step M` (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 from pathlib import Path
+from typing import Iterator
 
 _requested: dict[str, int | None] = {"signum": None}
+_installed = {"cli": False}
 
 
 def requested() -> int | None:
@@ -61,7 +65,7 @@ def stage_launchers(pid: int | None = None) -> list[int]:
 def _on_signal(signum: int, _frame) -> None:
     if _requested["signum"] is None:
         _requested["signum"] = signum
-        print(f"\n{signal.Signals(signum).name}: stopping the running stage (it saves nothing half-done) ...",
+        print(f"{signal.Signals(signum).name}: stopping the running stage (it saves nothing half-done) ...",
               flush=True)
     for pid in stage_launchers():
         try:
@@ -72,5 +76,21 @@ def _on_signal(signum: int, _frame) -> None:
 
 def install() -> None:
     """Handle SIGINT and SIGTERM in the CLI for the rest of the run (main thread only)."""
+    _installed["cli"] = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
+
+
+@contextlib.contextmanager
+def inside_flow() -> Iterator[None]:
+    """Prefect's flow engine installs a SIGTERM handler of its own (it raises TerminationSignal, which
+    kills the stage mid-write); a CLI run puts its own back for the flow's stages, then restores Prefect's."""
+    if not _installed["cli"] or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

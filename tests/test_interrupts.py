@@ -72,6 +72,7 @@ def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how)
     assert flow_run_states(tmp_path / "prefect-home") == [("CANCELLED", "Cancelled")]
 
     if how == "SIGTERM":  # the rerun picks up at the last checkpoint and finishes
-        rerun = run([str(BIN / "grpo-pipeline"), "run"], repo, env=env)
+        # The failed run's --set overrides were not kept (params.yaml is as before): rerun the same command.
+        rerun = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in LONG_GRPO for x in ("--set", o)], repo, env=env)
         assert f"resumed from checkpoints/grpo/step-{int(line.group(2)):07d}" in rerun.stdout
         assert "registered model: models:/grpo-addition/1" in rerun.stdout
