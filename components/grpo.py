@@ -653,14 +653,14 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                                                       **({"base_model": str(start_dir)} if policy.lora else {})})
         summary = write_step_outputs(history, paths)
         reporter.finish(history, paths.plots)
-        run.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     return summary
 
 
-# MLflow groups a run's charts by the prefix before "/", unprefixed ones first: the charts that say whether
-# training works (reward, KL, entropy, length) stay unprefixed; the rest is grouped (plots/grpo_steps.csv
-# keeps the plain names).
+# MLflow's run page shows one section of charts per prefix before "/", sections in alphabetical order
+# (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
+# optim/, reward/<name>/, rollout/, time/ (plots/grpo_steps.csv keeps the plain names).
 METRIC_GROUPS = {
+    "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length"),
     "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
               "clip_high_frac"),
     "rollout": ("truncated_frac", "zero_std_group_frac", "kept_completions", "sampled_completions",
@@ -671,7 +671,7 @@ _GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys
 
 
 def mlflow_metric_names(metrics: dict[str, float]) -> dict[str, float]:
-    """`grad_norm` -> `optim/grad_norm`; reward_mean, reward_std, kl, entropy, completion_length as they are."""
+    """`grad_norm` -> `optim/grad_norm`, `kl` -> `learning/kl`; `time/...` and `reward/...` as they are."""
     return {(f"{_GROUP_OF[k]}/{k}" if k in _GROUP_OF else k): v for k, v in metrics.items()}
 
 

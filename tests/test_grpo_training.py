@@ -70,7 +70,7 @@ def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
     client = MlflowClient(mlflow_store)
     run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
                              "tags.`grpo.stage` = 'grpo'")[0]
-    points = client.get_metric_history(run.info.run_id, "kl")
+    points = client.get_metric_history(run.info.run_id, "learning/kl")
     assert [p.step for p in points] == [4]
     assert points[0].value == pytest.approx(sum(float(r["kl"]) for r in rows) / 4, abs=1e-5)
 

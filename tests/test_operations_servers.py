@@ -351,15 +351,18 @@ def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     # The version page leads with the held-out result and the decision (its description), before the tags.
     assert version_dom.find("Held-out mean reward") < version_dom.find("eval.heldout_md5"), "description not first"
-    # The GRPO run's charts: reward, KL, entropy, length first (unprefixed), then the optim/ rollout/ time/ groups.
+    # The GRPO run's charts: one section per prefix, `learning/` (reward, KL, entropy, length) first,
+    # then optim/, rollout/, time/; no single-value bar charts (the old final/* section) on top.
     grpo = client.search_runs([client.get_experiment_by_name("grpo-pipeline").experiment_id],
                               "tags.`grpo.stage` = 'grpo'", max_results=1)[0]
     charts = f"{servers['mlflow']}/#/experiments/{grpo.info.experiment_id}/runs/{grpo.info.run_id}/model-metrics"
-    charts_dom = browse(charts, tmp_path / "profile", "--dump-dom").stdout
-    first = {key: charts_dom.find(key) for key in ("reward_mean", "kl", "entropy", "completion_length")}
-    later = {key: charts_dom.find(key) for key in ("optim/grad_norm", "rollout/zero_std_group_frac", "time/generation")}
-    assert all(i >= 0 for i in [*first.values(), *later.values()]), (first, later)
-    assert max(first.values()) < min(later.values()), (first, later)
+    charts_dom = browse(charts, tmp_path / "profile", "--dump-dom", "--window-size=1400,1800").stdout
+    at = {name: charts_dom.find(f">{name}<") for name in ("learning", "reward_mean", "kl", "entropy",
+                                                          "completion_length", "optim", "rollout", "time", "final")}
+    assert at["final"] == -1 and min(at[k] for k in at if k != "final") >= 0, at
+    assert at["learning"] < min(at["reward_mean"], at["kl"], at["entropy"], at["completion_length"]), at
+    assert max(at["reward_mean"], at["kl"], at["entropy"], at["completion_length"]) < at["optim"] < at["rollout"] \
+        < at["time"], at
     shot = ARTIFACTS / "mlflow-grpo-run-charts.png"
     shot.unlink(missing_ok=True)
     browse(charts, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1400,1800")
@@ -375,7 +378,7 @@ def test_promote_rollback_compare_against_the_server(served, servers):
     client = mlflow_client(servers)
     versions = {str(v.version): v for v in client.search_model_versions(f"name = '{MODEL}'")}
     assert set(versions) == {"1", "2"}
-    assert versions["1"].tags["heldout_md5"] == versions["2"].tags["heldout_md5"]
+    assert versions["1"].tags["eval.heldout_md5"] == versions["2"].tags["eval.heldout_md5"]
     champion = str(client.get_model_version_by_alias(MODEL, "champion").version)
     other = "2" if champion == "1" else "1"
     proc = cli(served, servers, "promote", MODEL, other, "--reason", "canary looked good")

@@ -111,20 +111,20 @@ def test_mlflow_parent_run_with_one_nested_run_per_stage(completed):
     assert {r.info.run_name for r in children} == STAGES
     grpo = next(r for r in children if r.data.tags["grpo.stage"] == "grpo")
     # One MLflow point per grpo.metrics_every=2 steps, each the mean of its steps in plots/grpo_steps.csv.
-    history = client.get_metric_history(grpo.info.run_id, "reward_mean")
+    history = client.get_metric_history(grpo.info.run_id, "learning/reward_mean")
     assert [m.step for m in history] == [2, 4, 6]
     with (completed["repo"] / "plots" / "grpo_steps.csv").open() as fh:
         per_step = [float(row["reward_mean"]) for row in csv.DictReader(fh)]
     assert len(per_step) == 6
     for point in history:
         assert point.value == pytest.approx((per_step[point.step - 2] + per_step[point.step - 1]) / 2, abs=1e-5)
-    # The charts that say whether training works come first, unprefixed; the rest grouped by prefix.
-    for key in ("reward_mean", "reward_std", "kl", "entropy", "completion_length", "optim/loss", "optim/pg_loss",
+    # The charts that say whether training works come first (learning/), the rest grouped by prefix.
+    for key in ("learning/reward_mean", "learning/reward_std", "learning/kl", "learning/entropy",
+                "learning/completion_length", "optim/loss", "optim/pg_loss",
                 "optim/advantage_mean", "optim/logprob_mean", "rollout/zero_std_group_frac", "optim/grad_norm",
                 "optim/learning_rate", "time/step_seconds", "time/completions_per_s", "time/generation"):
         assert key in grpo.data.metrics, key
-    assert not {k for k in grpo.data.metrics if "/" not in k} - {"reward_mean", "reward_std", "kl", "entropy",
-                                                                  "completion_length"}
+    assert all("/" in k for k in grpo.data.metrics) and not any(k.startswith("final/") for k in grpo.data.metrics)
     validate = next(r for r in children if r.data.tags["grpo.stage"] == "validate")
     assert [a.path for a in client.list_artifacts(validate.info.run_id)] == ["data_docs", "validation.json"]
     docs = {a.path for a in client.list_artifacts(validate.info.run_id, "data_docs")}

@@ -247,11 +247,13 @@ print("SERVED", json.dumps(served))
             server.kill()
 
 
-def test_dry_run_on_the_real_model_example(tmp_path):
+def test_dry_run_on_the_real_model_example(tmp_path, converted):
     from conftest import copy_project
 
     repo = copy_project(tmp_path / "repo")
-    proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--params", str(EXAMPLE),
-                "--set", "grpo.prompts_per_step=2"], repo, env={"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
+    # The example as it is, on the session's converted SmolLM2 (the GGUF conversion is tested above).
+    proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--params", str(EXAMPLE), "--set",
+                f"model.name_or_path={converted}", "--set", "grpo.prompts_per_step=2"], repo,
+               env={"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
     assert "dry run: config, data and model valid; one rollout of 16 completions" in proc.stdout, proc.stdout[-2000:]
     assert not (repo / "models").exists() and not (repo / "mlflow.db").exists()
