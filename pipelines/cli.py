@@ -163,6 +163,8 @@ def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
             traceback.print_exc()
         print(f"\nerror: {err}\n(full log with the traceback: {log_file})", file=sys.stderr)
         return 1
+    finally:
+        interrupts.uninstall()
     ev, reg = result["evaluation"], result["registration"]
     imp = ev["improvement"]
     print("\n" + "=" * 72)

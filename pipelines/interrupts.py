@@ -81,6 +81,13 @@ def install() -> None:
         signal.signal(sig, _on_signal)
 
 
+def uninstall() -> None:
+    """Back to Python's defaults once the run is over (a Ctrl-C then stops the CLI at once)."""
+    _installed["cli"] = False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def inside_flow() -> Iterator[None]:
     """Prefect's flow engine installs a SIGTERM handler of its own (it raises TerminationSignal, which
