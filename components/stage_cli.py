@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
-from components.interruptions import StageInterrupted, progress, set_progress, stop_on_signals  # noqa: F401
+from components.interruptions import StageInterrupted, progress, stop_on_signals
 
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"

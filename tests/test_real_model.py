@@ -46,14 +46,14 @@ def _merge(into: dict, extra: dict) -> dict:
     return into
 
 
+def example_params(extra: dict | None = None) -> dict:
+    """params.yaml + the example + SMALL + `extra`, as a params dict."""
+    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(EXAMPLE.read_text())), SMALL)
+    return _merge(raw, extra or {})
+
+
 def example_config(extra: dict | None = None):
-    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(EXAMPLE.read_text())), SMALL)
-    return config_from_dict(_merge(raw, extra or {}))
-
-
-def _write_params(root: Path, extra: dict | None = None) -> None:
-    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(EXAMPLE.read_text())), SMALL)
-    (root / "params.yaml").write_text(yaml.safe_dump(_merge(raw, extra or {}), sort_keys=False))
+    return config_from_dict(example_params(extra))
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +86,7 @@ def stage_inputs(root: Path, converted: Path, extra: dict | None = None):
 
     cfg, paths = example_config(extra), Paths(root=root)
     root.mkdir(parents=True, exist_ok=True)
-    _write_params(root, extra)
+    (root / "params.yaml").write_text(yaml.safe_dump(example_params(extra), sort_keys=False))
     prepare(cfg, paths)
     shutil.copytree(converted, paths.base_model)
     train_sft(cfg, paths)
