@@ -58,7 +58,7 @@ def _peak_kb(workdir, train, heldout) -> int:
 
 
 def _write_rows(path, n):
-    filler = "the quick brown fox jumps over the lazy dog " * 5
+    filler = "the quick brown fox jumps over the lazy dog " * 22  # ~1 KB rows: hundreds of MB in fewer rows
     with path.open("w") as fh:
         for i in range(n):
             a, b = i % 97 + 100, i // 97 % 89 + 100
@@ -70,17 +70,18 @@ def test_hundreds_of_megabytes_validate_in_bounded_memory(tmp_path):
     heldout = tmp_path / "heldout.jsonl"
     write_jsonl(heldout, [{"id": f"h{i}", "prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(100)])
     small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
-    _write_rows(small, 40_000)
-    _write_rows(big, 750_000)
+    _write_rows(small, 55_000)  # more than one validation chunk, as the big file
+    _write_rows(big, 220_000)
     size_kb, small_kb = big.stat().st_size // 1024, small.stat().st_size // 1024
     assert size_kb > 200_000  # hundreds of MB
     (tmp_path / "w_small").mkdir()
     (tmp_path / "w_big").mkdir()
     peak_small = _peak_kb(tmp_path / "w_small", small, heldout)
     peak_big = _peak_kb(tmp_path / "w_big", big, heldout)
-    # About 19 times the rows. Holding the records (dicts, then a DataFrame) would grow the peak by several
-    # times the extra ~200 MB of file; streaming chunks grows it only by the running set of id digests.
+    # Four times the rows, both files past one 50,000-row chunk. Holding the records (dicts, then a DataFrame)
+    # would grow the peak by several times the extra ~165 MB of file; streaming chunks grows it only by the
+    # running set of id digests.
     assert peak_big - peak_small < size_kb - small_kb, (peak_small, peak_big, size_kb, small_kb)
     report = json.loads((tmp_path / "w_big" / "metrics" / "validation.json").read_text())
-    assert report["success"] and report["files"]["train"]["rows"] == 750_000
+    assert report["success"] and report["files"]["train"]["rows"] == 220_000
     assert report["files"]["train"]["same_content_as"] == "sft"  # SFT defaults to a copy of train
