@@ -106,9 +106,10 @@ def assert_same_training(one, two, atol=5e-5):
     assert worst < atol, f"weights differ by {worst} after {len(rows_1)} steps"
 
 
-@pytest.mark.parametrize("variant", [[], pytest.param(DYNAMIC, marks=pytest.mark.slow)], ids=["grpo", "dynamic"])
-def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd, variant):
-    settings = EQUIV + variant
+def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+    # Dynamic sampling across ranks (sharded_rollout, the same code under DDP and FSDP2) is checked under
+    # FSDP2 below, where it also needs the throwaway-group path.
+    settings = EQUIV
     one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])
     train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
     summary = train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.nproc=2"]), Paths(root=two))
@@ -116,8 +117,6 @@ def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worke
     assert "grpo: 2 processes (DDP, gloo)" in out and "--nproc_per_node=2" in out
     assert summary["steps"] == 4
     assert_same_training(one, two)
-    if variant:  # groups were dropped and refilled: the dynamic path really ran
-        assert any(float(r["sampled_completions"]) > 16 for r in steps_csv(two))
     # Rank 0 alone wrote the outputs: one checkpoint (step 2), one MLflow run per stage invocation.
     assert [p.name for p in (two / "checkpoints" / "grpo").iterdir()] == ["step-0000002"]
     from mlflow.tracking import MlflowClient
@@ -129,7 +128,7 @@ def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worke
 
 @pytest.mark.slow
 def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_path, mlflow_store, worker_env):
-    overrides = LEARN + DENSE + ["grpo.steps=24", "grpo.prompts_per_step=4", "grpo.group_size=4",
+    overrides = LEARN + DENSE + ["grpo.steps=10", "grpo.prompts_per_step=4", "grpo.group_size=4",
                                  "grpo.kl_beta=0.05", "grpo.reference.mode=ema", "grpo.checkpoint_every=2"]
     straight, killed = two_roots(tmp_path, overrides)
     train_grpo(load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"]),

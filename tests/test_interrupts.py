@@ -17,9 +17,9 @@ from conftest import BIN, FAST_PARAMS, copy_project, run
 
 pytestmark = pytest.mark.slow
 
-# Long enough to be stopped mid-GRPO: checkpoints every 5 of 150 steps.
+# Long enough to be stopped mid-GRPO (about 0.3 s a step): checkpoints every 5 of 40 steps.
 LONG_GRPO = [p for p in FAST_PARAMS if not p.startswith(("grpo.steps", "grpo.checkpoint_every", "grpo.log_every"))] \
-    + ["grpo.steps=150", "grpo.checkpoint_every=5", "grpo.log_every=5"]
+    + ["grpo.steps=40", "grpo.checkpoint_every=5", "grpo.log_every=5"]
 
 
 def start_run(repo: Path, env: dict) -> subprocess.Popen:
@@ -61,7 +61,7 @@ def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how)
     print(f"{how}: stopped in {stopped_in:.1f} s")
     assert proc.returncode == (143 if how == "SIGTERM" else 130), output[-3000:]
     assert stopped_in < 20, f"took {stopped_in:.1f} s to stop"  # measured ~2-4 s; the bar is 10 s
-    line = re.search(r"interrupted during grpo at step (\d+) of 150; the last checkpoint is step (\d+) "
+    line = re.search(r"interrupted during grpo at step (\d+) of 40; the last checkpoint is step (\d+) "
                      rf"\({'SIGTERM' if how == 'SIGTERM' else 'SIGINT'}\); rerun to resume", output)
     assert line, output[-3000:]
     assert int(line.group(2)) % 5 == 0 and int(line.group(2)) < int(line.group(1))
