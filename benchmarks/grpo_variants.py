@@ -38,13 +38,13 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from components.base_model import build_base_model
+    from components.stages.model import build_base_model
     from components.config import load_config
-    from components.evaluate import evaluate
-    from components.grpo import train_grpo
-    from components.paths import Paths
-    from components.prepare import prepare
-    from components.sft import train_sft
+    from components.stages.evaluate import evaluate
+    from components.stages.grpo import train_grpo
+    from components.data.paths import Paths
+    from components.stages.prepare import prepare
+    from components.stages.sft import train_sft
 
     work = Path(tempfile.mkdtemp(prefix="grpo-variants-"))
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"

@@ -72,11 +72,11 @@ def size_overrides(size: str) -> list[str]:
 
 def prepare_start(size: str, work: Path, threads: int) -> Path:
     """Data, tokenizer, model and SFT warm start for one size, built once and reused (off the clock)."""
-    from components.base_model import build_base_model
+    from components.stages.model import build_base_model
     from components.config import load_config
-    from components.paths import Paths
-    from components.prepare import prepare
-    from components.sft import train_sft
+    from components.data.paths import Paths
+    from components.stages.prepare import prepare
+    from components.stages.sft import train_sft
 
     root = work / size
     stamp = root / "setup.json"
@@ -158,10 +158,10 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     """Greedy held-out reward of an in-memory model with the pipeline's own evaluator and rewards."""
     import torch
 
-    from components.data import read_jsonl, split_path
-    from components.evaluate import greedy_completions_of, score
-    from components.prompting import PromptFormatter
-    from components.rewards import RewardModel
+    from components.data.records import read_jsonl, split_path
+    from components.stages.evaluate import greedy_completions_of, score
+    from components.engine.prompting import PromptFormatter
+    from components.engine.rewards import RewardModel
 
     records = read_jsonl(split_path(root / "data" / "prepared", "heldout"))[:limit]
     rewards = RewardModel(cfg.grpo.rewards)
@@ -198,9 +198,9 @@ def worker_config(spec: dict[str, Any]):
 
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
-    from components.grpo import train_grpo
-    from components.modeling import load_tokenizer
-    from components.paths import Paths
+    from components.stages.grpo import train_grpo
+    from components.engine.modeling import load_tokenizer
+    from components.data.paths import Paths
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
@@ -225,9 +225,9 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from components.data import read_jsonl, split_path
-    from components.modeling import load_model, load_tokenizer
-    from components.rewards import RewardModel
+    from components.data.records import read_jsonl, split_path
+    from components.engine.modeling import load_model, load_tokenizer
+    from components.engine.rewards import RewardModel
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
@@ -347,7 +347,7 @@ def warm_start_heldout(spec: dict[str, Any]) -> float:
     """The held-out reward both engines start from (greedy decoding: one evaluation serves both)."""
     import torch
 
-    from components.modeling import load_model, load_tokenizer
+    from components.engine.modeling import load_model, load_tokenizer
 
     root = Path(spec["root"])
     torch.set_num_threads(spec["threads"])
@@ -358,7 +358,7 @@ def warm_start_heldout(spec: dict[str, Any]) -> float:
 def compare_size(size: str, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
-    from components.evaluate import paired_bootstrap
+    from components.stages.evaluate import paired_bootstrap
 
     root = prepare_start(size, work, args.threads)
     rounds = args.rounds if size == "tiny" else args.medium_rounds
@@ -427,7 +427,7 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
                             10_000, args.seed)
     trl_final = result["trl"]["heldout_reward"]
     reached = next((p for p in curve["ours"] if p["heldout"] >= trl_final), None)
-    from components.modeling import count_parameters, load_model
+    from components.engine.modeling import count_parameters, load_model
     import torch
 
     params = count_parameters(load_model(root / "models" / "sft", torch.device("cpu")))

@@ -3,7 +3,7 @@
 Clones the committed repository into a scratch folder (reusing this checkout's .venv), runs
 `make run` there from nothing, and compares its wall time, measured from outside, with the compute
 seconds each stage records between the end of its imports and the end of its work
-(components/stage_cli.py). The difference is Prefect, MLflow, DVC, process start-up and imports.
+(components/stages/cli.py). The difference is Prefect, MLflow, DVC, process start-up and imports.
 
 The start-up is CPU-bound on two cores, so the share moves with whatever else the shared machine
 runs (4.3-5.4% for the same code within one evening). As for the engine speed-ups, the figure

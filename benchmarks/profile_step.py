@@ -24,8 +24,8 @@ def profile(prefix_sharing: bool, root: Path, steps: int, warmup: int) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from components.config import load_config
-    from components.grpo import train_grpo
-    from components.paths import Paths
+    from components.stages.grpo import train_grpo
+    from components.data.paths import Paths
 
     from benchmarks.grpo_vs_trl import grpo_run_dir
 

@@ -66,13 +66,13 @@ def one_run(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
     import torch
 
-    from components.base_model import build_base_model
+    from components.stages.model import build_base_model
     from components.config import load_config
-    from components.evaluate import evaluate
-    from components.grpo import train_grpo
-    from components.paths import Paths
-    from components.prepare import prepare
-    from components.sft import train_sft
+    from components.stages.evaluate import evaluate
+    from components.stages.grpo import train_grpo
+    from components.data.paths import Paths
+    from components.stages.prepare import prepare
+    from components.stages.sft import train_sft
 
     cfg = load_config(ROOT / "params.yaml", [*overrides, f"seed={seed}"])
     paths = Paths(root=work)
@@ -161,7 +161,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         return 0
     flags = cpu_flags()
-    from components.run_environment import cpu_model
+    from components.tracking.run_environment import cpu_model
 
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": "avx2" in flags,
                "avx512": sorted(f for f in flags if f.startswith("avx512")), "python": platform.python_version()}

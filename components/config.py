@@ -252,7 +252,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
     prefix_sharing: bool = True
-    """Encode each prompt once per group in sampling, reference and policy forwards (components/fastlm.py).
+    """Encode each prompt once per group in sampling, reference and policy forwards (components/engine/fastlm.py).
     Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back.
     Not used with several processes or per-group sampling (those need the wrapped, N-independent forward)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -610,7 +610,7 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
     _require(g.reward_timeout_s >= 0, "grpo.reward_timeout_s", "must be >= 0")
     _require(g.max_reward_failures >= 0, "grpo.max_reward_failures", "must be >= 0")
-    from components.rewards import resolve_reward  # local: rewards may import user code
+    from components.engine.rewards import resolve_reward  # local: rewards may import user code
 
     for i, spec in enumerate(g.rewards):
         try:

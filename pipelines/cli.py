@@ -37,7 +37,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace) -> int:
-    from components.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
     from pipelines import warmup
 
     root = Path(args.root).resolve()
@@ -63,9 +63,9 @@ def _run_locked(args: argparse.Namespace) -> int:
 
 def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from components.config import ConfigError
-    from components.data import DataError
-    from components.model_source import ModelLoadError
-    from components.stage_cli import StageFailed
+    from components.data.records import DataError
+    from components.data.model_source import ModelLoadError
+    from components.stages.cli import StageFailed
     from pipelines.params_io import apply_to_params, merged_config, preset_path
 
     params = root / "params.yaml"
@@ -77,12 +77,12 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         for warning in config_warnings(cfg):
             print(f"warning: {warning}", file=sys.stderr)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
-            from components.model_source import check_model_source
+            from components.data.model_source import check_model_source
 
             os.chdir(root)
             check_model_source(cfg.model.name_or_path, cfg.model.allow_download, cfg.model.gguf_file)
         if args.dry_run:
-            from components.dry_run import dry_run
+            from pipelines.dry_run import dry_run
 
             os.chdir(root)
             dry_run(cfg)
@@ -123,7 +123,7 @@ def _undo(snapshot, log_file: Path | None) -> None:
 
 
 def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
-    from components.stage_server import imports_without_collection
+    from components.runtime.stage_server import imports_without_collection
     from pipelines import warmup
 
     if api is not None:
@@ -235,7 +235,7 @@ def process_age_seconds() -> float:
 
 
 def overhead_breakdown(stage_times: list[dict], process_started: float) -> dict[str, float]:
-    """Split the overhead by when it happened, from the stages' wall-clock stamps (components/stage_cli.py).
+    """Split the overhead by when it happened, from the stages' wall-clock stamps (components/stages/cli.py).
 
     before first stage: CLI start-up, config checks, Prefect API, MLflow parent run, first DVC check;
     stage warm-ups: each stage's imports and tracking-store connection; between stages: Prefect task
@@ -277,7 +277,7 @@ def report_overhead(result: dict) -> dict[str, float]:
 def _cmd_stage(args: argparse.Namespace) -> int:
     import importlib
 
-    from components.stage_server import STAGE_MODULES
+    from components.runtime.stage_server import STAGE_MODULES
 
     module = importlib.import_module(f"components.{STAGE_MODULES[args.name]}")
     argv = ["--params", args.params_file] + [x for s in args.overrides for x in ("--set", s)]
@@ -380,7 +380,7 @@ def _cmd_data_update(args: argparse.Namespace) -> int:
 
 
 def _registry_client(root: str):
-    from components.tracking import client
+    from components.tracking.runs import client
 
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(root).resolve() / 'mlflow.db'}")
     return client()
@@ -388,7 +388,7 @@ def _registry_client(root: str):
 
 def _cmd_promote(args: argparse.Namespace) -> int:
     from components.locks import REGISTRY_LOCK, file_lock
-    from components.registry_ops import RegistryRefused, promote, rollback
+    from components.tracking.registry import RegistryRefused, promote, rollback
 
     try:
         with file_lock(Path(args.root).resolve() / REGISTRY_LOCK, "a registry change in this repository", wait_s=60):
@@ -407,7 +407,7 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from components.config import load_config
-    from components.registry_ops import RegistryRefused, compare_table, pipeline_runs
+    from components.tracking.registry import RegistryRefused, compare_table, pipeline_runs
 
     client = _registry_client(args.root)
     experiment = args.experiment or load_config(Path(args.root).resolve() / "params.yaml").tracking.experiment
@@ -420,8 +420,8 @@ def _cmd_evaluate_many(args: argparse.Namespace) -> int:
     import json
 
     from components.config import ConfigError
-    from components.data import DataError
-    from components.model_source import ModelLoadError
+    from components.data.records import DataError
+    from components.data.model_source import ModelLoadError
     from pipelines.evaluate_many import evaluate_many, table
 
     try:
@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="validate config, data and model, run one rollout and one loss; train and write nothing")
     run.set_defaults(func=_cmd_run)
-    from components.stage_server import STAGE_MODULES  # standard library only: start-up stays fast
+    from components.runtime.stage_server import STAGE_MODULES  # standard library only: start-up stays fast
 
     stage = sub.add_parser("stage", help="run one stage directly, outside Prefect and DVC")
     stage.add_argument("name", choices=list(STAGE_MODULES))

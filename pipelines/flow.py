@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from components.config import load_config, to_flat_dict
-from components.tracking import PARENT_RUN_ENV
+from components.tracking.runs import PARENT_RUN_ENV
 from pipelines import interrupts
 
 STAGES = ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")
@@ -103,7 +103,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
 
     import tempfile
 
-    from components.stage_cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
+    from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
 
     print_dvc_lines_once()
     logger = get_run_logger()
@@ -203,7 +203,7 @@ def tag_limit_exists(tag: str) -> bool:
 
 
 class ParentRun:
-    """The flow's MLflow parent run; each call is a job in the warm stage server (components/parent_run.py).
+    """The flow's MLflow parent run; each call is a job in the warm stage server (components/runtime/parent_run.py).
 
     The server forks it from an interpreter that has MLflow imported, so this process never imports
     MLflow. Without a server (or when it refuses), the job runs here instead.
@@ -214,7 +214,7 @@ class ParentRun:
 
     @classmethod
     def start(cls, experiment: str, params: dict[str, Any], run_name: str = "pipeline") -> "ParentRun":
-        from components.parent_run import run_job
+        from components.runtime.parent_run import run_job
 
         answer = run_job({"action": "start", "experiment": experiment, "params": params,
                           "tags": {"grpo.stage": "pipeline"}, "run_name": run_name})
@@ -222,7 +222,7 @@ class ParentRun:
 
     def update(self, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
                status: str | None = None) -> None:
-        from components.parent_run import run_job
+        from components.runtime.parent_run import run_job
 
         run_job({"action": "update", "run_id": self.run_id, "metrics": metrics or {},
                  "tags": {k: str(v) for k, v in (tags or {}).items()}, "status": status})
@@ -299,8 +299,8 @@ def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> d
 
 
 def _run_stages(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The stages in order, each in the warm stage server (components/stage_server.py) when one runs."""
-    from components.stage_server import SERVER_ENV, start_server, stop_server
+    """The stages in order, each in the warm stage server (components/runtime/stage_server.py) when one runs."""
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
     own_server = None
     if not os.environ.get(SERVER_ENV):  # the CLI starts one early; deployments and tests get one here
@@ -315,7 +315,7 @@ def _run_stages(root_path: Path, overrides: dict[str, Any] | None = None) -> dic
 
 
 def read_compute_times(path: Path) -> list[dict[str, Any]]:
-    """The compute seconds each stage that ran recorded (components/stage_cli.py)."""
+    """The compute seconds each stage that ran recorded (components/stages/cli.py)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -324,9 +324,9 @@ def read_compute_times(path: Path) -> list[dict[str, Any]]:
 def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     import tempfile
 
-    from components.data import SPLITS, file_md5, split_path
-    from components.stage_cli import STAGE_TIMINGS_ENV
-    from components.tracking import tracking_uri
+    from components.data.records import SPLITS, file_md5, split_path
+    from components.stages.cli import STAGE_TIMINGS_ENV
+    from components.tracking.runs import tracking_uri
     from pipelines.params_io import apply_to_params
     from pipelines.retries import backoff_delays, retry_transient
 

@@ -2,11 +2,11 @@
 run Cancelled, exit 130 (SIGINT) or 143 (SIGTERM), and say where to resume.
 
 A terminal's Ctrl-C reaches the CLI's process group: the CLI and the stage's launcher
-(`python -m components.launch`), which asks the stage to stop. The stage server and the temporary
+(`python -m components.runtime.launch`), which asks the stage to stop. The stage server and the temporary
 Prefect API run in sessions of their own, so they keep serving until the stage has reported. A
 SIGTERM (a scheduler, `kill`) reaches the CLI alone: it forwards it to the stage's launcher. The
 stage raises where it was, writes nothing half-done (checkpoints and outputs are renamed into place),
-and reports `interrupted during grpo at step N; the last checkpoint is step M` (components/stage_cli.py).
+and reports `interrupted during grpo at step N; the last checkpoint is step M` (components/stages/cli.py).
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def stage_launchers(pid: int | None = None) -> list[int]:
-    """The running stage's launcher processes (`components.launch`, or a stage module run directly)."""
+    """The running stage's launcher processes (`components.runtime.launch`, or a stage module run directly)."""
     launchers = []
     for child in _descendants(pid or os.getpid()):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(part.startswith(b"components.") and part != b"components.stage_server" for part in cmdline):
+        if any(part.startswith(b"components.") and part != b"components.runtime.stage_server" for part in cmdline):
             launchers.append(child)
     return launchers
 

@@ -98,7 +98,7 @@ def setup(cfg: PipelineConfig) -> int:
 
 def update_data(root: Path, source: Path, split: str, emit: bool = True) -> dict[str, Any]:
     """Copy a new dataset into data/user, `dvc add` it, point params.yaml at it, emit the event."""
-    from components.data import file_md5
+    from components.data.records import file_md5
     from pipelines.params_io import apply_to_params, merged_config
 
     if not source.is_file():

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from components.data import SPLITS, dir_md5, file_md5, split_path
-from components.paths import Paths
-from components.registry_ops import current_tags
-from components.tracking import PARENT_RUN_ENV
+from components.data.records import SPLITS, dir_md5, file_md5, split_path
+from components.data.paths import Paths
+from components.tracking.registry import current_tags
+from components.tracking.runs import PARENT_RUN_ENV
 
 REWARD_TOLERANCE_GPU = 0.02
 
@@ -117,7 +117,7 @@ def resolve_version(client, name: str, version: str | None, run_id: str | None):
 
 def reproduce(root: Path, name: str, version: str | None = None, run_id: str | None = None,
               keep: bool = False) -> ReproduceReport:
-    from components.tracking import client as mlflow_client
+    from components.tracking.runs import client as mlflow_client
 
     client = mlflow_client()
     mv = resolve_version(client, name, version, run_id)
@@ -154,8 +154,8 @@ def reproduce(root: Path, name: str, version: str | None = None, run_id: str | N
 def judge_environment(report: ReproduceReport, tags: dict[str, str], tree: Path) -> None:
     """Which promise applies (bit-identical, or within the measured band) and the band itself."""
     from components.config import default_fingerprint, load_config
-    from components.modeling import pick_device
-    from components.run_environment import differences, run_environment
+    from components.engine.modeling import pick_device
+    from components.tracking.run_environment import differences, run_environment
 
     cfg = load_config(tree / "params.yaml")
     current = run_environment(cfg.threads, str(pick_device(cfg.device)))
@@ -178,9 +178,9 @@ def warm_stage_server(tree: Path, env: dict[str, str]) -> Iterator[None]:
     if not (tree / "components" / "stage_server.py").exists():
         yield
         return
-    from components.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
-    server = start_server(str(tree))  # `python -m components.stage_server` in the tree: its code, not ours
+    server = start_server(str(tree))  # `python -m components.runtime.stage_server` in the tree: its code, not ours
     env[SERVER_ENV] = server[1]
     try:
         yield

@@ -1,7 +1,7 @@
 """Start the slow services of a pipeline run side by side instead of one after another.
 
 A run needs two things that each take seconds to start: the warm stage interpreter (torch,
-transformers, MLflow imports; it also opens the MLflow store, see components/parent_run.py) and
+transformers, MLflow imports; it also opens the MLflow store, see components/runtime/parent_run.py) and
 Prefect's temporary API server (when no PREFECT_API_URL is set). The CLI starts the stage server
 first thing, and the API as soon as it has imported Prefect itself (forked from the CLI, sharing
 that import); both come up while the CLI imports the flow and DVC, and the flow finds them ready.
@@ -125,7 +125,7 @@ class ForkedServer:
         try:  # the child: never returns into the CLI's frames
             import signal
 
-            from components.stage_server import die_with_parent
+            from components.runtime.stage_server import die_with_parent
 
             die_with_parent()  # it also holds the CLI's inherited run lock: it must not outlive the CLI
             if os.getppid() != parent:  # the CLI exited before the death signal was armed
@@ -195,10 +195,10 @@ def serve_prefect_api(port: int) -> None:
     """The temporary API's process: what `uvicorn --factory prefect.server.api.server:create_app` runs.
 
     Started this way so the server's import and app set-up run with the garbage collector off
-    (components.stage_server.imports_without_collection); the app is the same, built by Prefect's
+    (components.runtime.stage_server.imports_without_collection); the app is the same, built by Prefect's
     own factory.
     """
-    from components.stage_server import imports_without_collection
+    from components.runtime.stage_server import imports_without_collection
 
     with imports_without_collection():
         import uvicorn
@@ -255,8 +255,8 @@ def open_tracking_store(root: Path, experiment: str) -> threading.Thread:
     importing Prefect, so the flow's parent run later finds the store ready. Errors are left to the
     flow's own first MLflow call, which reports them.
     """
-    from components.parent_run import run_job
-    from components.tracking import tracking_uri
+    from components.runtime.parent_run import run_job
+    from components.tracking.runs import tracking_uri
 
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root))
 

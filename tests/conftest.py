@@ -39,7 +39,7 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
 
 def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
     """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster)."""
-    from components.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
     server = start_server(str(repo))
     try:

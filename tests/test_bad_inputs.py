@@ -96,10 +96,10 @@ def workdir(tmp_path, monkeypatch, mlflow_store):
 
 def run_until_validate(overrides, capsys):
     """prepare -> model -> validate through their CLIs; returns (exit code, stderr) of the first failure."""
-    from components import base_model, prepare, validate
+    from components.stages import model, prepare, validate
 
     argv = [x for o in overrides for x in ("--set", o)]
-    for stage in (prepare, base_model, validate):
+    for stage in (prepare, model, validate):
         code = stage.main(argv)
         if code != 0:
             return code, capsys.readouterr().err

@@ -18,7 +18,7 @@ def build_tiny_qwen(out, texts):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from components.modeling import build_char_tokenizer
+    from components.engine.modeling import build_char_tokenizer
 
     tok = build_char_tokenizer(list(texts) + ["<|system|><|user|><|assistant|> "])
     tok.chat_template = CHAT_TEMPLATE
@@ -33,7 +33,7 @@ def build_tiny_qwen(out, texts):
 
 @pytest.mark.slow
 def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
-    from components.data import dir_md5
+    from components.data.records import dir_md5
 
     repo = copy_project(tmp_path / "repo")
     rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(0, 40, 3) for b in range(0, 40, 7)]
@@ -67,7 +67,7 @@ model = mlflow.pyfunc.load_model("models:/tiny-qwen2-chat@champion")
 config = model.model_config
 assert config["chat"] is True and config["system"] == "Add the numbers.", config
 served = model.predict(pd.DataFrame({"prompt": ["3+4="]}))
-from components.modeling import load_model
+from components.engine.modeling import load_model
 tok = AutoTokenizer.from_pretrained("models/grpo"); tok.padding_side = "left"
 lm = load_model("models/grpo", torch.device("cpu"))
 version = mlflow.MlflowClient().get_model_version_by_alias("tiny-qwen2-chat", "champion")

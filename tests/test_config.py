@@ -85,7 +85,7 @@ def test_presets_are_valid(preset):
     ("grpo.kl_beta", False),
 ])
 def test_secret_names_are_recognised_without_catching_token_counts(name, secret):
-    from components.tracking import is_secret_key
+    from components.tracking.runs import is_secret_key
 
     assert is_secret_key(name) is secret
 

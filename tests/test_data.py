@@ -5,8 +5,8 @@ import json
 import pytest
 
 from components.config import TaskConfig
-from components.data import DataError, file_md5, read_jsonl, write_jsonl
-from components.tasks import addition_problems
+from components.data.records import DataError, file_md5, read_jsonl, write_jsonl
+from components.data.tasks import addition_problems
 
 
 def test_addition_splits_are_disjoint_deterministic_and_correct():

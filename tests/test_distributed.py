@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from components.config import load_config
-from components.grpo import train_grpo
-from components.paths import Paths
+from components.stages.grpo import train_grpo
+from components.data.paths import Paths
 from conftest import ROOT
 from test_grpo_training import LEARN, setup_stage_inputs
 
@@ -134,7 +134,7 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     train_grpo(load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"]),
                Paths(root=straight))
 
-    cmd = [sys.executable, "-m", "components.grpo"] + [x for o in overrides + ["distributed.nproc=2"]
+    cmd = [sys.executable, "-m", "components.stages.grpo"] + [x for o in overrides + ["distributed.nproc=2"]
                                                        for x in ("--set", o)]
     proc = subprocess.Popen(cmd, cwd=killed, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -154,7 +154,7 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
 
     cfg = load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"])
-    resumed = subprocess.run([sys.executable, "-m", "components.grpo", "--set", "distributed.per_group_sampling=true"]
+    resumed = subprocess.run([sys.executable, "-m", "components.stages.grpo", "--set", "distributed.per_group_sampling=true"]
                              + [x for o in overrides for x in ("--set", o)], cwd=killed, capture_output=True,
                              text=True, env={**os.environ})
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -258,7 +258,7 @@ def test_bad_distributed_settings_name_the_key(override, rule):
 
 @pytest.mark.slow
 def test_sft_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
-    from components.sft import train_sft
+    from components.stages.sft import train_sft
 
     # 50 rows in batches of 16: the last batch has 2 rows, one per rank.
     sft = ["task.n_sft=50", "task.n_train=40", "task.n_heldout=20", "threads=1", "sft.epochs=3", "sft.batch_size=16"]

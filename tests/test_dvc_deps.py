@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from components.config import STAGE_PARAMS
-from components.stage_server import STAGE_MODULES
+from components.runtime.stage_server import STAGE_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -67,9 +67,9 @@ def test_every_imported_project_module_is_a_dependency(stage):
 
 
 def test_the_closure_follows_imports_inside_functions():
-    # evaluate imports components.tracking inside a function; grpo reaches fastlm through its imports.
-    assert "components.tracking" in project_imports("components.evaluate")
-    assert "components.fastlm" in project_imports("components.grpo")
+    # evaluate imports components.tracking.runs inside a function; grpo reaches fastlm through its imports.
+    assert "components.tracking.runs" in project_imports("components.stages.evaluate")
+    assert "components.engine.fastlm" in project_imports("components.stages.grpo")
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_MODULES))

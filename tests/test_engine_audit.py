@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, config_warnings, load_config, stage_params_hash
-from components.fastlm import PrefixSharedLM, full_attention
-from components.grpo import Policy, informative_groups, loss_mask, policy_updates
-from components.objectives import group_advantages, kl_estimate, policy_loss
-from components.rewards import RewardModel, RewardResult
-from components.rollout import Rollout, completion_logprobs
+from components.engine.fastlm import PrefixSharedLM, full_attention
+from components.stages.grpo import Policy, informative_groups, loss_mask, policy_updates
+from components.engine.objectives import group_advantages, kl_estimate, policy_loss
+from components.engine.rewards import RewardModel, RewardResult
+from components.engine.rollout import Rollout, completion_logprobs
 from conftest import ROOT
 
 PARAMS = ROOT / "params.yaml"
@@ -62,7 +62,7 @@ def test_sliding_window_shorter_than_a_row_falls_back_to_the_plain_forward():
 
 def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
     """Rows longer than the self-check (capped at MAX_CHECK_LENGTH) are still refused on the config alone."""
-    import components.fastlm as fastlm
+    import components.engine.fastlm as fastlm
 
     monkeypatch.setattr(fastlm, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
     assert PrefixSharedLM.for_model(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
@@ -161,7 +161,7 @@ def _only_y(prompts, completions, **_):
 
 def _tiny():
     from components.config import TinyModelConfig
-    from components.modeling import build_char_tokenizer, build_tiny_model
+    from components.engine.modeling import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer(["0123456789+="])
     return tok, build_tiny_model(TinyModelConfig(), tok, seed=0)
@@ -173,7 +173,7 @@ def tiny_model():
 
 
 def _rollout(tok, model, n_prompts=2, group=4, length=4):
-    from components.rollout import sample_groups
+    from components.engine.rollout import sample_groups
 
     return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, length,
                          generator=torch.Generator().manual_seed(0))
@@ -270,7 +270,7 @@ def test_bnpo_normalises_each_minibatch_by_its_own_tokens(tiny_model):
 
 # ----------------------------------------------------------------------- the frozen reference is used
 def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
-    from components.grpo import build_policy  # noqa: F401 - the same Policy the trainer builds
+    from components.stages.grpo import build_policy  # noqa: F401 - the same Policy the trainer builds
 
     tok, base = tiny_model
     model = copy.deepcopy(base).train()
@@ -295,7 +295,7 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
     model = copy.deepcopy(base).train()
     seen = []
 
-    import components.grpo as grpo
+    import components.stages.grpo as grpo
 
     original = grpo.policy_loss
 
@@ -321,13 +321,13 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     """The stage's loop must be exactly: sample -> score -> advantages -> loss mask -> reference ->
     update -> reference update. Any changed line in it (another scaling, a dropped mask, the policy
     as reference, a skipped EMA) changes the weights below."""
-    from components.base_model import build_base_model
-    from components.data import read_jsonl, split_path
-    from components.grpo import PromptSchedule, build_policy, collect_batch, learning_rate, train_grpo, update_reference
-    from components.modeling import seed_everything
-    from components.paths import Paths
-    from components.prepare import prepare
-    from components.rewards import RewardModel
+    from components.stages.model import build_base_model
+    from components.data.records import read_jsonl, split_path
+    from components.stages.grpo import PromptSchedule, build_policy, collect_batch, learning_rate, train_grpo, update_reference
+    from components.engine.modeling import seed_everything
+    from components.data.paths import Paths
+    from components.stages.prepare import prepare
+    from components.engine.rewards import RewardModel
 
     common = ["task.n_sft=50", "task.n_train=64", "task.n_heldout=20", "sft.enabled=false", "threads=1",
               "grpo.rewards=[{name: 'reward_fixtures:first_digit_or_none', weight: 1.0}]", "grpo.steps=2",
@@ -340,7 +340,7 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     paths = Paths(root=tmp_path)
     prepare(cfg, paths)
     build_base_model(cfg, paths)
-    from components.sft import train_sft
+    from components.stages.sft import train_sft
 
     train_sft(cfg, paths)
     train_grpo(cfg, paths)

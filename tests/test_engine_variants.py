@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
-from components.grpo import (Policy, attach_lora, informative_groups, policy_updates, rows_of, update_reference)
-from components.objectives import group_advantages, policy_loss
-from components.rollout import Rollout, concat_rollouts
+from components.stages.grpo import (Policy, attach_lora, informative_groups, policy_updates, rows_of, update_reference)
+from components.engine.objectives import group_advantages, policy_loss
+from components.engine.rollout import Rollout, concat_rollouts
 from conftest import ROOT
 
 # Two groups of two completions, three positions; row 2 has one padded position. mu > 1, so the
@@ -137,14 +137,14 @@ def test_reinforce_config_rules():
 @pytest.fixture(scope="module")
 def tiny_model():
     from components.config import TinyModelConfig
-    from components.modeling import build_char_tokenizer, build_tiny_model
+    from components.engine.modeling import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer(["0123456789+="])
     return tok, build_tiny_model(TinyModelConfig(), tok, seed=0)
 
 
 def _rollout(tok, model, n_prompts=4, group=4):
-    from components.rollout import sample_groups
+    from components.engine.rollout import sample_groups
 
     return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, 4,
                          generator=torch.Generator().manual_seed(0))
@@ -203,5 +203,5 @@ def test_lora_refuses_missing_modules_and_trains_only_adapters(tiny_model):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # The reference (adapters disabled) is still the untouched base model.
-    from components.rollout import completion_logprobs
+    from components.engine.rollout import completion_logprobs
     assert torch.allclose(policy.reference_logprobs(rollout, 1.0), completion_logprobs(base, rollout)[0], atol=1e-6)

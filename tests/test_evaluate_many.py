@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from components.checkpoint_eval import score_checkpoint
-from components.grpo import train_grpo
-from components.modeling import ModelLoadError
+from components.engine.heldout import score_checkpoint
+from components.stages.grpo import train_grpo
+from components.engine.modeling import ModelLoadError
 from conftest import BIN, ROOT, run
 from test_grpo_training import LEARN, setup_stage_inputs
 
@@ -54,7 +54,7 @@ def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlf
 
 def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
     from components.config import load_config
-    from components.paths import Paths
+    from components.data.paths import Paths
 
     with pytest.raises(ModelLoadError, match="no such model directory or checkpoint"):
         score_checkpoint(load_config(ROOT / "params.yaml"), tmp_path / "nope", Paths(root=tmp_path))

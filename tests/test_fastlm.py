@@ -1,4 +1,4 @@
-"""The prompt-once forward (components/fastlm.py) against the Hugging Face forward it replaces.
+"""The prompt-once forward (components/engine/fastlm.py) against the Hugging Face forward it replaces.
 
 Each architecture it accepts is built small with random weights; log-probs, gradients and decoded
 tokens must match the plain forward on left-padded batches with repeated prompts.
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from components.fastlm import PrefixSharedLM
-from components.rollout import Rollout, completion_logprobs, sample_groups
+from components.engine.fastlm import PrefixSharedLM
+from components.engine.rollout import Rollout, completion_logprobs, sample_groups
 
 VOCAB = 24
 
@@ -191,7 +191,7 @@ def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_
 
 def test_lora_adapters_are_seen_and_can_be_disabled():
     from components.config import LoRAConfig
-    from components.grpo import attach_lora
+    from components.stages.grpo import attach_lora
 
     base = _llama()
     model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
@@ -214,7 +214,7 @@ def test_lora_adapters_are_seen_and_can_be_disabled():
 
 def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
     from components.config import GRPOConfig
-    from components.grpo import Policy, policy_updates
+    from components.stages.grpo import Policy, policy_updates
 
     base = _llama(num_key_value_heads=2)
     rollout = _rollout()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.checkpoints import latest_checkpoint, load_checkpoint
-from components.grpo import train_grpo
-from components.stage_cli import StageFailed
+from components.data.checkpoints import latest_checkpoint, load_checkpoint
+from components.stages.grpo import train_grpo
+from components.stages.cli import StageFailed
 from conftest import BIN, FAST_PARAMS, ROOT, copy_project, dvc_repro_warm, run
 from test_grpo_training import LEARN, setup_stage_inputs
 
@@ -78,7 +78,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
     code = f"""
 import resource, signal, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-from components.checkpoints import CheckpointWriteError, save_checkpoint
+from components.data.checkpoints import CheckpointWriteError, save_checkpoint
 model = torch.nn.Linear(512, 512)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 save_checkpoint(__import__("pathlib").Path({str(tmp_path / 'ckpt')!r}), 1, "h", model, opt, {{"step": 1}})
@@ -138,12 +138,12 @@ def test_tracking_server_down_at_start_and_mid_run(tmp_path, mlflow_store):
     setup_stage_inputs(tmp_path, LEARN + steps)
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     port = _free_port()
-    # A shorter retry budget than the default's ~15 s of backoff (components/tracking.py RETRY_DEFAULTS);
+    # A shorter retry budget than the default's ~15 s of backoff (components/tracking/runs.py RETRY_DEFAULTS);
     # the retry-then-fail path is the same, twice per test.
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    cmd = [sys.executable, "-m", "components.grpo"] + [x for o in LEARN + steps for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "components.stages.grpo"] + [x for o in LEARN + steps for x in ("--set", o)]
 
     started = time.monotonic()  # nobody listening: bounded retries, then one clear line
     down = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -182,7 +182,7 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
     dvc_repro_warm(repo, ["evaluate"], env)
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-    register = [sys.executable, "-m", "components.register"]
+    register = [sys.executable, "-m", "components.stages.register"]
     for delay in (2.0, 3.5, 5.0, 6.5):
         proc = subprocess.Popen(register, cwd=repo, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)

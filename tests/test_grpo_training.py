@@ -10,12 +10,12 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from components.base_model import build_base_model
+from components.stages.model import build_base_model
 from components.config import load_config
-from components.grpo import train_grpo, window_mean
-from components.paths import Paths
-from components.prepare import prepare
-from components.sft import train_sft
+from components.stages.grpo import train_grpo, window_mean
+from components.data.paths import Paths
+from components.stages.prepare import prepare
+from components.stages.sft import train_sft
 from conftest import ROOT
 
 LEARN = ["task.n_sft=50", "task.n_train=200", "task.n_heldout=50", "sft.enabled=false", "threads=1",
@@ -76,7 +76,7 @@ def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
 
 
 def _grpo_cmd(extra):
-    return [sys.executable, "-m", "components.grpo"] + [x for o in LEARN + extra for x in ("--set", o)]
+    return [sys.executable, "-m", "components.stages.grpo"] + [x for o in LEARN + extra for x in ("--set", o)]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Great Expectations imported with scipy.stats and altair deferred (components/gx_import.py): the
+"""Great Expectations imported with scipy.stats and altair deferred (components/runtime/gx_import.py): the
 two load only when used, and an expectation that uses them still computes the right figure."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_a_deferred_module_runs_only_when_an_attribute_is_read(tmp_path):
                                       "def answer():\n    return 42\n")
     got = run_python("""
         import builtins
-        from components.gx_import import DeferredModule, defer
+        from components.runtime.gx_import import DeferredModule, defer
         defer("toypkg.heavy")
         import toypkg.heavy
         from toypkg import heavy
@@ -50,7 +50,7 @@ def test_a_deferred_module_runs_only_when_an_attribute_is_read(tmp_path):
 
 def test_gx_imports_without_scipy_stats_and_altair_and_loads_them_for_the_kl_expectation():
     got = run_python("""
-        from components.gx_import import great_expectations as gx
+        from components.runtime.gx_import import great_expectations as gx
         import pandas as pd
         after_import = {m: m in sys.modules for m in ("scipy.stats._stats_py", "altair.vegalite")}
         ctx = gx.get_context(mode="ephemeral")

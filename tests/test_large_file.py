@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from components.base_model import build_base_model
+from components.stages.model import build_base_model
 from components.config import load_config
-from components.data import write_jsonl
-from components.paths import Paths
-from components.prepare import prepare
-from components.stage_cli import StageFailed
-from components.validate import validate
+from components.data.records import write_jsonl
+from components.data.paths import Paths
+from components.stages.prepare import prepare
+from components.stages.cli import StageFailed
+from components.stages.validate import validate
 from conftest import ROOT
 
 
@@ -38,9 +38,9 @@ def test_duplicate_ids_across_chunks_are_reported(tmp_path, mlflow_store):
 PEAK_SCRIPT = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from components import base_model, prepare, validate
+from components.stages import model, prepare, validate
 argv = ["--set", "data.train_path={train}", "--set", "data.heldout_path={heldout}", "--set", "threads=1"]
-for stage in (prepare, base_model, validate):
+for stage in (prepare, model, validate):
     code = stage.main(argv)
     if code:
         sys.exit(code)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from components.config import TinyModelConfig
-from components.modeling import (ModelLoadError, build_char_tokenizer, build_tiny_model, count_parameters,
+from components.engine.modeling import (ModelLoadError, build_char_tokenizer, build_tiny_model, count_parameters,
                                  load_model, load_tokenizer, resolve_model_dir, save_model)
-from components.rollout import completion_logprobs, decode_completions, sample_groups
+from components.engine.rollout import completion_logprobs, decode_completions, sample_groups
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
 
@@ -93,7 +93,7 @@ def test_missing_model_path_mentions_offline_download(monkeypatch):
 
 
 def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
-    from components.modeling import check_model_source, hub_download_allowed, write_pointer
+    from components.engine.modeling import check_model_source, hub_download_allowed, write_pointer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert not hub_download_allowed("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)

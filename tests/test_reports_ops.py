@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from components.registry_ops import RunSummary, compare_table
-from components.reports import _buckets, write_step_figures
+from components.tracking.registry import RunSummary, compare_table
+from components.tracking.reports import _buckets, write_step_figures
 from pipelines.retries import backoff_delays, is_transient, retry_transient
 
 
@@ -91,7 +91,7 @@ def test_retry_condition_reads_the_failed_prefect_state():
 def test_compare_accepts_the_short_run_ids_it_prints(mlflow_store):
     from mlflow.tracking import MlflowClient
 
-    from components.registry_ops import RegistryRefused, pipeline_runs
+    from components.tracking.registry import RegistryRefused, pipeline_runs
 
     client = MlflowClient(mlflow_store)
     experiment = client.create_experiment("short-ids")

@@ -11,13 +11,13 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from components.base_model import build_base_model
+from components.stages.model import build_base_model
 from components.config import load_config
-from components.grpo import train_grpo
-from components.paths import Paths
-from components.prepare import prepare
-from components.rollout import sample_groups
-from components.sft import train_sft
+from components.stages.grpo import train_grpo
+from components.data.paths import Paths
+from components.stages.prepare import prepare
+from components.engine.rollout import sample_groups
+from components.stages.sft import train_sft
 from conftest import FAST_PARAMS, ROOT, copy_project, dvc_repro_warm
 
 SMALL = ["task.n_sft=200", "task.n_train=200", "task.n_heldout=50", "sft.epochs=2", "grpo.steps=5",
@@ -43,7 +43,7 @@ def test_grpo_weights_are_byte_identical_even_with_extra_evaluation(tmp_path, ml
     def noisy_evaluation(step, policy, metrics):
         # Consumes every global RNG and runs the policy, as an evaluation or logging hook would.
         torch.rand(1000), random.random(), np.random.rand(10)
-        tok = __import__("components.modeling", fromlist=["load_tokenizer"]).load_tokenizer(tmp_path / "c" / "models" / "sft")
+        tok = __import__("components.engine.modeling", fromlist=["load_tokenizer"]).load_tokenizer(tmp_path / "c" / "models" / "sft")
         sample_groups(policy, tok, ["1+2=", "30+4="], 2, 4)  # sampled with the global generator
 
     assert train(tmp_path / "c", callbacks=[noisy_evaluation]) == first

@@ -4,7 +4,7 @@ plainly when it falls outside; `reproduce` knows which promise (bit-identical or
 import json
 
 from components.config import default_fingerprint, load_config
-from components.run_environment import differences
+from components.tracking.run_environment import differences
 from conftest import ROOT
 from pipelines.cli import band_report
 from pipelines.reproduce import Comparison, ReproduceReport

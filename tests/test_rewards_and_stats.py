@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from components.evaluate import paired_bootstrap
-from components.rewards import RewardError, RewardModel, exact_match, numeric_match, resolve_reward
+from components.stages.evaluate import paired_bootstrap
+from components.engine.rewards import RewardError, RewardModel, exact_match, numeric_match, resolve_reward
 
 
 @dataclass

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from components.rewards import (bleu, code_execution, f1rougebleu, judge_model, length_penalty, overlong_penalty,
+from components.engine.rewards import (bleu, code_execution, f1rougebleu, judge_model, length_penalty, overlong_penalty,
                                 regex_format, rouge_l, token_f1)
 
 
@@ -40,7 +40,7 @@ def test_code_execution_scores_only_passing_code_and_skips_missing_tests():
 def test_judge_model_scores_with_a_frozen_classifier(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from components.modeling import build_char_tokenizer
+    from components.engine.modeling import build_char_tokenizer
 
     tok = build_char_tokenizer(["abcdefgh 0123456789+="])
     tok.padding_side = "right"

@@ -6,12 +6,12 @@ import json
 import pytest
 
 from components.config import load_config
-from components.data import DataError, read_jsonl
-from components.extract import extract_answer
-from components.paths import Paths
-from components.prepare import prepare
-from components.rewards import math_verify, numeric_match
-from components.sources import load_records, split_heldout
+from components.data.records import DataError, read_jsonl
+from components.engine.extract import extract_answer
+from components.data.paths import Paths
+from components.stages.prepare import prepare
+from components.engine.rewards import math_verify, numeric_match
+from components.data.sources import load_records, split_heldout
 from conftest import ROOT
 
 # The format of seed 003: question / answer / source, no id column.
@@ -51,7 +51,7 @@ def test_every_format_gives_identical_records(tmp_path):
 
 def test_files_with_a_byte_order_mark_are_read(tmp_path):
     """Windows tools write a UTF-8 BOM before the first line: JSONL, JSON and CSV read as without it."""
-    from components.prepare import stream_copy
+    from components.stages.prepare import stream_copy
 
     for fmt, path in write_all_formats(tmp_path).items():
         if fmt in ("jsonl", "json", "csv"):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from components.stage_cli import STAGE_TIMINGS_ENV
-from components.stage_server import SERVER_ENV, run_remote, start_server, stop_server
+from components.stages.cli import STAGE_TIMINGS_ENV
+from components.runtime.stage_server import SERVER_ENV, run_remote, start_server, stop_server
 from conftest import run
 
 TINY = ["--set", "task.n_sft=20", "--set", "task.n_train=20", "--set", "task.n_heldout=10"]
@@ -47,7 +47,7 @@ def test_a_served_stage_writes_its_outputs_reports_compute_and_relays_exit_codes
 
 def test_the_launcher_runs_the_stage_itself_when_import_settings_differ(server):
     repo, path = server
-    proc = run([sys.executable, "-m", "components.launch", "prepare", *TINY], repo,
+    proc = run([sys.executable, "-m", "components.runtime.launch", "prepare", *TINY], repo,
                env={SERVER_ENV: path, "HF_HUB_OFFLINE": "0", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
     assert "stage server: not used (HF_HUB_OFFLINE differ)" in proc.stdout
     assert "prepare: heldout: from generated:addition" in proc.stdout
@@ -58,14 +58,14 @@ def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
 
     repo = copy_project(tmp_path / "repo")
     timings = tmp_path / "times.jsonl"
-    proc = run([sys.executable, "-m", "components.launch", "prepare", *TINY], repo,
+    proc = run([sys.executable, "-m", "components.runtime.launch", "prepare", *TINY], repo,
                env={SERVER_ENV: "", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
                     STAGE_TIMINGS_ENV: str(timings)})
     assert "stage server" not in proc.stdout
     assert (repo / "data" / "prepared" / "heldout.jsonl").exists()
     recorded = json.loads(timings.read_text())
     assert recorded["gc_frozen"] == 0 and recorded["gc_enabled"] is True  # nothing inherited, nothing frozen
-    bad = run([sys.executable, "-m", "components.launch", "nonsense"], repo, check=False)
+    bad = run([sys.executable, "-m", "components.runtime.launch", "nonsense"], repo, check=False)
     assert bad.returncode == 2 and "usage:" in bad.stdout
 
 
@@ -85,17 +85,17 @@ def test_overhead_breakdown_from_stage_stamps():
 
 def test_every_stage_finds_its_warm_up_imports_at_its_own_level():
     """A stage forked from level k must not import anything heavy itself: its warm-up list is in levels <= k."""
-    from components.stage_cli import HEAVY_IMPORTS, STAGE_IMPORTS
-    from components.stage_server import LEVELS, STAGE_MODULES, level_modules, level_of
+    from components.stages.cli import HEAVY_IMPORTS, STAGE_IMPORTS
+    from components.runtime.stage_server import LEVELS, STAGE_MODULES, level_modules, level_of
 
     assert level_of("prepare") == 0 and level_of("parent_run") == 0  # no torch before the first stage
-    assert "torch" not in level_modules(0) and "components.gx_import" not in level_modules(level_of("model"))
+    assert "torch" not in level_modules(0) and "components.runtime.gx_import" not in level_modules(level_of("model"))
     assert "transformers.models.llama.modeling_llama" not in level_modules(level_of("validate"))
     assert "transformers.models.llama.modeling_llama" not in level_modules(level_of("model"))  # tiny_checkpoint
     assert level_of("nonsense") == len(LEVELS) - 1
     for stage, module in STAGE_MODULES.items():
         available = level_modules(level_of(stage))
-        needed = set(STAGE_IMPORTS.get(module, HEAVY_IMPORTS)) | {f"components.{module}"}
+        needed = set(STAGE_IMPORTS.get(stage, HEAVY_IMPORTS)) | {f"components.{module}"}
         assert needed <= available, (stage, needed - available)
 
 
@@ -104,7 +104,7 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
     import subprocess
     import time
 
-    from components.stage_server import LEVELS, level_path
+    from components.runtime.stage_server import LEVELS, level_path
     from conftest import copy_project
 
     repo = copy_project(tmp_path / "repo")
@@ -133,7 +133,7 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
 def test_imports_without_collection_freezes_what_it_imported_and_restores_the_collector():
     import gc
 
-    from components.stage_server import imports_without_collection
+    from components.runtime.stage_server import imports_without_collection
 
     gc.unfreeze()
     try:

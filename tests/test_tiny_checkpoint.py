@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from components.config import TinyModelConfig
-from components.modeling import build_char_tokenizer, build_tiny_model, count_parameters, save_model
-from components.tiny_checkpoint import write_tiny_checkpoint
+from components.engine.modeling import build_char_tokenizer, build_tiny_model, count_parameters, save_model
+from components.runtime.tiny_checkpoint import write_tiny_checkpoint
 from conftest import ROOT
 
 SHAPES = {"default": (TinyModelConfig(), 0),
@@ -39,10 +39,10 @@ def test_model_stage_runs_without_transformers_modelling_code(tmp_path, mlflow_s
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from components.base_model import build_base_model\n"
+        "from components.stages.model import build_base_model\n"
         "from components.config import load_config\n"
-        "from components.paths import Paths\n"
-        "from components.prepare import prepare\n"
+        "from components.data.paths import Paths\n"
+        "from components.stages.prepare import prepare\n"
         "cfg, paths = load_config(sys.argv[1]), Paths(root=Path(sys.argv[2]))\n"
         "prepare(cfg, paths)\n"
         "build_base_model(cfg, paths)\n"

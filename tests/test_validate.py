@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from components.base_model import build_base_model
+from components.stages.model import build_base_model
 from components.config import load_config
-from components.data import write_jsonl
-from components.paths import Paths
-from components.prepare import prepare
-from components.stage_cli import StageFailed
-from components.validate import validate
+from components.data.records import write_jsonl
+from components.data.paths import Paths
+from components.stages.prepare import prepare
+from components.stages.cli import StageFailed
+from components.stages.validate import validate
 from conftest import ROOT
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from components.distributed import DistContext
+from components.engine.distributed import DistContext
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -114,7 +114,7 @@ def plain_copy(load_plain: Callable[[], torch.nn.Module], state: dict[str, torch
 def save_sharded_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, state: dict[str, Any],
                             reference, load_plain: Callable[[], torch.nn.Module], ctx: DistContext) -> None:
     """`save_checkpoint` for sharded models: every rank gathers, rank 0 writes the single-process format."""
-    from components.checkpoints import save_checkpoint
+    from components.data.checkpoints import save_checkpoint
 
     weights = full_model_state(model)
     ref_weights = full_model_state(reference) if reference is not None else None

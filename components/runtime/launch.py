@@ -1,6 +1,6 @@
-"""`python -m components.launch STAGE [--params ...] [--set ...]`: the command dvc.yaml runs for each stage.
+"""`python -m components.runtime.launch STAGE [--params ...] [--set ...]`: the command dvc.yaml runs for each stage.
 
-Runs the stage in the pipeline's warm stage server when one is serving (components/stage_server.py),
+Runs the stage in the pipeline's warm stage server when one is serving (components/runtime/stage_server.py),
 otherwise in this process, exactly as `python -m components.<stage>` does. Kept free of heavy
 imports so that handing over costs milliseconds.
 """
@@ -11,13 +11,13 @@ import importlib
 import os
 import sys
 
-from components.stage_server import SERVER_ENV, STAGE_MODULES, run_remote
+from components.runtime.stage_server import SERVER_ENV, STAGE_MODULES, run_remote
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in STAGE_MODULES:
-        print(f"usage: python -m components.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] [--set KEY=VALUE]",
+        print(f"usage: python -m components.runtime.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] [--set KEY=VALUE]",
               file=sys.stderr)
         return 2
     stage, rest = args[0], args[1:]

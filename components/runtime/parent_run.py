@@ -1,6 +1,6 @@
 """The pipeline's MLflow parent run, opened, updated and closed by a small job instead of the flow.
 
-`python -m components.parent_run REQUEST.json` reads one request, does it, and writes the answer
+`python -m components.runtime.parent_run REQUEST.json` reads one request, does it, and writes the answer
 to REQUEST.json.out. The flow sends these jobs to the warm stage server (pipelines/flow.py,
 ParentRun), which forks a child that has MLflow imported already: the CLI itself never imports
 MLflow. When it did, its MLflow import and the first schema creation shared the GIL with Prefect's
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from components.tracking import StageRun, client, experiment_id, start_run
+from components.tracking.runs import StageRun, client, experiment_id, start_run
 
 
 def open_store(experiment: str) -> dict[str, str]:
@@ -75,7 +75,7 @@ def installed_name_version(dist) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m components.parent_run REQUEST.json", file=sys.stderr)
+        print("usage: python -m components.runtime.parent_run REQUEST.json", file=sys.stderr)
         return 2
     path = Path(args[0])
     request = json.loads(path.read_text())
@@ -90,7 +90,7 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     import os
     import tempfile
 
-    from components.stage_server import SERVER_ENV, run_remote
+    from components.runtime.stage_server import SERVER_ENV, run_remote
 
     with tempfile.TemporaryDirectory(prefix="grpo-parent-run-") as folder:
         path = Path(folder) / "request.json"

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from components.config import PipelineConfig
-from components.data import SPLITS, DataError, file_md5, iter_jsonl, split_path, write_jsonl
-from components.paths import Paths
-from components.sources import ensure_ids, load_records, require_prompt_column, split_heldout
-from components.stage_cli import stage_main
-from components.tasks import TASKS
+from components.data.records import SPLITS, DataError, file_md5, iter_jsonl, split_path, write_jsonl
+from components.data.paths import Paths
+from components.data.sources import ensure_ids, load_records, require_prompt_column, split_heldout
+from components.stages.cli import stage_main
+from components.data.tasks import TASKS
 
 
 def streamable(cfg: PipelineConfig, path: str) -> bool:
@@ -96,7 +96,7 @@ def prepare(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, str]:
             write_jsonl(split_path(paths.data, split), records[split])
         print(f"prepare: {split}: from {sources[split]}")
     (paths.data / "sources.json").write_text(json.dumps(sources, indent=2, sort_keys=True) + "\n")
-    from components.tracking import stage_run
+    from components.tracking.runs import stage_run
 
     with stage_run(cfg.tracking.experiment, "prepare") as run:
         run.set_tags({f"source.{split}": source for split, source in sources.items()})

@@ -3,7 +3,7 @@
 A LoRA adapter is a few MB; its base (hundreds of MB) is registered once, as `<model_name>-base`,
 keyed by the base directory's hash, and every adapter version names it (`base_model_uri`) and carries
 its source and hashes as tags. Loading `models:/NAME@champion` in a fresh process loads the base version
-and applies the adapter (components/serving_model.py). `register.merge_lora: true` registers the merged
+and applies the adapter (components/tracking/serving_model.py). `register.merge_lora: true` registers the merged
 model instead, as self-contained as a full fine-tune.
 """
 
@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from components.data import dir_md5
-from components.modeling import adapter_base, resolve_model_dir
+from components.data.records import dir_md5
+from components.engine.modeling import adapter_base, resolve_model_dir
 
 SERVING_MODULE = Path(__file__).with_name("serving_model.py")
 PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
@@ -76,11 +76,11 @@ def merged_copy(adapter_dir: Path) -> Iterator[Path]:
     """A temporary full checkpoint: the adapter merged into its base (for `register.merge_lora`)."""
     import torch
 
-    from components.modeling import load_model, save_model
+    from components.engine.modeling import load_model, save_model
 
     tmp = Path(tempfile.mkdtemp(prefix="grpo-merged-"))
     try:
-        from components.model_source import load_tokenizer
+        from components.data.model_source import load_tokenizer
 
         save_model(load_model(adapter_dir, torch.device("cpu")), load_tokenizer(adapter_dir), tmp / "model")
         yield tmp / "model"

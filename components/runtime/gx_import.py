@@ -1,4 +1,4 @@
-"""`import components.gx_import` is `import great_expectations`, with two of its libraries loaded on first use.
+"""`import components.runtime.gx_import` is `import great_expectations`, with two of its libraries loaded on first use.
 
 Importing Great Expectations imports every expectation class it ships. One of them,
 `ExpectColumnKLDivergenceToBeLessThan`, imports scipy.stats and altair at module level for its

@@ -19,13 +19,13 @@ STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
 HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
 # Stages that use less: `prepare` reads and writes JSONL and logs to MLflow (no torch); `validate`
-# runs Great Expectations (components/gx_import.py) and needs only the tokenizer and config
+# runs Great Expectations (components/runtime/gx_import.py) and needs only the tokenizer and config
 # (transformers' config imports torch).
 TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto",
                      "transformers.models.auto.configuration_auto")
-# `model` writes the tiny default with torch alone (components/tiny_checkpoint.py).
-STAGE_IMPORTS = {"prepare": ("mlflow",), "base_model": ("mlflow", "torch", *TOKENIZER_IMPORTS),
-                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "components.gx_import")}
+# `model` writes the tiny default with torch alone (components/runtime/tiny_checkpoint.py).
+STAGE_IMPORTS = {"prepare": ("mlflow",), "model": ("mlflow", "torch", *TOKENIZER_IMPORTS),
+                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "components.runtime.gx_import")}
 
 
 class StageFailed(RuntimeError):
@@ -56,9 +56,9 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one params key, e.g. --set grpo.kl_beta=0.1")
     args = parser.parse_args(argv)
-    from components.checkpoints import CheckpointWriteError
-    from components.data import DataError
-    from components.model_source import ModelLoadError
+    from components.data.checkpoints import CheckpointWriteError
+    from components.data.records import DataError
+    from components.data.model_source import ModelLoadError
 
     stage = _stage_name(run)
     stop_on_signals()
@@ -76,7 +76,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
         if not _is_tracking_outage(err):
             raise
-        from components.tracking import tracking_uri
+        from components.tracking.runs import tracking_uri
 
         report_error(f"the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
                      f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back")
@@ -90,7 +90,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
 
 
 def _stage_name(run: Callable) -> str:
-    """`prepare` for components.prepare, also when it runs as `python -m` (its module is then `__main__`)."""
+    """`prepare` for components.stages.prepare, also when it runs as `python -m` (its module is then `__main__`)."""
     spec = getattr(run, "__globals__", {}).get("__spec__")
     return (spec.name if spec is not None else run.__module__).rsplit(".", 1)[-1]
 
@@ -99,7 +99,7 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
     """Library imports and the tracking store's first connection: start-up, not the stage's own work."""
     for name in STAGE_IMPORTS.get(stage, HEAVY_IMPORTS):
         importlib.import_module(name)
-    from components.tracking import experiment_id
+    from components.tracking.runs import experiment_id
 
     experiment_id(cfg.tracking.experiment)
 
@@ -110,11 +110,11 @@ def _record_compute(stage: str, seconds: float, entered: float, started_at: floa
     `entered`, `started_at` and `ended_at` are wall-clock stamps (entry, end of warm-up, end of work),
     so the report can say where the rest of the run's time went. `gc_frozen` counts the objects the
     stage inherited frozen from the warm stage server (0 when it ran on its own), which its garbage
-    collections never walk (components/stage_server.py).
+    collections never walk (components/runtime/stage_server.py).
     """
     path = os.environ.get(STAGE_TIMINGS_ENV)
     if path:
-        server = sys.modules.get("components.stage_server")
+        server = sys.modules.get("components.runtime.stage_server")
         frozen = getattr(server, "frozen_objects", 0)
         with open(path, "a") as fh:
             fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3), "entered": round(entered, 3),

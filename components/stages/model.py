@@ -2,9 +2,9 @@
 
 For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
 of the prepared datasets, and writes the checkpoint `save_pretrained` would write, with torch alone
-(components/tiny_checkpoint.py: no Hugging Face modelling import on the run's critical path). For a
+(components/runtime/tiny_checkpoint.py: no Hugging Face modelling import on the run's critical path). For a
 user's model directory it only checks the directory loads safely and records a pointer (no
-multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/gguf_model.py),
+multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/engine/gguf_model.py),
 with the GGUF's sha256 in `provenance.json` and the MLflow tags.
 """
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import sys
 
 from components.config import PipelineConfig
-from components.gguf_model import convert_gguf, file_sha256
-from components.data import SPLITS, iter_jsonl, split_path
-from components.modeling import (build_char_tokenizer, hub_download_allowed, resolve_model_dir, write_pointer,
+from components.engine.gguf_model import convert_gguf, file_sha256
+from components.data.records import SPLITS, iter_jsonl, split_path
+from components.engine.modeling import (build_char_tokenizer, hub_download_allowed, resolve_model_dir, write_pointer,
                                  write_provenance)
-from components.model_source import gguf_source
-from components.paths import Paths
-from components.stage_cli import stage_main
-from components.tiny_checkpoint import write_tiny_checkpoint
+from components.data.model_source import gguf_source
+from components.data.paths import Paths
+from components.stages.cli import stage_main
+from components.runtime.tiny_checkpoint import write_tiny_checkpoint
 
 
 def dataset_texts(paths: Paths):
@@ -33,7 +33,7 @@ def dataset_texts(paths: Paths):
 
 
 def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
-    from components.tracking import stage_run
+    from components.tracking.runs import stage_run
 
     out = paths.base_model
     with stage_run(cfg.tracking.experiment, "model") as run:

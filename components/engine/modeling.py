@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from components.config import PipelineConfig, TinyModelConfig
-from components.model_source import (POINTER_FILE, ModelLoadError, check_model_source,  # noqa: F401 - re-exported
+from components.data.model_source import (POINTER_FILE, ModelLoadError, check_model_source,  # noqa: F401 - re-exported
                                      context_length, hub_download_allowed, load_tokenizer, resolve_model_dir,
                                      write_pointer)
 

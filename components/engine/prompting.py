@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from components.config import PromptConfig
-from components.data import DataError
+from components.data.records import DataError
 
 
 def uses_chat_template(cfg: PromptConfig, tokenizer) -> bool:

@@ -66,7 +66,7 @@ def launch(module: str, cfg: PipelineConfig, root: Path) -> None:
     """
     import yaml
 
-    from components.stage_cli import StageFailed
+    from components.stages.cli import StageFailed
 
     n = cfg.distributed.nproc
     with tempfile.TemporaryDirectory(prefix="grpo-dist-") as tmp:
@@ -202,7 +202,7 @@ class NullRun:
 def tracking_run(ctx: DistContext, experiment: str, stage: str, params: dict[str, Any]):
     """The stage's MLflow run on rank 0; a no-op run elsewhere."""
     if ctx.is_main:
-        from components.tracking import stage_run
+        from components.tracking.runs import stage_run
 
         return stage_run(experiment, stage, params)
     return contextlib.nullcontext(NullRun())

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from components.config import PipelineConfig
-from components.data import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
-from components.model_source import context_length, load_tokenizer, resolve_model_dir
-from components.paths import Paths
-from components.prompting import PromptFormatter
-from components.stage_cli import StageFailed, stage_main
+from components.data.records import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
+from components.data.model_source import context_length, load_tokenizer, resolve_model_dir
+from components.data.paths import Paths
+from components.engine.prompting import PromptFormatter
+from components.stages.cli import StageFailed, stage_main
 
 MAX_IDS_SHOWN = 20
 CHUNK_ROWS = 50_000
@@ -162,7 +162,7 @@ def iter_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
 def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUNK_ROWS) -> list[Violation]:
     """Run the suites on every split, chunk by chunk; raise `StageFailed` listing every violation."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    from components.gx_import import great_expectations as gx
+    from components.runtime.gx_import import great_expectations as gx
     from transformers import AutoConfig
 
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
@@ -249,11 +249,11 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
     paths.metrics.mkdir(parents=True, exist_ok=True)
     report_path = paths.metrics / "validation.json"
     report_path.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
-    from components.tracking import stage_run
+    from components.tracking.runs import stage_run
 
     with stage_run(cfg.tracking.experiment, "validate") as run:
         run.log_artifact(report_path)  # saved before failing: the report is the point of a failed validation
-        from components.reports import log_data_docs
+        from components.tracking.reports import log_data_docs
 
         log_data_docs(run, docs)
         run.log_metrics({"violations": len(violations), "records": total})

@@ -23,22 +23,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from components.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
+from components.data.checkpoints import discard_foreign, latest_checkpoint, load_checkpoint, save_checkpoint
 from components.config import (ConfigError, GRPOConfig, LoRAConfig, PipelineConfig, RewardSpec, config_warnings,
                                stage_params_hash, to_flat_dict)
-from components.data import dir_md5, file_md5, read_jsonl, reward_columns, split_path
-from components.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
+from components.data.records import dir_md5, file_md5, read_jsonl, reward_columns, split_path
+from components.engine.distributed import (DistContext, all_reduce_sum, barrier, init, launch, needs_launch, no_sync, shutdown,
                                     tracking_run, wrap_ddp)
-from components.fastlm import PrefixSharedLM
-from components.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
-from components.objectives import group_advantages, masked_entropy, policy_loss
-from components.paths import Paths
-from components.prompting import PromptFormatter
-from components.reports import GRPOReporter
-from components.rewards import RewardError, RewardModel, RewardResult
-from components.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
+from components.engine.fastlm import PrefixSharedLM
+from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, resolve_model_dir, save_model, seed_everything
+from components.engine.objectives import group_advantages, masked_entropy, policy_loss
+from components.data.paths import Paths
+from components.engine.prompting import PromptFormatter
+from components.tracking.reports import GRPOReporter
+from components.engine.rewards import RewardError, RewardModel, RewardResult
+from components.engine.rollout import Rollout, completion_logprobs, concat_rollouts, decode_completions, sample_groups
 from components.interruptions import set_progress
-from components.stage_cli import StageFailed, stage_main
+from components.stages.cli import StageFailed, stage_main
 
 MAX_BAD_STEPS = 3
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
@@ -427,7 +427,7 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
     samples its share of the prompt groups, trains through DDP, and only rank 0 logs and writes.
     """
     if needs_launch(cfg.distributed):
-        launch("components.grpo", cfg, paths.root)
+        launch("components.stages.grpo", cfg, paths.root)
         return json.loads((paths.metrics / "grpo.json").read_text())
     ctx = init(cfg.distributed, pick_device(cfg.device))
     try:
@@ -471,7 +471,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     resume_from = latest_checkpoint(paths.grpo_checkpoints, run_hash)
     held = None
     if ctx.lockstep:  # resume into the whole model, then shard it; the optimizer state follows once built
-        from components.fsdp import HeldOptimizerState, load_optimizer_state, shard_model
+        from components.engine.fsdp import HeldOptimizerState, load_optimizer_state, shard_model
 
         if resume_from is not None:
             held = HeldOptimizerState()
@@ -522,7 +522,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             t0 = time.perf_counter()
             try:
                 if per_group:
-                    from components.sharded_rollout import collect_batch_sharded
+                    from components.engine.sharded_sampling import collect_batch_sharded
 
                     t_scoring = 0.0  # per-group sampling scores inside its loop: counted as generation
                     rollout, totals, first_scores, sampled = collect_batch_sharded(policy, records, schedule, step, g,
@@ -627,7 +627,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                          "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
                          "torch_rng": torch.get_rng_state()}
                 if ctx.lockstep:  # every rank gathers its shards; rank 0 writes the usual format
-                    from components.fsdp import save_sharded_checkpoint
+                    from components.engine.fsdp import save_sharded_checkpoint
 
                     save_sharded_checkpoint(paths.grpo_checkpoints, step + 1, run_hash, policy.model, optimizer,
                                             saved, policy.reference if moving_reference else None,
@@ -640,7 +640,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         if window:  # the last, partial window (also when the last steps were skipped)
             run.log_metrics(mlflow_metric_names(window_mean(window)), step=history[-1]["step"])
         if ctx.lockstep:  # the final model, gathered whole, saved by rank 0 as a normal HF directory
-            from components.fsdp import full_model_state, plain_copy
+            from components.engine.fsdp import full_model_state, plain_copy
 
             weights = full_model_state(policy.model)
             if ctx.is_main:

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from components.config import PipelineConfig, section_hash, to_flat_dict
-from components.data import SPLITS, dir_md5, file_md5, read_jsonl, split_path
-from components.evaluate import paired_bootstrap
-from components.modeling import pick_device
-from components.paths import Paths
-from components.registry_ops import current_tags
-from components.run_environment import run_environment
-from components.stage_cli import stage_main
+from components.data.records import SPLITS, dir_md5, file_md5, read_jsonl, split_path
+from components.stages.evaluate import paired_bootstrap
+from components.engine.modeling import pick_device
+from components.data.paths import Paths
+from components.tracking.registry import current_tags
+from components.tracking.run_environment import run_environment
+from components.stages.cli import stage_main
 
 def git_dirty_files(root: Path = Path(".")) -> str:
     """Tracked files that differ from HEAD (params.yaml after a --set run, typically), comma-separated."""
@@ -96,7 +96,7 @@ def log_params_file(run, params_path: Path) -> None:
     """The exact params (even if never committed) as `lineage/params.yaml`, secret-looking values redacted."""
     import yaml
 
-    from components.tracking import redact
+    from components.tracking.runs import redact
 
     with tempfile.TemporaryDirectory() as tmp:
         safe = Path(tmp) / "params.yaml"
@@ -165,8 +165,8 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
                      predictions: list[dict[str, Any]], candidate_md5: str) -> dict[str, Any]:
     import mlflow
 
-    from components.tracking import client as mlflow_client
-    from components.tracking import stage_run
+    from components.tracking.runs import client as mlflow_client
+    from components.tracking.runs import stage_run
 
     client = mlflow_client()
     existing = []
@@ -187,9 +187,9 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
             log_params_file(run, paths.root / "params.yaml")
-            from components.modeling import load_tokenizer
-            from components.prompting import PromptFormatter
-            from components.registered_model import log_trained_model
+            from components.engine.modeling import load_tokenizer
+            from components.engine.prompting import PromptFormatter
+            from components.tracking.registered_model import log_trained_model
 
             formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
             with mlflow.start_run(run_id=run.run_id):
@@ -211,7 +211,7 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             client.set_model_version_tag(name, version.version, "registration", "complete")
             version = client.get_model_version(name, version.version)
         decision = decide(client, name, version.version, evaluation, predictions, cfg)
-        from components.registry_ops import alias_version, move_alias
+        from components.tracking.registry import alias_version, move_alias
 
         aliases = [("challenger", f"registered by run {run.run_id}")]
         if decision["promote"]:

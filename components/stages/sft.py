@@ -15,15 +15,15 @@ import time
 import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data import iter_jsonl, read_jsonl, reward_columns, split_path
-from components.distributed import (DistContext, all_reduce_sum, all_true, init, launch, needs_launch, shutdown,
+from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
+from components.engine.distributed import (DistContext, all_reduce_sum, all_true, init, launch, needs_launch, shutdown,
                                     tracking_run, wrap_ddp)
-from components.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
-from components.paths import Paths
-from components.prompting import PromptFormatter
-from components.rewards import RewardModel
-from components.rollout import decode_completions, positions_from_mask, sample_groups
-from components.stage_cli import stage_main
+from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
+from components.data.paths import Paths
+from components.engine.prompting import PromptFormatter
+from components.engine.rewards import RewardModel
+from components.engine.rollout import decode_completions, positions_from_mask, sample_groups
+from components.stages.cli import stage_main
 
 
 def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"]
@@ -55,7 +55,7 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
         print("sft: disabled; GRPO starts from the base model")
         return summary
     if needs_launch(cfg.distributed):
-        launch("components.sft", cfg, paths.root)
+        launch("components.stages.sft", cfg, paths.root)
         return json.loads((paths.metrics / "sft.json").read_text())
     ctx = init(cfg.distributed, pick_device(cfg.device))
     try:
@@ -131,7 +131,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
     model = load_policy_model(cfg, paths.base_model, torch.device("cpu") if ctx.lockstep else device).train()
     if ctx.lockstep:
-        from components.fsdp import shard_model
+        from components.engine.fsdp import shard_model
 
         shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
@@ -194,7 +194,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                       "(more epochs or another sft.learning_rate)", flush=True)
         run.log_metrics({"final_loss": epoch_loss / n})
     if ctx.lockstep:  # gathered whole; rank 0 saves a normal HF directory
-        from components.fsdp import full_model_state, plain_copy
+        from components.engine.fsdp import full_model_state, plain_copy
 
         weights = full_model_state(model)
         if ctx.is_main:

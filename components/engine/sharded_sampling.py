@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from components.config import GRPOConfig
-from components.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
-from components.data import reward_columns
-from components.grpo import Policy, PromptSchedule, informative_groups
-from components.rewards import RewardError, RewardModel, RewardResult
-from components.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
+from components.engine.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
+from components.data.records import reward_columns
+from components.stages.grpo import Policy, PromptSchedule, informative_groups
+from components.engine.rewards import RewardError, RewardModel, RewardResult
+from components.engine.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
 
 
 def _trim(rollout: Rollout) -> Rollout:

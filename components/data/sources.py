@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from components.data import DataError, normalise_prompt, read_jsonl
+from components.data.records import DataError, normalise_prompt, read_jsonl
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "hf")
 

@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from components.checkpoints import TRAINABLE_FILE
+from components.data.checkpoints import TRAINABLE_FILE
 from components.config import PipelineConfig
-from components.data import file_md5, read_jsonl, split_path
-from components.modeling import (ModelLoadError, load_policy_model, load_tokenizer, pick_device, resolve_model_dir,
+from components.data.records import file_md5, read_jsonl, split_path
+from components.engine.modeling import (ModelLoadError, load_policy_model, load_tokenizer, pick_device, resolve_model_dir,
                                  seed_everything)
-from components.paths import Paths
-from components.prompting import PromptFormatter
-from components.rewards import RewardModel
-from components.rollout import decode_completions, sample_groups
+from components.data.paths import Paths
+from components.engine.prompting import PromptFormatter
+from components.engine.rewards import RewardModel
+from components.engine.rollout import decode_completions, sample_groups
 
 
 def is_training_checkpoint(path: Path) -> bool:
@@ -51,7 +51,7 @@ def load_for_eval(cfg: PipelineConfig, path: Path, paths: Paths, device):
 
 def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) -> dict[str, Any]:
     """Mean greedy reward on the held-out split, with per-prompt completions and rewards."""
-    from components.data import reward_columns
+    from components.data.records import reward_columns
 
     e = cfg.evaluate
     seed_everything(cfg.seed, cfg.threads)

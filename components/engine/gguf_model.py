@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from components.model_source import require_gguf_reader
+from components.data.model_source import require_gguf_reader
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
@@ -28,7 +28,7 @@ def convert_gguf(path: Path, out_dir: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from components.modeling import save_tokenizer
+    from components.engine.modeling import save_tokenizer
 
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

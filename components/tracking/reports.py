@@ -48,7 +48,7 @@ class GRPOReporter:
 
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
-        from components.rollout import decode_completions
+        from components.engine.rollout import decode_completions
 
         n = min(len(rollout), max(self.group_size, self.samples_rows // self.group_size * self.group_size))
         part = rollout.select(list(range(n)))
@@ -66,7 +66,7 @@ class GRPOReporter:
     def log_samples(self, step: int, rollout, scores, advantages) -> None:
         import pandas as pd
 
-        from components.tracking import client
+        from components.tracking.runs import client
 
         frame = pd.DataFrame(self.sample_rows(rollout, scores, advantages))
         frame.insert(0, "step", step)
@@ -145,7 +145,7 @@ def log_predictions_table(run_id: str, rows: list[dict[str, Any]]) -> None:
     """Held-out predictions (prompt, answer, both completions and rewards) as a browsable MLflow table."""
     import pandas as pd
 
-    from components.tracking import client
+    from components.tracking.runs import client
 
     client().log_table(run_id, data=pd.DataFrame(rows), artifact_file="eval/heldout_predictions.json")
 

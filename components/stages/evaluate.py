@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data import file_md5, read_jsonl, split_path, write_jsonl
-from components.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
-from components.paths import Paths
-from components.prompting import PromptFormatter
-from components.rewards import RewardModel
-from components.rollout import decode_completions, sample_groups
-from components.stage_cli import stage_main
+from components.data.records import file_md5, read_jsonl, split_path, write_jsonl
+from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
+from components.data.paths import Paths
+from components.engine.prompting import PromptFormatter
+from components.engine.rewards import RewardModel
+from components.engine.rollout import decode_completions, sample_groups
+from components.stages.cli import stage_main
 
 
 def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
@@ -56,13 +56,13 @@ def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, A
 
 
 def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
-    from components.data import reward_columns
+    from components.data.records import reward_columns
 
     return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
 
 
 def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
-    from components.tracking import stage_run
+    from components.tracking.runs import stage_run
 
     e = cfg.evaluate
     seed_everything(cfg.seed, cfg.threads)
@@ -98,7 +98,7 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
                          "improvement_ci95_high": improvement["ci95_high"]})
         run.log_artifact(paths.metrics / "eval.json")
         run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
-        from components.reports import log_predictions_table
+        from components.tracking.reports import log_predictions_table
 
         log_predictions_table(run.run_id, read_jsonl(paths.eval_dir / "predictions.jsonl"))
     print(f"evaluate: improvement {improvement['mean']:+.4f} "

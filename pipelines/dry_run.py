@@ -17,16 +17,16 @@ from components.config import PipelineConfig
 
 
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
-    from components.base_model import build_base_model
-    from components.grpo import PromptSchedule, build_policy, collect_batch, reward_specs
-    from components.modeling import count_parameters, pick_device, seed_everything
-    from components.objectives import group_advantages, policy_loss
-    from components.paths import Paths
-    from components.prepare import prepare
-    from components.rewards import RewardModel
-    from components.rollout import decode_completions
-    from components.validate import validate
-    from components.data import read_jsonl, split_path
+    from components.stages.model import build_base_model
+    from components.stages.grpo import PromptSchedule, build_policy, collect_batch, reward_specs
+    from components.engine.modeling import count_parameters, pick_device, seed_everything
+    from components.engine.objectives import group_advantages, policy_loss
+    from components.data.paths import Paths
+    from components.stages.prepare import prepare
+    from components.engine.rewards import RewardModel
+    from components.engine.rollout import decode_completions
+    from components.stages.validate import validate
+    from components.data.records import read_jsonl, split_path
 
     g = cfg.grpo
     previous_uri = os.environ.get("MLFLOW_TRACKING_URI")

@@ -1,7 +1,7 @@
 """A warm interpreter for stage processes: import torch, transformers and MLflow once, fork per stage.
 
 Every DVC stage is its own process, and each used to pay Python start-up plus 2-6 s of imports.
-The pipeline flow starts one `stage_server` per run; `python -m components.launch STAGE` (the
+The pipeline flow starts one `stage_server` per run; `python -m components.runtime.launch STAGE` (the
 dvc.yaml commands) then hands its argv, working directory, environment and stdio to the server,
 which forks a child that runs the stage exactly as `python -m components.<stage>` would, and
 relays the exit code. DVC still runs, times and records each stage; only the import cost goes.
@@ -12,7 +12,7 @@ the server's, the launcher simply runs the stage itself.
 The server is a line of processes, one per import level (LEVELS), each forked from the one before
 once its imports are done, in the order the stages need them: level 0 imports MLflow and serves
 `prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config and tokenizers and
-serves `model` (the tiny default is written with torch alone, components/tiny_checkpoint.py);
+serves `model` (the tiny default is written with torch alone, components/runtime/tiny_checkpoint.py);
 level 2 adds Great Expectations for `validate`; level 3 adds the Llama modelling code for the
 training stages, importing while `validate` runs. So `prepare` and the MLflow jobs start while
 torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
@@ -56,10 +56,10 @@ SERVER_ENV = "GRPO_STAGE_SERVER"
 # Environment read when libraries are imported; a caller whose values differ gets its own process.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL_", "CUDA", "TOKENIZERS_",
                         "PYTHONHASHSEED", "LD_PRELOAD", "GX_")
-STAGE_MODULES = {"prepare": "prepare", "model": "base_model", "validate": "validate", "sft": "sft", "grpo": "grpo",
-                 "evaluate": "evaluate", "register": "register"}
+STAGE_MODULES = {stage: f"stages.{stage}" for stage in
+                 ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")}
 # Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
-JOB_MODULES = {"parent_run": "parent_run"}
+JOB_MODULES = {"parent_run": "runtime.parent_run"}
 SERVED_MODULES = {**STAGE_MODULES, **JOB_MODULES}
 # (parent level, what the level imports on top of its parent's modules); see the module docstring.
 LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
@@ -71,17 +71,17 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
             # provider: 45 ms more in every stage and job (100 -> 55 ms) when left to the child.
             "sqlalchemy.dialects.sqlite", "alembic.command", "mlflow.tracing.processor.otel",
             "mlflow.store.tracking.sqlalchemy_workspace_store",
-            "components.parent_run", "components.prepare")),
+            "components.runtime.parent_run", "components.stages.prepare")),
     (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
-         "transformers.models.auto.configuration_auto", "components.base_model")),
-    (1, ("components.gx_import", "components.validate")),
+         "transformers.models.auto.configuration_auto", "components.stages.model")),
+    (1, ("components.runtime.gx_import", "components.stages.validate")),
     # Needed from `sft` on: imported while `validate` runs, not while `model` and `validate` wait.
-    (2, ("transformers.models.llama.modeling_llama", "components.sft", "components.grpo",
-         "components.evaluate", "mlflow.pyfunc", "components.register")),
+    (2, ("transformers.models.llama.modeling_llama", "components.stages.sft", "components.stages.grpo",
+         "components.stages.evaluate", "mlflow.pyfunc", "components.stages.register")),
 )
 HEADER_LIMIT = 1 << 20
 # Objects this process's levels froze (their imports), counted as each level froze them. A stage
-# forked from a level inherits the figure for its timings record (components/stage_cli.py);
+# forked from a level inherits the figure for its timings record (components/stages/cli.py);
 # `gc.get_freeze_count()` would walk all ~800,000 of them, 60-140 ms at every stage's end.
 frozen_objects = 0
 
@@ -320,7 +320,7 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
         return None
 
     def interrupt(signum, _frame):
-        # The stage stops itself cleanly (components/stage_cli.py) and reports where; wait for its exit code.
+        # The stage stops itself cleanly (components/stages/cli.py) and reports where; wait for its exit code.
         try:
             conn.sendall(f"kill {signum}".encode())
         except OSError:
@@ -349,7 +349,7 @@ def start_server(cwd: str) -> tuple["subprocess.Popen[bytes]", str]:
         os.unlink(path)
     # Its own session: a Ctrl-C in the terminal reaches the CLI and the stage's launcher, which stop
     # the stage in order; it must not kill the stage (or the server's import levels) mid-write.
-    proc = subprocess.Popen([sys.executable, "-m", "components.stage_server", "--socket", path,
+    proc = subprocess.Popen([sys.executable, "-m", "components.runtime.stage_server", "--socket", path,
                              "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, cwd=cwd,
                             start_new_session=True)
     deadline = time.monotonic() + 10.0
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Serve from the importable module, not `__main__`: the stages forked from it read `frozen_objects`
-    # as components.stage_server (and must not find a second, empty copy of this module).
-    from components import stage_server
+    # as components.runtime.stage_server (and must not find a second, empty copy of this module).
+    from components.runtime import stage_server
 
     sys.exit(stage_server.main())
