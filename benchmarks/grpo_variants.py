@@ -38,11 +38,11 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from components.stages.model import build_base_model
     from components.config import load_config
+    from components.data.paths import Paths
     from components.stages.evaluate import evaluate
     from components.stages.grpo import train_grpo
-    from components.data.paths import Paths
+    from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 

@@ -72,9 +72,9 @@ def size_overrides(size: str) -> list[str]:
 
 def prepare_start(size: str, work: Path, threads: int) -> Path:
     """Data, tokenizer, model and SFT warm start for one size, built once and reused (off the clock)."""
-    from components.stages.model import build_base_model
     from components.config import load_config
     from components.data.paths import Paths
+    from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
@@ -159,7 +159,7 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     import torch
 
     from components.data.records import read_jsonl, split_path
-    from components.stages.evaluate import greedy_completions_of, score
+    from components.engine.heldout import greedy_completions_of, score
     from components.engine.prompting import PromptFormatter
     from components.engine.rewards import RewardModel
 
@@ -198,9 +198,9 @@ def worker_config(spec: dict[str, Any]):
 
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
-    from components.stages.grpo import train_grpo
-    from components.engine.modeling import load_tokenizer
     from components.data.paths import Paths
+    from components.engine.modeling import load_tokenizer
+    from components.stages.grpo import train_grpo
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
@@ -358,7 +358,7 @@ def warm_start_heldout(spec: dict[str, Any]) -> float:
 def compare_size(size: str, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
-    from components.stages.evaluate import paired_bootstrap
+    from components.engine.heldout import paired_bootstrap
 
     root = prepare_start(size, work, args.threads)
     rounds = args.rounds if size == "tiny" else args.medium_rounds
@@ -427,8 +427,9 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
                             10_000, args.seed)
     trl_final = result["trl"]["heldout_reward"]
     reached = next((p for p in curve["ours"] if p["heldout"] >= trl_final), None)
-    from components.engine.modeling import count_parameters, load_model
     import torch
+
+    from components.engine.modeling import count_parameters, load_model
 
     params = count_parameters(load_model(root / "models" / "sft", torch.device("cpu")))
     return {"size": size, "parameters": params, "rounds": rounds, "round_steps": round_steps,

@@ -21,13 +21,13 @@ sys.path.insert(0, str(ROOT))
 
 
 def profile(prefix_sharing: bool, root: Path, steps: int, warmup: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    from components.config import load_config
-    from components.stages.grpo import train_grpo
-    from components.data.paths import Paths
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from benchmarks.grpo_vs_trl import grpo_run_dir
+    from components.config import load_config
+    from components.data.paths import Paths
+    from components.stages.grpo import train_grpo
 
     run_dir = grpo_run_dir(root, f"profile-{'after' if prefix_sharing else 'before'}")
     cfg = load_config(ROOT / "params.yaml", [f"grpo.steps={warmup + steps}", "grpo.checkpoint_every=0",

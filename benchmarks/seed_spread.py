@@ -66,11 +66,11 @@ def one_run(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
     import torch
 
-    from components.stages.model import build_base_model
     from components.config import load_config
+    from components.data.paths import Paths
     from components.stages.evaluate import evaluate
     from components.stages.grpo import train_grpo
-    from components.data.paths import Paths
+    from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
@@ -141,7 +141,8 @@ def table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]) -> s
 
 def default_fingerprint() -> str:
     """Hash of params.yaml without its seed: `grpo-pipeline run` shows the band only for this config."""
-    from components.config import default_fingerprint as fingerprint, load_config
+    from components.config import default_fingerprint as fingerprint
+    from components.config import load_config
 
     return fingerprint(load_config(ROOT / "params.yaml"))
 

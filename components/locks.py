@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-
 PIPELINE_LOCK = ".grpo-pipeline.lock"
 REGISTRY_LOCK = ".grpo-registry.lock"
 LOCK_HELD_ENV = "GRPO_PIPELINE_LOCK_HELD"  # set by the CLI, which already holds the pipeline lock

@@ -63,9 +63,9 @@ def _run_locked(args: argparse.Namespace) -> int:
 
 def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from components.config import ConfigError
-    from components.data.records import DataError
     from components.data.model_source import ModelLoadError
-    from components.stages.cli import StageFailed
+    from components.data.records import DataError
+    from components.errors import StageFailed
     from pipelines.params_io import apply_to_params, merged_config, preset_path
 
     params = root / "params.yaml"
@@ -132,9 +132,9 @@ def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
         api.start()  # before any thread of this process starts (the store's, just below)
     store = warmup.open_tracking_store(root, cfg.tracking.experiment)
     with imports_without_collection():
-        from pipelines.flow import grpo_pipeline
-
         import dvc.repo  # noqa: F401 - the flow's first stage needs it; imported while the store and API start
+
+        from pipelines.flow import grpo_pipeline
     store.join(timeout=300)  # a parent run must not race the store's first schema creation
     log_file = attach_run_log(root)
     from prefect.exceptions import CancelledRun
@@ -420,8 +420,8 @@ def _cmd_evaluate_many(args: argparse.Namespace) -> int:
     import json
 
     from components.config import ConfigError
-    from components.data.records import DataError
     from components.data.model_source import ModelLoadError
+    from components.data.records import DataError
     from pipelines.evaluate_many import evaluate_many, table
 
     try:

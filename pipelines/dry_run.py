@@ -17,16 +17,18 @@ from components.config import PipelineConfig
 
 
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
-    from components.stages.model import build_base_model
-    from components.stages.grpo import PromptSchedule, build_policy, collect_batch, reward_specs
-    from components.engine.modeling import count_parameters, pick_device, seed_everything
-    from components.engine.objectives import group_advantages, policy_loss
     from components.data.paths import Paths
-    from components.stages.prepare import prepare
+    from components.data.records import read_jsonl, split_path
+    from components.engine.modeling import count_parameters, pick_device, seed_everything
+    from components.engine.objectives import build_loss
+    from components.engine.policy import build_policy
     from components.engine.rewards import RewardModel
     from components.engine.rollout import decode_completions
+    from components.engine.sampling import PromptSchedule, collect_batch, reward_specs
+    from components.engine.update import loss_mask
+    from components.stages.model import build_base_model
+    from components.stages.prepare import prepare
     from components.stages.validate import validate
-    from components.data.records import read_jsonl, split_path
 
     g = cfg.grpo
     previous_uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -40,25 +42,20 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             seed_everything(cfg.seed, cfg.threads)
             device = pick_device(cfg.device)
             records = read_jsonl(split_path(paths.data, "train"))
-            policy = build_policy(cfg, paths.base_model.resolve(), device, records)
+            loss = build_loss(g)  # the trainer's loss object, built the same way
+            policy = build_policy(cfg, paths.base_model.resolve(), device, records, with_reference=loss.uses_reference)
             schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-            rollout, totals, scores, sampled, _ = collect_batch(policy, records, schedule, 0, g,
-                                                             RewardModel(reward_specs(g)),
-                                                             torch.Generator(device=device).manual_seed(cfg.seed + 1))
+            batch = collect_batch(policy, records, schedule, 0, g, RewardModel(reward_specs(g)),
+                                  torch.Generator(device=device).manual_seed(cfg.seed + 1))
+            rollout, rewards = batch.rollout, torch.tensor(batch.totals)
             with torch.no_grad():
                 logp, _ = policy.logprobs(rollout, g.temperature)
-                rewards = torch.tensor(totals)
-                advantages = rewards if g.algorithm == "reinforce" else group_advantages(rewards, g.group_size,
-                                                                                         g.scale_rewards)
-                ref = policy.reference_logprobs(rollout, g.temperature) if g.kl_beta > 0 else None
-                out = policy_loss(logp, logp, advantages, rollout.completion_mask, loss_type=g.loss_type,
-                                  epsilon_low=g.epsilon, importance_sampling_level=g.importance_sampling_level,
-                                  epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, ref_logp=ref,
-                                  beta=g.kl_beta, kl_estimator=g.kl_estimator,
-                                  max_completion_length=g.max_completion_length)
+                ref = policy.reference_logprobs(rollout, g.temperature) if loss.uses_reference else None
+                mask = loss_mask(rollout, ~torch.isnan(rewards), g.mask_truncated_completions)
+                out = loss(logp, logp, loss.advantages(rewards), mask, ref_logp=ref)
             completions = decode_completions(policy.tokenizer, rollout)
-            report = {"parameters": count_parameters(policy.model), "completions": sampled,
-                      "reward_mean": float(rewards.mean()) if len(rewards) else 0.0, "loss": float(out.loss),
+            report = {"parameters": count_parameters(policy.model), "completions": batch.sampled,
+                      "reward_mean": float(rewards.nanmean()) if len(rewards) else 0.0, "loss": float(out.loss),
                       "kl": float(out.kl), "examples": [{"prompt": records[i]["prompt"], "completion": completions[j]}
                                                         for j, i in enumerate(schedule.indices(0)[:3])]}
         finally:

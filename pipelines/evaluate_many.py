@@ -19,9 +19,9 @@ RUNNERS = ("process", "thread", "ray", "sequential")
 
 def evaluate_one(checkpoint: str, root: str, params: str) -> dict[str, Any]:
     """One checkpoint's held-out metrics, plus the process that computed them."""
-    from components.engine.heldout import score_checkpoint
     from components.config import load_config
     from components.data.paths import Paths
+    from components.engine.heldout import score_checkpoint
 
     cfg = load_config(Path(root) / params)
     return {**score_checkpoint(cfg, Path(checkpoint), Paths(root=Path(root))), "pid": os.getpid()}

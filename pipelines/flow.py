@@ -98,10 +98,10 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     writes dvc.lock exactly as the CLI does. The stage's output is relayed as it comes and its last
     lines kept for the error report.
     """
+    import tempfile
+
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
-
-    import tempfile
 
     from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from components.config import apply_override, config_from_dict, read_params
+from components.engine.rewards import check_rewards
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
 
@@ -38,7 +39,9 @@ def merged_config(params_path: Path, overlays: list[Path], overrides: list[str])
         _merge(merged, read_params(overlay))
     for assignment in overrides:
         apply_override(merged, assignment)
-    return config_from_dict(merged)  # raises ConfigError naming the key
+    cfg = config_from_dict(merged)  # raises ConfigError naming the key
+    check_rewards(cfg.grpo.rewards)
+    return cfg
 
 
 def apply_to_params(params_path: Path, overlays: list[Path], overrides: list[str]) -> bool:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from components.data.records import SPLITS, dir_md5, file_md5, split_path
 from components.data.paths import Paths
+from components.data.records import SPLITS, dir_md5, file_md5, split_path
 from components.tracking.registry import current_tags
 from components.tracking.runs import PARENT_RUN_ENV
 
@@ -174,13 +174,17 @@ def judge_environment(report: ReproduceReport, tags: dict[str, str], tree: Path)
 @contextlib.contextmanager
 def warm_stage_server(tree: Path, env: dict[str, str]) -> Iterator[None]:
     """The recorded commit's own stage server for the re-run, when that commit has one (the stages then
-    skip their imports, as in a pipeline run); older commits simply run their stages as DVC starts them."""
-    if not (tree / "components" / "stage_server.py").exists():
+    skip their imports, as in a pipeline run); older commits simply run their stages as DVC starts them.
+    Commits from before components/ was split by role keep their server at components/stage_server.py."""
+    layouts = {"components/runtime/stage_server.py": "components.runtime.stage_server",
+               "components/stage_server.py": "components.stage_server"}
+    module = next((name for rel, name in layouts.items() if (tree / rel).exists()), None)
+    if module is None:
         yield
         return
     from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
-    server = start_server(str(tree))  # `python -m components.runtime.stage_server` in the tree: its code, not ours
+    server = start_server(str(tree), module)  # `python -m <module>` in the tree: its code, not ours
     env[SERVER_ENV] = server[1]
     try:
         yield

@@ -79,3 +79,26 @@ def mlflow_store(tmp_path, monkeypatch) -> str:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+# A tiny GRPO set-up that learns within seconds: "completion starts with 1" on the tiny model, no SFT.
+LEARN = ["task.n_sft=50", "task.n_train=200", "task.n_heldout=50", "sft.enabled=false", "threads=1",
+         "grpo.rewards=[{name: 'reward_fixtures:starts_with_one', weight: 1.0}]", "grpo.prompts_per_step=8",
+         "grpo.group_size=8", "grpo.learning_rate=0.003", "grpo.warmup_steps=0", "grpo.kl_beta=0.0",
+         "grpo.checkpoint_every=0", "grpo.log_every=5"]
+
+
+def setup_stage_inputs(root, overrides):
+    """prepare -> model -> sft (a pointer when SFT is off) in `root`, in this process."""
+    from components.config import load_config
+    from components.data.paths import Paths
+    from components.stages.model import build_base_model
+    from components.stages.prepare import prepare
+    from components.stages.sft import train_sft
+
+    cfg = load_config(ROOT / "params.yaml", overrides)
+    paths = Paths(root=root)
+    prepare(cfg, paths)
+    build_base_model(cfg, paths)
+    train_sft(cfg, paths)
+    return cfg, paths

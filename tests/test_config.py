@@ -34,8 +34,6 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ("grpo.kl_estimator=k4", "grpo.kl_estimator", "is not one of"),
     ("grpo.max_completion_length=40", "grpo.max_completion_length", "exceed"),
     ("grpo.steps=ten", "grpo.steps", "expected an integer"),
-    ("grpo.rewards=[{name: no_such_reward}]", "grpo.rewards[0].name", "unknown reward"),
-    ("grpo.rewards=[{name: 'no_such_module_xyz:f'}]", "grpo.rewards[0].name", "cannot import module"),
     ("model.tiny.num_heads=3", "model.tiny.num_heads", "must divide"),
 ])
 def test_bad_values_name_the_key_and_rule(override, key, rule):
@@ -43,6 +41,19 @@ def test_bad_values_name_the_key_and_rule(override, key, rule):
         load_config(PARAMS, [override])
     assert str(err.value).startswith(key + ":")
     assert rule in str(err.value)
+
+
+@pytest.mark.parametrize("override,rule", [
+    ("grpo.rewards=[{name: no_such_reward}]", "unknown reward"),
+    ("grpo.rewards=[{name: 'no_such_module_xyz:f'}]", "cannot import module"),
+])
+def test_rewards_that_do_not_resolve_are_refused_before_a_run(override, rule):
+    from pipelines.params_io import merged_config
+
+    load_config(PARAMS, [override])  # structurally fine: resolving imports the user's code, a later check
+    with pytest.raises(ConfigError) as err:
+        merged_config(PARAMS, [], [override])
+    assert str(err.value).startswith("grpo.rewards[0].name:") and rule in str(err.value)
 
 
 def test_unknown_key_is_refused_with_a_suggestion(tmp_path):

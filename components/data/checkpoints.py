@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
 PREFIX = "step-"
 KEEP = 2
 

@@ -66,7 +66,7 @@ def launch(module: str, cfg: PipelineConfig, root: Path) -> None:
     """
     import yaml
 
-    from components.stages.cli import StageFailed
+    from components.errors import StageFailed
 
     n = cfg.distributed.nproc
     with tempfile.TemporaryDirectory(prefix="grpo-dist-") as tmp:
@@ -181,28 +181,3 @@ def no_sync(module: torch.nn.Module, skip: bool) -> Iterator[None]:
             yield
     else:
         yield
-
-
-class NullRun:
-    """Stands in for an MLflow run on ranks other than 0: they train but never log."""
-
-    run_id = None
-
-    def log_params(self, *args: Any, **kwargs: Any) -> None: ...
-
-    def log_metrics(self, *args: Any, **kwargs: Any) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def set_tags(self, *args: Any, **kwargs: Any) -> None: ...
-
-    def log_artifact(self, *args: Any, **kwargs: Any) -> None: ...
-
-
-def tracking_run(ctx: DistContext, experiment: str, stage: str, params: dict[str, Any]):
-    """The stage's MLflow run on rank 0; a no-op run elsewhere."""
-    if ctx.is_main:
-        from components.tracking.runs import stage_run
-
-        return stage_run(experiment, stage, params)
-    return contextlib.nullcontext(NullRun())

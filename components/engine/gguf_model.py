@@ -13,6 +13,7 @@ from pathlib import Path
 
 from components.data.model_source import require_gguf_reader
 
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -1,4 +1,5 @@
-"""Greedy held-out reward of one model directory or training checkpoint (for evaluating many at once).
+"""Held-out evaluation: greedy completions, their rewards, the paired bootstrap, and the held-out reward of
+one model directory or training checkpoint (for evaluating many at once).
 
 Accepts an HF model directory (models/sft, models/grpo, a pointer) or a GRPO training checkpoint
 (checkpoints/grpo/step-N: safetensors weights without config or tokenizer, loaded into the start
@@ -11,16 +12,57 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from components.data.checkpoints import TRAINABLE_FILE
 from components.config import PipelineConfig
-from components.data.records import file_md5, read_jsonl, split_path
-from components.engine.modeling import (ModelLoadError, load_policy_model, load_tokenizer, pick_device, resolve_model_dir,
-                                 seed_everything)
+from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
+from components.data.records import file_md5, read_jsonl, reward_columns, split_path
+from components.engine.modeling import (
+    ModelLoadError,
+    load_policy_model,
+    load_tokenizer,
+    pick_device,
+    resolve_model_dir,
+    seed_everything,
+)
 from components.engine.prompting import PromptFormatter
 from components.engine.rewards import RewardModel
 from components.engine.rollout import decode_completions, sample_groups
+
+
+def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
+    """Mean paired difference and its 95% percentile-bootstrap interval (prompts resampled)."""
+    diffs = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(diffs), size=(samples, len(diffs)))
+    means = diffs[idx].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
+
+
+def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[str, Any]], max_new_tokens: int,
+                       batch_size: int, device: torch.device) -> list[str]:
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    model = load_policy_model(cfg, model_dir, device)
+    return greedy_completions_of(model, tokenizer, PromptFormatter(cfg.prompt, tokenizer), records, max_new_tokens,
+                                 batch_size)
+
+
+@torch.no_grad()
+def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, Any]], max_new_tokens: int,
+                          batch_size: int) -> list[str]:
+    """Greedy completions of an in-memory model (benchmarks evaluate mid-training without saving)."""
+    prompts = [formatter(r) for r in records]
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], 1, max_new_tokens, greedy=True)
+        out += decode_completions(tokenizer, rollout)
+    return out
+
+
+def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
+    return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
 
 
 def is_training_checkpoint(path: Path) -> bool:
@@ -51,8 +93,6 @@ def load_for_eval(cfg: PipelineConfig, path: Path, paths: Paths, device):
 
 def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) -> dict[str, Any]:
     """Mean greedy reward on the held-out split, with per-prompt completions and rewards."""
-    from components.data.records import reward_columns
-
     e = cfg.evaluate
     seed_everything(cfg.seed, cfg.threads)
     device = pick_device(cfg.device)
@@ -60,13 +100,7 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     heldout = split_path(paths.data, "heldout")
     records = read_jsonl(heldout)
     formatter = PromptFormatter(cfg.prompt, tokenizer)
-    prompts = [formatter(r) for r in records]
-    completions: list[str] = []
-    for start in range(0, len(prompts), e.batch_size):
-        rollout = sample_groups(model, tokenizer, prompts[start: start + e.batch_size], 1, e.max_new_tokens,
-                                greedy=True)
-        completions += decode_completions(tokenizer, rollout)
-    rewards = RewardModel(cfg.grpo.rewards)([r["prompt"] for r in records], completions,
-                                            reward_columns(records, 1)).total
+    completions = greedy_completions_of(model, tokenizer, formatter, records, e.max_new_tokens, e.batch_size)
+    rewards = score(records, completions, RewardModel(cfg.grpo.rewards))
     return {"checkpoint": str(path), "n": len(records), "heldout_md5": file_md5(heldout),
             "mean_reward": float(np.mean(rewards)), "rewards": rewards, "completions": completions}

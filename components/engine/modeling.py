@@ -16,9 +16,16 @@ import numpy as np
 import torch
 
 from components.config import PipelineConfig, TinyModelConfig
-from components.data.model_source import (POINTER_FILE, ModelLoadError, check_model_source,  # noqa: F401 - re-exported
-                                     context_length, hub_download_allowed, load_tokenizer, resolve_model_dir,
-                                     write_pointer)
+from components.data.model_source import (  # noqa: F401 - re-exported
+    POINTER_FILE,
+    ModelLoadError,
+    check_model_source,
+    context_length,
+    hub_download_allowed,
+    load_tokenizer,
+    resolve_model_dir,
+    write_pointer,
+)
 
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<bos>", "eos": "<eos>", "unk": "<unk>"}
 

@@ -1,16 +1,19 @@
 """GRPO objective: advantages, KL estimators and the clipped surrogate, as pure tensor math.
 
 Nothing here knows about models or data, so every formula is unit-tested against hand-computed
-numbers (tests/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
+numbers (tests/engine/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
 real completion tokens and 0 on padding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from components.config import GRPOConfig
 
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -162,3 +165,51 @@ def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     maskf = mask.to(entropy.dtype)
     return (entropy * maskf).sum() / maskf.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class GRPOLoss:
+    """The GRPO objective with its settings bound once from config (`build_loss`).
+
+    The trainer and `--dry-run` call the same object, and `uses_reference` is the one place that
+    decides whether there is a KL term (and so a reference model and reference log-probs at all).
+    """
+
+    loss_type: LossType
+    epsilon_low: float
+    epsilon_high: float
+    importance_sampling_level: Literal["token", "sequence"]
+    beta: float
+    kl_estimator: KLEstimator
+    max_completion_length: int
+    group_size: int
+    scale_rewards: ScaleRewards
+    baseline: bool  # False for REINFORCE: the advantage is the reward itself
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0.0
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-relative advantages (NaN rewards: unscored, advantage 0), or the raw reward without a baseline."""
+        if not self.baseline:
+            return torch.nan_to_num(rewards, nan=0.0)
+        return group_advantages(rewards, self.group_size, self.scale_rewards) if len(rewards) else rewards
+
+    def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 ref_logp: torch.Tensor | None = None, num_sequences: float | None = None,
+                 num_tokens: float | None = None) -> LossOutput:
+        return policy_loss(logp, old_logp, advantages, mask, loss_type=self.loss_type, epsilon_low=self.epsilon_low,
+                           epsilon_high=self.epsilon_high, importance_sampling_level=self.importance_sampling_level,
+                           ref_logp=ref_logp if self.uses_reference else None, beta=self.beta,
+                           kl_estimator=self.kl_estimator, max_completion_length=self.max_completion_length,
+                           num_sequences=num_sequences, num_tokens=num_tokens)
+
+
+def build_loss(g: "GRPOConfig") -> GRPOLoss:
+    """`grpo.*` settings -> the loss object (epsilon_high defaults to epsilon: symmetric clipping)."""
+    return GRPOLoss(loss_type=g.loss_type, epsilon_low=g.epsilon,
+                    epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+                    importance_sampling_level=g.importance_sampling_level, beta=g.kl_beta,
+                    kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
+                    group_size=g.group_size, scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce")

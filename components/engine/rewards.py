@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from components.config import ConfigError, RewardSpec
 from components.engine.extract import extract_answer
 
 LOG = logging.getLogger(__name__)
@@ -246,6 +247,19 @@ def resolve_reward(name: str) -> RewardFn:
     if not callable(fn):
         raise AttributeError(f"{module_name!r} has no callable {attr!r} for reward {name!r}")
     return fn
+
+
+def check_rewards(specs: Sequence[RewardSpec]) -> None:
+    """Every configured reward resolves (a built-in, or `module:function` the user's code provides).
+
+    Not part of config validation: resolving imports the user's reward modules, and the config layer
+    imports nothing of the engine. The stage CLI and the pipeline's pre-flight call it.
+    """
+    for i, spec in enumerate(specs):
+        try:
+            resolve_reward(spec.name)
+        except (KeyError, ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(f"grpo.rewards[{i}].name: {err}") from err
 
 
 class RewardError(RuntimeError):

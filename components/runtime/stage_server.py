@@ -3,7 +3,7 @@
 Every DVC stage is its own process, and each used to pay Python start-up plus 2-6 s of imports.
 The pipeline flow starts one `stage_server` per run; `python -m components.runtime.launch STAGE` (the
 dvc.yaml commands) then hands its argv, working directory, environment and stdio to the server,
-which forks a child that runs the stage exactly as `python -m components.<stage>` would, and
+which forks a child that runs the stage exactly as `python -m components.stages.<stage>` would, and
 relays the exit code. DVC still runs, times and records each stage; only the import cost goes.
 
 Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
@@ -11,10 +11,9 @@ the server's, the launcher simply runs the stage itself.
 
 The server is a line of processes, one per import level (LEVELS), each forked from the one before
 once its imports are done, in the order the stages need them: level 0 imports MLflow and serves
-`prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config and tokenizers and
-serves `model` (the tiny default is written with torch alone, components/runtime/tiny_checkpoint.py);
-level 2 adds Great Expectations for `validate`; level 3 adds the Llama modelling code for the
-training stages, importing while `validate` runs. So `prepare` and the MLflow jobs start while
+`prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config, tokenizers and the
+Llama modelling code and serves `model`; level 2 adds Great Expectations for `validate`; level 3 adds
+the training stages' modules and MLflow's pyfunc, importing while `validate` runs. So `prepare` and the MLflow jobs start while
 torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
 names each level's parent, so a level can also have several children importing side by side;
 `validate` and the modelling code did, and competed for the two cores while `model` waited.)
@@ -73,10 +72,11 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
             "mlflow.store.tracking.sqlalchemy_workspace_store",
             "components.runtime.parent_run", "components.stages.prepare")),
     (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
-         "transformers.models.auto.configuration_auto", "components.stages.model")),
-    (1, ("components.runtime.gx_import", "components.stages.validate")),
+         "transformers.models.auto.configuration_auto", "transformers.models.llama.modeling_llama",
+         "components.stages.model")),
+    (1, ("great_expectations", "components.stages.validate")),
     # Needed from `sft` on: imported while `validate` runs, not while `model` and `validate` wait.
-    (2, ("transformers.models.llama.modeling_llama", "components.stages.sft", "components.stages.grpo",
+    (2, ("components.stages.sft", "components.stages.grpo",
          "components.stages.evaluate", "mlflow.pyfunc", "components.stages.register")),
 )
 HEADER_LIMIT = 1 << 20
@@ -339,8 +339,11 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
     return int(outcome.get("exit", 1))
 
 
-def start_server(cwd: str) -> tuple["subprocess.Popen[bytes]", str]:
-    """Start a server owned by this process; returns it and the socket path to put in `SERVER_ENV`."""
+def start_server(cwd: str, module: str = "components.runtime.stage_server") -> tuple["subprocess.Popen[bytes]", str]:
+    """Start a server owned by this process; returns it and the socket path to put in `SERVER_ENV`.
+
+    `module`: where the server lives in `cwd`'s tree (`reproduce` starts an older commit's own server).
+    """
     import subprocess
     import tempfile
 
@@ -349,7 +352,7 @@ def start_server(cwd: str) -> tuple["subprocess.Popen[bytes]", str]:
         os.unlink(path)
     # Its own session: a Ctrl-C in the terminal reaches the CLI and the stage's launcher, which stop
     # the stage in order; it must not kill the stage (or the server's import levels) mid-write.
-    proc = subprocess.Popen([sys.executable, "-m", "components.runtime.stage_server", "--socket", path,
+    proc = subprocess.Popen([sys.executable, "-m", module, "--socket", path,
                              "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, cwd=cwd,
                             start_new_session=True)
     deadline = time.monotonic() + 10.0

@@ -12,24 +12,20 @@ import time
 from typing import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
+from components.errors import StageFailed
 from components.interruptions import StageInterrupted, progress, stop_on_signals
-
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
 HEAVY_IMPORTS = ("torch", "transformers", "transformers.models.llama.modeling_llama", "mlflow")
 # Stages that use less: `prepare` reads and writes JSONL and logs to MLflow (no torch); `validate`
-# runs Great Expectations (components/runtime/gx_import.py) and needs only the tokenizer and config
-# (transformers' config imports torch).
+# runs Great Expectations and needs only the tokenizer and config (transformers' config imports torch).
 TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto",
                      "transformers.models.auto.configuration_auto")
-# `model` writes the tiny default with torch alone (components/runtime/tiny_checkpoint.py).
-STAGE_IMPORTS = {"prepare": ("mlflow",), "model": ("mlflow", "torch", *TOKENIZER_IMPORTS),
-                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "components.runtime.gx_import")}
-
-
-class StageFailed(RuntimeError):
-    """A stage refused its inputs; the message is the whole report a user needs."""
+# `model` builds the tiny default with the Llama modelling code, without GX.
+STAGE_IMPORTS = {"prepare": ("mlflow",),
+                 "model": ("mlflow", "torch", *TOKENIZER_IMPORTS, "transformers.models.llama.modeling_llama"),
+                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
 
 
 # Set by the Prefect flow: a refused stage writes its message here instead of printing it, and the
@@ -57,13 +53,15 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
                         help="override one params key, e.g. --set grpo.kl_beta=0.1")
     args = parser.parse_args(argv)
     from components.data.checkpoints import CheckpointWriteError
-    from components.data.records import DataError
     from components.data.model_source import ModelLoadError
+    from components.data.records import DataError
+    from components.engine.rewards import check_rewards
 
     stage = _stage_name(run)
     stop_on_signals()
     try:
         cfg = load_config(args.params, args.overrides)
+        check_rewards(cfg.grpo.rewards)
         entered = time.time()
         _warm_up(cfg, stage)
         started, started_at = time.perf_counter(), time.time()

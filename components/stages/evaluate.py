@@ -9,56 +9,17 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data.records import file_md5, read_jsonl, split_path, write_jsonl
-from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
 from components.data.paths import Paths
-from components.engine.prompting import PromptFormatter
+from components.data.records import file_md5, read_jsonl, split_path, write_jsonl
+from components.engine.heldout import greedy_completions, paired_bootstrap, score
+from components.engine.modeling import pick_device, seed_everything
 from components.engine.rewards import RewardModel
-from components.engine.rollout import decode_completions, sample_groups
 from components.stages.cli import stage_main
-
-
-def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
-    """Mean paired difference and its 95% percentile-bootstrap interval (prompts resampled)."""
-    diffs = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(diffs), size=(samples, len(diffs)))
-    means = diffs[idx].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
-
-
-def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[str, Any]], max_new_tokens: int,
-                       batch_size: int, device: torch.device) -> list[str]:
-    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    model = load_policy_model(cfg, model_dir, device)
-    return greedy_completions_of(model, tokenizer, PromptFormatter(cfg.prompt, tokenizer), records, max_new_tokens,
-                                 batch_size)
-
-
-@torch.no_grad()
-def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, Any]], max_new_tokens: int,
-                          batch_size: int) -> list[str]:
-    """Greedy completions of an in-memory model (benchmarks evaluate mid-training without saving)."""
-    prompts = [formatter(r) for r in records]
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], 1, max_new_tokens, greedy=True)
-        out += decode_completions(tokenizer, rollout)
-    return out
-
-
-def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
-    from components.data.records import reward_columns
-
-    return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
 
 
 def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:

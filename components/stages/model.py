@@ -1,9 +1,7 @@
 """Stage `model`: the starting policy and its tokenizer.
 
 For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
-of the prepared datasets, and writes the checkpoint `save_pretrained` would write, with torch alone
-(components/runtime/tiny_checkpoint.py: no Hugging Face modelling import on the run's critical path). For a
-user's model directory it only checks the directory loads safely and records a pointer (no
+of the prepared datasets and saves them with `save_pretrained`. For a user's model directory it only checks the directory loads safely and records a pointer (no
 multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/engine/gguf_model.py),
 with the GGUF's sha256 in `provenance.json` and the MLflow tags.
 """
@@ -13,14 +11,21 @@ from __future__ import annotations
 import sys
 
 from components.config import PipelineConfig
-from components.engine.gguf_model import convert_gguf, file_sha256
-from components.data.records import SPLITS, iter_jsonl, split_path
-from components.engine.modeling import (build_char_tokenizer, hub_download_allowed, resolve_model_dir, write_pointer,
-                                 write_provenance)
 from components.data.model_source import gguf_source
 from components.data.paths import Paths
+from components.data.records import SPLITS, iter_jsonl, split_path
+from components.engine.gguf_model import convert_gguf, file_sha256
+from components.engine.modeling import (
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    hub_download_allowed,
+    resolve_model_dir,
+    save_model,
+    write_pointer,
+    write_provenance,
+)
 from components.stages.cli import stage_main
-from components.runtime.tiny_checkpoint import write_tiny_checkpoint
 
 
 def dataset_texts(paths: Paths):
@@ -58,8 +63,9 @@ def build_base_model(cfg: PipelineConfig, paths: Paths = Paths()) -> None:
             print(f"model: using {cfg.model.name_or_path}")
             return
         tokenizer = build_char_tokenizer(dataset_texts(paths))
-        parameters = write_tiny_checkpoint(cfg.model.tiny, tokenizer, cfg.seed, out)
-        write_provenance(out, {"source": "tiny", "parameters": parameters})
+        model = build_tiny_model(cfg.model.tiny, tokenizer, cfg.seed)
+        parameters = count_parameters(model)
+        save_model(model, tokenizer, out, extra={"source": "tiny", "parameters": parameters})
         run.set_tags({"model.source": "tiny"})
         run.log_metrics({"parameters": parameters, "vocabulary": len(tokenizer)})
         print(f"model: tiny Llama, {parameters:,} parameters, vocabulary {len(tokenizer)}")

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from components.config import PipelineConfig
-from components.data.records import SPLITS, DataError, file_md5, iter_jsonl, split_path, write_jsonl
 from components.data.paths import Paths
+from components.data.records import SPLITS, DataError, file_md5, iter_jsonl, split_path, write_jsonl
 from components.data.sources import ensure_ids, load_records, require_prompt_column, split_heldout
-from components.stages.cli import stage_main
 from components.data.tasks import TASKS
+from components.stages.cli import stage_main
 
 
 def streamable(cfg: PipelineConfig, path: str) -> bool:

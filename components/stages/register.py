@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 
 from components.config import PipelineConfig, section_hash, to_flat_dict
-from components.data.records import SPLITS, dir_md5, file_md5, read_jsonl, split_path
-from components.stages.evaluate import paired_bootstrap
-from components.engine.modeling import pick_device
 from components.data.paths import Paths
+from components.data.records import SPLITS, dir_md5, file_md5, read_jsonl, split_path
+from components.engine.heldout import paired_bootstrap
+from components.engine.modeling import pick_device
+from components.stages.cli import stage_main
 from components.tracking.registry import current_tags
 from components.tracking.run_environment import run_environment
-from components.stages.cli import stage_main
+
 
 def git_dirty_files(root: Path = Path(".")) -> str:
     """Tracked files that differ from HEAD (params.yaml after a --set run, typically), comma-separated."""

@@ -15,15 +15,31 @@ import time
 import torch
 
 from components.config import PipelineConfig, to_flat_dict
-from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
-from components.engine.distributed import (DistContext, all_reduce_sum, all_true, init, launch, needs_launch, shutdown,
-                                    tracking_run, wrap_ddp)
-from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, save_model, seed_everything, write_pointer
 from components.data.paths import Paths
+from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
+from components.engine.distributed import (
+    DistContext,
+    all_reduce_sum,
+    all_true,
+    init,
+    launch,
+    needs_launch,
+    shutdown,
+    wrap_ddp,
+)
+from components.engine.modeling import (
+    load_policy_model,
+    load_tokenizer,
+    pick_device,
+    save_model,
+    seed_everything,
+    write_pointer,
+)
 from components.engine.prompting import PromptFormatter
 from components.engine.rewards import RewardModel
 from components.engine.rollout import decode_completions, positions_from_mask, sample_groups
 from components.stages.cli import stage_main
+from components.tracking.runs import tracking_run
 
 
 def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"]
@@ -149,7 +165,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     check_reward, stopped = None, False
     lockstep = (lambda done: all_true(ctx, done)) if ctx.lockstep else None
     started = time.perf_counter()
-    with tracking_run(ctx, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
+    with tracking_run(ctx.is_main, cfg.tracking.experiment, "sft", to_flat_dict(cfg)) as run:
         step = 0
         for epoch in range(s.epochs):
             order = torch.randperm(n, generator=gen).to(device)

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from components.config import PipelineConfig
-from components.data.records import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
 from components.data.model_source import context_length, load_tokenizer, resolve_model_dir
 from components.data.paths import Paths
+from components.data.records import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
 from components.engine.prompting import PromptFormatter
-from components.stages.cli import StageFailed, stage_main
+from components.errors import StageFailed
+from components.stages.cli import stage_main
 
 MAX_IDS_SHOWN = 20
 CHUNK_ROWS = 50_000
@@ -162,7 +163,7 @@ def iter_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
 def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUNK_ROWS) -> list[Violation]:
     """Run the suites on every split, chunk by chunk; raise `StageFailed` listing every violation."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    from components.runtime.gx_import import great_expectations as gx
+    import great_expectations as gx
     from transformers import AutoConfig
 
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)

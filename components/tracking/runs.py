@@ -145,3 +145,26 @@ def stage_run(experiment: str, stage: str, params: dict[str, Any] | None = None)
         with deferred():
             run.flush()
             client().set_terminated(run.run_id, status=status)
+
+
+class NullRun:
+    """Stands in for an MLflow run on ranks other than 0: they train but never log."""
+
+    run_id = None
+
+    def log_params(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def log_metrics(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def set_tags(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def log_artifact(self, *args: Any, **kwargs: Any) -> None: ...
+
+
+def tracking_run(is_main: bool, experiment: str, stage: str, params: dict[str, Any]):
+    """The stage's MLflow run on the main process (rank 0); a no-op run on the other ranks."""
+    if is_main:
+        return stage_run(experiment, stage, params)
+    return contextlib.nullcontext(NullRun())

@@ -5,9 +5,10 @@ import json
 
 from components.config import default_fingerprint, load_config
 from components.tracking.run_environment import differences
-from conftest import ROOT
 from pipelines.cli import band_report
 from pipelines.reproduce import Comparison, ReproduceReport
+
+from conftest import ROOT
 
 
 def _spread(root, fingerprint):

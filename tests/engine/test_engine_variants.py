@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
-from components.stages.grpo import (Policy, attach_lora, informative_groups, policy_updates, rows_of, update_reference)
 from components.engine.objectives import group_advantages, policy_loss
+from components.engine.policy import Policy, attach_lora, update_reference
 from components.engine.rollout import Rollout, concat_rollouts
+from components.engine.sampling import informative_groups, rows_of
+from components.engine.update import policy_updates
+
 from conftest import ROOT
 
 # Two groups of two completions, three positions; row 2 has one padded position. mu > 1, so the

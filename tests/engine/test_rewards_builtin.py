@@ -5,8 +5,17 @@ import math
 import pytest
 import torch
 
-from components.engine.rewards import (bleu, code_execution, f1rougebleu, judge_model, length_penalty, overlong_penalty,
-                                regex_format, rouge_l, token_f1)
+from components.engine.rewards import (
+    bleu,
+    code_execution,
+    f1rougebleu,
+    judge_model,
+    length_penalty,
+    overlong_penalty,
+    regex_format,
+    rouge_l,
+    token_f1,
+)
 
 
 def test_token_f1_rouge_l_bleu_by_hand():

@@ -12,10 +12,13 @@ import torch
 
 from components.config import ConfigError, GRPOConfig, config_warnings, load_config, stage_params_hash
 from components.engine.fastlm import PrefixSharedLM, full_attention
-from components.stages.grpo import Policy, informative_groups, loss_mask, policy_updates
 from components.engine.objectives import group_advantages, kl_estimate, policy_loss
-from components.engine.rewards import RewardModel, RewardResult
+from components.engine.policy import Policy
+from components.engine.rewards import RewardModel
 from components.engine.rollout import Rollout, completion_logprobs
+from components.engine.sampling import informative_groups
+from components.engine.update import loss_mask, policy_updates
+
 from conftest import ROOT
 
 PARAMS = ROOT / "params.yaml"
@@ -270,7 +273,7 @@ def test_bnpo_normalises_each_minibatch_by_its_own_tokens(tiny_model):
 
 # ----------------------------------------------------------------------- the frozen reference is used
 def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
-    from components.stages.grpo import build_policy  # noqa: F401 - the same Policy the trainer builds
+    from components.engine.policy import build_policy  # noqa: F401 - the same Policy the trainer builds
 
     tok, base = tiny_model
     model = copy.deepcopy(base).train()
@@ -295,9 +298,9 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
     model = copy.deepcopy(base).train()
     seen = []
 
-    import components.stages.grpo as grpo
+    import components.engine.objectives as objectives
 
-    original = grpo.policy_loss
+    original = objectives.policy_loss
 
     def spy(logp, old_logp, *args, **kwargs):
         out = original(logp, old_logp, *args, **kwargs)
@@ -305,12 +308,12 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
         return out
 
     g = GRPOConfig(group_size=4, prompts_per_step=2, num_iterations=2, kl_beta=0.0, epsilon=0.01)
-    grpo.policy_loss = spy
+    objectives.policy_loss = spy  # what the loss object calls
     try:
         policy_updates(Policy(tok, model, None, False), torch.optim.SGD(model.parameters(), lr=1.0), rollout,
                        torch.linspace(-1, 1, len(rollout)), rollout.completion_mask, None, g)
     finally:
-        grpo.policy_loss = original
+        objectives.policy_loss = original
     assert seen[0] == pytest.approx(1.0, abs=1e-6)
     assert abs(seen[1] - 1.0) > 1e-3
 
@@ -321,13 +324,16 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     """The stage's loop must be exactly: sample -> score -> advantages -> loss mask -> reference ->
     update -> reference update. Any changed line in it (another scaling, a dropped mask, the policy
     as reference, a skipped EMA) changes the weights below."""
-    from components.stages.model import build_base_model
-    from components.data.records import read_jsonl, split_path
-    from components.stages.grpo import PromptSchedule, build_policy, collect_batch, learning_rate, train_grpo, update_reference
-    from components.engine.modeling import seed_everything
     from components.data.paths import Paths
-    from components.stages.prepare import prepare
+    from components.data.records import read_jsonl, split_path
+    from components.engine.modeling import seed_everything
+    from components.engine.policy import build_policy, update_reference
     from components.engine.rewards import RewardModel
+    from components.engine.sampling import PromptSchedule, collect_batch
+    from components.engine.update import learning_rate
+    from components.stages.grpo import train_grpo
+    from components.stages.model import build_base_model
+    from components.stages.prepare import prepare
 
     common = ["task.n_sft=50", "task.n_train=64", "task.n_heldout=20", "sft.enabled=false", "threads=1",
               "grpo.rewards=[{name: 'reward_fixtures:first_digit_or_none', weight: 1.0}]", "grpo.steps=2",
@@ -351,7 +357,7 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     g = cfg.grpo
     seed_everything(cfg.seed, cfg.threads)
     records = read_jsonl(split_path(paths.data, "train"))
-    policy = build_policy(cfg, paths.base_model.resolve(), torch.device("cpu"), records)
+    policy = build_policy(cfg, paths.base_model.resolve(), torch.device("cpu"), records, with_reference=g.kl_beta > 0)
     optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=g.learning_rate,
                                   weight_decay=g.weight_decay, fused=True)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
@@ -361,7 +367,8 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     for step in range(g.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, g)
-        rollout, totals, _, _, _ = collect_batch(policy, records, schedule, step, g, rewards, generator)
+        batch = collect_batch(policy, records, schedule, step, g, rewards, generator)
+        rollout, totals = batch.rollout, batch.totals
         reward = torch.tensor(totals)
         scorable = ~torch.isnan(reward)
         unscored += int((~scorable).sum())

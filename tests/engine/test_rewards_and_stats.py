@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from components.stages.evaluate import paired_bootstrap
+from components.engine.heldout import paired_bootstrap
 from components.engine.rewards import RewardError, RewardModel, exact_match, numeric_match, resolve_reward
 
 

@@ -24,6 +24,7 @@ import yaml
 
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
+
 from conftest import BIN, ROOT, run
 
 pytestmark = pytest.mark.slow
@@ -97,8 +98,8 @@ def test_gguf_becomes_a_plain_safetensors_model_with_its_chat_template(converted
     import torch
     from transformers import AutoConfig
 
-    from components.engine.gguf_model import file_sha256
     from components.data.model_source import gguf_source, load_tokenizer
+    from components.engine.gguf_model import file_sha256
     from components.engine.modeling import load_model
 
     provenance = json.loads((converted / "provenance.json").read_text())
@@ -133,7 +134,7 @@ def test_a_missing_gguf_reader_is_one_line_naming_the_extra(monkeypatch):
 
 
 def test_validate_counts_the_chat_templates_tokens(tmp_path, converted, mlflow_store):
-    from components.stages.cli import StageFailed
+    from components.errors import StageFailed
     from components.stages.validate import validate
 
     # 40 prompt tokens allowed: the raw question (~14 tokens) fits, the chat-formatted one (~47) does not.

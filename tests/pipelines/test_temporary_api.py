@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from components.locks import LockBusy, file_lock
+
 from conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -2,11 +2,12 @@
 
 import json
 
-from components.stages.model import build_base_model
 from components.config import load_config
 from components.data.paths import Paths
+from components.stages.model import build_base_model
 from components.stages.prepare import prepare
 from components.stages.sft import train_sft
+
 from conftest import ROOT
 
 SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3", "sft.batch_size=32",

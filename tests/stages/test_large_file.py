@@ -11,13 +11,14 @@ import sys
 
 import pytest
 
-from components.stages.model import build_base_model
 from components.config import load_config
-from components.data.records import write_jsonl
 from components.data.paths import Paths
+from components.data.records import write_jsonl
+from components.errors import StageFailed
+from components.stages.model import build_base_model
 from components.stages.prepare import prepare
-from components.stages.cli import StageFailed
 from components.stages.validate import validate
+
 from conftest import ROOT
 
 

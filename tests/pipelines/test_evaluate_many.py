@@ -9,10 +9,10 @@ import os
 import pytest
 
 from components.engine.heldout import score_checkpoint
-from components.stages.grpo import train_grpo
 from components.engine.modeling import ModelLoadError
-from conftest import BIN, ROOT, run
-from test_grpo_training import LEARN, setup_stage_inputs
+from components.stages.grpo import train_grpo
+
+from conftest import BIN, LEARN, ROOT, run, setup_stage_inputs
 
 pytestmark = pytest.mark.integration
 

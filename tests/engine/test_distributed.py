@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from components.config import load_config
-from components.stages.grpo import train_grpo
 from components.data.paths import Paths
-from conftest import ROOT
-from test_grpo_training import LEARN, setup_stage_inputs
+from components.stages.grpo import train_grpo
+
+from conftest import LEARN, ROOT, setup_stage_inputs
 
 # A reward a random tiny model gets right about 5/16 of the time: mixed groups from the first step.
 DENSE = ["grpo.rewards=[{name: regex_format, weight: 1.0, options: {pattern: '^[0-4]', mode: search}}]"]

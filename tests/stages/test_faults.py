@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from components.data.checkpoints import latest_checkpoint, load_checkpoint
+from components.errors import StageFailed
 from components.stages.grpo import train_grpo
-from components.stages.cli import StageFailed
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, dvc_repro_warm, run
-from test_grpo_training import LEARN, setup_stage_inputs
+
+from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, dvc_repro_warm, run, setup_stage_inputs
 
 
 def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):

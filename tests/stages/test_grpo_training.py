@@ -10,27 +10,10 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from components.stages.model import build_base_model
-from components.config import load_config
-from components.stages.grpo import train_grpo, window_mean
-from components.data.paths import Paths
-from components.stages.prepare import prepare
-from components.stages.sft import train_sft
-from conftest import ROOT
+from components.stages.grpo import train_grpo
+from components.tracking.step_log import window_mean
 
-LEARN = ["task.n_sft=50", "task.n_train=200", "task.n_heldout=50", "sft.enabled=false", "threads=1",
-         "grpo.rewards=[{name: 'reward_fixtures:starts_with_one', weight: 1.0}]", "grpo.prompts_per_step=8",
-         "grpo.group_size=8", "grpo.learning_rate=0.003", "grpo.warmup_steps=0", "grpo.kl_beta=0.0",
-         "grpo.checkpoint_every=0", "grpo.log_every=5"]
-
-
-def setup_stage_inputs(root, overrides):
-    cfg = load_config(ROOT / "params.yaml", overrides)
-    paths = Paths(root=root)
-    prepare(cfg, paths)
-    build_base_model(cfg, paths)
-    train_sft(cfg, paths)
-    return cfg, paths
+from conftest import LEARN, ROOT, setup_stage_inputs
 
 
 def test_a_metrics_point_is_the_mean_of_its_window():

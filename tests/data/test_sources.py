@@ -6,12 +6,13 @@ import json
 import pytest
 
 from components.config import load_config
-from components.data.records import DataError, read_jsonl
-from components.engine.extract import extract_answer
 from components.data.paths import Paths
-from components.stages.prepare import prepare
-from components.engine.rewards import math_verify, numeric_match
+from components.data.records import DataError, read_jsonl
 from components.data.sources import load_records, split_heldout
+from components.engine.extract import extract_answer
+from components.engine.rewards import math_verify, numeric_match
+from components.stages.prepare import prepare
+
 from conftest import ROOT
 
 # The format of seed 003: question / answer / source, no id column.

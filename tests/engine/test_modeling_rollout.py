@@ -4,8 +4,16 @@ import pytest
 import torch
 
 from components.config import TinyModelConfig
-from components.engine.modeling import (ModelLoadError, build_char_tokenizer, build_tiny_model, count_parameters,
-                                 load_model, load_tokenizer, resolve_model_dir, save_model)
+from components.engine.modeling import (
+    ModelLoadError,
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    resolve_model_dir,
+    save_model,
+)
 from components.engine.rollout import completion_logprobs, decode_completions, sample_groups
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]

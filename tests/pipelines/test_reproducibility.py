@@ -11,13 +11,14 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from components.stages.model import build_base_model
 from components.config import load_config
-from components.stages.grpo import train_grpo
 from components.data.paths import Paths
-from components.stages.prepare import prepare
 from components.engine.rollout import sample_groups
+from components.stages.grpo import train_grpo
+from components.stages.model import build_base_model
+from components.stages.prepare import prepare
 from components.stages.sft import train_sft
+
 from conftest import FAST_PARAMS, ROOT, copy_project, dvc_repro_warm
 
 SMALL = ["task.n_sft=200", "task.n_train=200", "task.n_heldout=50", "sft.epochs=2", "grpo.steps=5",

@@ -191,7 +191,7 @@ def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_
 
 def test_lora_adapters_are_seen_and_can_be_disabled():
     from components.config import LoRAConfig
-    from components.stages.grpo import attach_lora
+    from components.engine.policy import attach_lora
 
     base = _llama()
     model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
@@ -214,7 +214,8 @@ def test_lora_adapters_are_seen_and_can_be_disabled():
 
 def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
     from components.config import GRPOConfig
-    from components.stages.grpo import Policy, policy_updates
+    from components.engine.policy import Policy
+    from components.engine.update import policy_updates
 
     base = _llama(num_key_value_heads=2)
     rollout = _rollout()

@@ -1,0 +1,85 @@
+"""The trainer's whole state across a stop: weights, optimizer, moving reference, RNGs and step history.
+
+Checkpoints are always written in the one-process format (components/data/checkpoints.py), so any
+number of processes resumes any checkpoint. With FSDP2 the whole model is restored before it is
+sharded, and the optimizer state once the sharded optimizer exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from components.config import GRPOConfig
+from components.data.checkpoints import load_checkpoint, save_checkpoint
+from components.engine.distributed import DistContext
+from components.engine.modeling import save_model
+from components.engine.policy import Policy
+from components.engine.update import make_optimizer
+
+# Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
+TIMING_KEYS = ("step_seconds", "completions_per_s", "time/generation", "time/reward", "time/reference", "time/policy")
+
+
+def optimizer_and_resume(policy: Policy, g: GRPOConfig, ctx: DistContext, resume_from: Path | None,
+                         moving_reference: bool) -> tuple[torch.optim.Optimizer, dict[str, Any] | None]:
+    """Shard the models (fsdp2), build the optimizer, and load `resume_from` into all of it (None: fresh)."""
+    reference = policy.reference if moving_reference else None
+    state = held = None
+    if ctx.lockstep:
+        from components.engine.fsdp import HeldOptimizerState, shard_model
+
+        if resume_from is not None:
+            held = HeldOptimizerState()
+            state = load_checkpoint(resume_from, policy.model, held, reference)
+        shard_model(policy.model, ctx)
+        if policy.reference is not None:
+            shard_model(policy.reference, ctx)
+    optimizer = make_optimizer(policy.model, g, ctx.device)
+    if held is not None:
+        from components.engine.fsdp import load_optimizer_state
+
+        load_optimizer_state(policy.model, optimizer, held.state)
+    elif resume_from is not None:
+        state = load_checkpoint(resume_from, policy.model, optimizer, reference)
+    return optimizer, state
+
+
+def save_training_state(root: Path, step: int, run_hash: str, policy: Policy, optimizer, moving_reference: bool,
+                        history: list[dict[str, Any]], rollout_gen: torch.Generator, ctx: DistContext,
+                        load_plain: Callable[[], torch.nn.Module]) -> None:
+    """checkpoints/grpo/step-N, written by rank 0 (with fsdp2 every rank first gathers its shards)."""
+    saved = {"step": step, "rollout_rng": rollout_gen.get_state(),
+             "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
+             "torch_rng": torch.get_rng_state()}
+    reference = policy.reference if moving_reference else None
+    if ctx.lockstep:
+        from components.engine.fsdp import save_sharded_checkpoint
+
+        save_sharded_checkpoint(root, step, run_hash, policy.model, optimizer, saved, reference, load_plain, ctx)
+    elif ctx.is_main:
+        save_checkpoint(root, step, run_hash, policy.model, optimizer, saved, reference)
+
+
+def save_final_model(policy: Policy, out: Path, provenance: dict[str, Any], ctx: DistContext,
+                     load_plain: Callable[[], torch.nn.Module]) -> None:
+    """models/grpo, atomically: the full model, or with LoRA the adapter alone (MBs, not a second copy of
+    the base), its base named in provenance.json so every later stage loads base + adapter. With fsdp2
+    the whole model is gathered first; only rank 0 writes."""
+    if ctx.lockstep:
+        from components.engine.fsdp import full_model_state, plain_copy
+
+        weights = full_model_state(policy.model)
+        if ctx.is_main:
+            policy = dataclasses.replace(policy, model=plain_copy(load_plain, weights), reference=None)
+    if not ctx.is_main:
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(policy.model, policy.tokenizer, tmp, extra=provenance)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

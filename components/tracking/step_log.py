@@ -1,0 +1,88 @@
+"""GRPO's per-step record: the step history (plots/grpo_steps.csv, metrics/grpo.json), one MLflow point
+per `grpo.metrics_every` steps, and a progress line with rate and ETA every `grpo.log_every` steps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from typing import Any
+
+from components.config import GRPOConfig
+from components.data.paths import Paths
+
+# MLflow's run page shows one section of charts per prefix before "/", sections in alphabetical order
+# (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
+# optim/, reward/<name>/, rollout/, time/ (plots/grpo_steps.csv keeps the plain names).
+METRIC_GROUPS = {
+    "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length"),
+    "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
+              "clip_high_frac"),
+    "rollout": ("truncated_frac", "zero_std_group_frac", "kept_completions", "sampled_completions",
+                "unscored_completions", "reward_failures"),
+    "time": ("step_seconds", "completions_per_s"),
+}
+_GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}
+
+
+def mlflow_metric_names(metrics: dict[str, float]) -> dict[str, float]:
+    """`grad_norm` -> `optim/grad_norm`, `kl` -> `learning/kl`; `time/...` and `reward/...` as they are."""
+    return {(f"{_GROUP_OF[k]}/{k}" if k in _GROUP_OF else k): v for k, v in metrics.items()}
+
+
+def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the steps that have it: one MLflow point per window, not per step."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: sum(row[k] for row in rows if k in row) / sum(1 for row in rows if k in row) for k in keys}
+
+
+class StepLog:
+    """Collects each step's metrics; logs windows to MLflow and prints progress (rank 0 only)."""
+
+    def __init__(self, run, g: GRPOConfig, start_step: int, history: list[dict[str, Any]], is_main: bool):
+        self.run, self.g, self.start_step, self.history, self.is_main = run, g, start_step, history, is_main
+        self.window: list[dict[str, float]] = []
+        self.started = time.perf_counter()
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """`step` is 1-based: the number of steps done."""
+        self.history.append({"step": step, **{k: round(v, 6) for k, v in metrics.items()}})
+        self.window.append(metrics)
+        if step % self.g.metrics_every == 0:
+            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=step)
+            self.window = []
+        if self.is_main and (step % self.g.log_every == 0 or step == self.g.steps):
+            rate = (step - self.start_step) / (time.perf_counter() - self.started)
+            eta = (self.g.steps - step) / rate if rate > 0 else float("inf")
+            recent = self.history[-self.g.log_every:]
+            mean_reward = sum(h["reward_mean"] for h in recent) / len(recent)
+            print(f"grpo: step {step}/{self.g.steps} reward {mean_reward:.3f} kl {metrics['kl']:.4f} "
+                  f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
+                  f"completions/s, ETA {eta:.0f}s", flush=True)
+
+    def flush(self) -> None:
+        """The last, partial window (also when the last steps were skipped)."""
+        if self.window:
+            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=self.history[-1]["step"])
+            self.window = []
+
+
+def write_step_outputs(history: list[dict[str, Any]], paths: Paths) -> dict[str, Any]:
+    """Per-step CSV (DVC plots) and a small summary JSON (DVC metrics)."""
+    paths.plots.mkdir(parents=True, exist_ok=True)
+    paths.metrics.mkdir(parents=True, exist_ok=True)
+    keys = list(history[-1].keys()) if history else ["step"]  # the last row has every column, timings included
+    with (paths.plots / "grpo_steps.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(history)
+    tail = history[-max(1, len(history) // 10):]
+    summary = {"steps": len(history),
+               "reward_mean_first10pct": _mean(history[: max(1, len(history) // 10)], "reward_mean"),
+               "reward_mean_last10pct": _mean(tail, "reward_mean"), "kl_last": history[-1]["kl"] if history else 0.0}
+    (paths.metrics / "grpo.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return round(sum(r[key] for r in rows) / len(rows), 6) if rows else 0.0
