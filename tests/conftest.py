@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTI
                      "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+# Each pytest process (`make test` runs two workers) gets a Prefect home of its own: two pipeline runs at
+# once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
 
 # Small enough for seconds per stage, big enough that every stage does real work.
 FAST_PARAMS = [
