@@ -71,7 +71,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 ) -> dict[str, Any]:
     # ---- setup: data, loss (built once), policy (+ reference only if the loss has a KL term), resume
     g, say = cfg.grpo, (print if ctx.is_main else (lambda *args, **kwargs: None))
-    _check_distributed(cfg, ctx, callbacks, say)
+    _check_settings(cfg, ctx, callbacks, say)
     seed_everything(cfg.seed, cfg.threads)
     start_dir = resolve_model_dir(paths.sft_model)
     records = read_jsonl(split_path(paths.data, "train"))
@@ -185,7 +185,8 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
 
 # ---- the details the loop above hides: multi-process set-up, resume, failure streaks
 
-def _check_distributed(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[StepCallback], say) -> None:
+def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[StepCallback], say) -> None:
+    """Print the config's warnings; refuse what a sharded (fsdp2) run cannot do."""
     for warning in config_warnings(cfg):
         say(f"grpo: warning: {warning}", flush=True)
     if ctx.lockstep and callbacks:  # they run on rank 0 only: a forward there would wait for the others forever
