@@ -1,7 +1,7 @@
 """`python -m components.runtime.launch STAGE [--params ...] [--set ...]`: the command dvc.yaml runs for each stage.
 
 Runs the stage in the pipeline's warm stage server when one is serving (components/runtime/stage_server.py),
-otherwise in this process, exactly as `python -m components.<stage>` does. Kept free of heavy
+otherwise in this process, exactly as `python -m components.stages.<stage>` does. Kept free of heavy
 imports so that handing over costs milliseconds.
 """
 

@@ -1,4 +1,4 @@
-"""Shared command-line entry for the stage modules (`python -m components.<stage>`)."""
+"""Shared command-line entry for the stage modules (`python -m components.stages.<stage>`)."""
 
 from __future__ import annotations
 
