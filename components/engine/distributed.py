@@ -1,7 +1,7 @@
 """torch.distributed plumbing for the training stages: launch, process group, rank-0-only side effects.
 
 A stage with `distributed.nproc > 1` that is not already under torchrun re-launches itself through
-`python -m torch.distributed.run --standalone --nproc_per_node=N -m components.<stage>`, with the
+`python -m torch.distributed.run --standalone --nproc_per_node=N -m components.stages.<stage>`, with the
 validated config written to a temporary params file. Under torchrun (WORLD_SIZE set, e.g. a
 multi-node `torchrun --rdzv-endpoint=...` started by the user) it joins the process group instead:
 gloo on CPU, NCCL on CUDA. With one process nothing here touches torch.distributed.
