@@ -171,14 +171,22 @@ def judge_environment(report: ReproduceReport, tags: dict[str, str], tree: Path)
             report.band = (after["min"], after["max"])
 
 
+# Where a commit keeps its stage server: today's layout first, then the one before components/ was split by role.
+SERVER_LAYOUTS = {"components/runtime/stage_server.py": "components.runtime.stage_server",
+                  "components/stage_server.py": "components.stage_server"}
+
+
+def stage_server_module(tree: Path) -> str | None:
+    """The module that starts `tree`'s own stage server, or None for commits from before it existed."""
+    return next((name for rel, name in SERVER_LAYOUTS.items() if (tree / rel).exists()), None)
+
+
 @contextlib.contextmanager
 def warm_stage_server(tree: Path, env: dict[str, str]) -> Iterator[None]:
     """The recorded commit's own stage server for the re-run, when that commit has one (the stages then
     skip their imports, as in a pipeline run); older commits simply run their stages as DVC starts them.
     Commits from before components/ was split by role keep their server at components/stage_server.py."""
-    layouts = {"components/runtime/stage_server.py": "components.runtime.stage_server",
-               "components/stage_server.py": "components.stage_server"}
-    module = next((name for rel, name in layouts.items() if (tree / rel).exists()), None)
+    module = stage_server_module(tree)
     if module is None:
         yield
         return

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, copy_project, dvc_repro_warm, run
+from conftest import BIN, FAST_PARAMS, ROOT, copy_project, dvc_repro_warm, run
 
 pytestmark = pytest.mark.slow
 
@@ -177,6 +177,17 @@ def test_reproduce_champion_reports_a_match(completed):
     # The scratch re-run never touches the real registry.
     client = mlflow_client(completed["env"])
     assert [str(v.version) for v in client.search_model_versions("name = 'grpo-addition'")] == ["1"]
+
+
+def test_reproduce_starts_the_recorded_commits_own_stage_server_in_either_layout(tmp_path):
+    from pipelines.reproduce import stage_server_module
+
+    # A version registered before components/ was split by role is re-run by its own commit's server.
+    assert stage_server_module(ROOT) == "components.runtime.stage_server"
+    (tmp_path / "components").mkdir()
+    assert stage_server_module(tmp_path) is None  # older still: no server, DVC starts each stage
+    (tmp_path / "components" / "stage_server.py").write_text("")
+    assert stage_server_module(tmp_path) == "components.stage_server"
 
 
 def test_run_logs_installed_packages(completed):
