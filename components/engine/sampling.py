@@ -73,7 +73,6 @@ class Batch:
 @dataclass
 class ScoredRollout:
     rollout: Rollout
-    prompts: list[str]  # one per completion
     completions: list[str]
     rewards: RewardResult
     reward_seconds: float
@@ -91,7 +90,7 @@ def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfi
     expanded = [p for p in prompts for _ in range(g.group_size)]
     t0 = time.perf_counter()
     scores = rewards(expanded, completions, columns)
-    return ScoredRollout(rollout, expanded, completions, scores, time.perf_counter() - t0)
+    return ScoredRollout(rollout, completions, scores, time.perf_counter() - t0)
 
 
 def informative_groups(total: list[float], group_size: int) -> list[int]:
