@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -274,6 +275,13 @@ class GRPOConfig:
     """Steps between resumable checkpoints (0 disables)."""
     log_every: int = 100
     """Steps between progress lines."""
+    keep: Literal["last", "best"] = "last"
+    """Which weights become models/grpo: the last step's, or the held-out evaluation during training
+    (`evaluate.every`) that scored best on `keep_metric` (saved as checkpoints/grpo/best). `best` picks on
+    the held-out subset that the final evaluation also scores, so its gain there is optimistic by the
+    selection; compare it with the champion on other data before trusting a small margin."""
+    keep_metric: str = "reward"
+    """The held-out metric (a greedy one of `evaluate.metrics`, or `reward`) that `keep: best` maximises."""
     metrics_every: int = 10
     """Steps per MLflow metrics point, each the mean over its window (TRL's `logging_steps`); 1 logs
     every step. Every step's values are in plots/grpo_steps.csv. A point per step costs about 5 ms
@@ -290,6 +298,24 @@ class EvaluateConfig:
     """Prompts decoded at once."""
     bootstrap_samples: int = 10000
     """Resamples for the paired 95% bootstrap interval."""
+    metrics: list[str] = field(default_factory=lambda: ["reward", "pass@4", "completion_length", "eos_rate"])
+    """Task metrics on held-out completions, each for baseline and candidate with a paired 95% CI
+    (components/engine/task_metrics.py): `reward` (the training reward's weighted sum, always computed),
+    a reward's name (a built-in or `module:function`, scored alone), `pass@k` (share of prompts with a
+    correct completion among k samples at `pass_k_temperature`; unbiased estimator), `completion_length`
+    (tokens) and `eos_rate` (share of completions that end with EOS within `max_new_tokens`)."""
+    pass_k_temperature: float = 1.0
+    """Sampling temperature of the pass@k completions."""
+    pass_k_samples: int = 0
+    """Completions sampled per prompt for pass@k (0 = k); more lowers the estimator's variance."""
+    correct_at: float = 1.0
+    """A sampled completion counts as correct for pass@k when its training reward total is >= this."""
+    every: int = 200
+    """GRPO steps between held-out evaluations during training (0 = off): greedy metrics on
+    `during_training_n` held-out prompts, logged as MLflow curves (`heldout/...`) and as one MLflow
+    LoggedModel per evaluated step; also at the last step."""
+    during_training_n: int = 200
+    """Held-out prompts (the first N, always the same) scored during training."""
 
 
 @dataclass
@@ -300,6 +326,8 @@ class RegisterConfig:
     """Registered model name."""
     min_ci_low: float = 0.0
     """A challenger replaces the champion only if the CI lower bound of its improvement exceeds this."""
+    gate_metric: str = "reward"
+    """The held-out metric (one of `evaluate.metrics`, or `reward`) compared with the champion's."""
     merge_lora: bool = False
     """With LoRA, register the base with the adapter merged in (a full copy) instead of the adapter alone,
     which is linked to its base (registered once as `<model_name>-base`)."""
@@ -362,6 +390,55 @@ class DistributedConfig:
 
 
 @dataclass
+class MonitorSpec:
+    """One reward-hacking check: a signal (components/engine/monitors.py) against a threshold."""
+
+    signal: Literal["kl", "entropy", "completion_length", "completion_length_growth", "reward_mean",
+                    "zero_std_group_frac", "reward_heldout_gap", "heldout_drop"] = "heldout_drop"
+    """kl, entropy, completion_length, reward_mean, zero_std_group_frac: means over the last `window` steps;
+    completion_length_growth: that mean over the first window's, minus 1; reward_heldout_gap: training reward
+    minus the last held-out `reward`; heldout_drop: how far the held-out `grpo.keep_metric` fell over the last
+    `evaluations` evaluations while the training reward rose (0 otherwise)."""
+    above: float | None = None
+    """Breached when the signal exceeds this."""
+    below: float | None = None
+    """Breached when the signal falls under this."""
+    action: Literal["block", "warn"] = "block"
+    """block: the version is registered but never made champion; warn: tagged and printed only."""
+
+
+@dataclass
+class NotLearningConfig:
+    """When to say, while training runs, that GRPO is not learning (and what to try)."""
+
+    window: int = 400
+    """Steps compared: the last `window` steps against the first `window`, once 2 * window steps ran. On the
+    default the reward is flat for its first ~300 steps, then climbs: 400 leaves room for a slower start."""
+    min_reward_gain: float = 0.05
+    """Flat: the training reward's mean over the last window exceeds the first window's by less than this."""
+    zero_variance_above: float = 0.5
+    """Starved (named as the likely cause): over the last window, more than this share of groups scored
+    zero on every completion."""
+
+
+@dataclass
+class MonitorsConfig:
+    """Reward-hacking monitors (a breach is an MLflow tag; `block` keeps the version from `champion`)
+    and the not-learning warning."""
+
+    window: int = 50
+    """Steps averaged for the per-step signals."""
+    evaluations: int = 3
+    """Held-out evaluations (evaluate.every) spanned by `heldout_drop`."""
+    checks: list[MonitorSpec] = field(default_factory=lambda: [
+        MonitorSpec("heldout_drop", above=0.05, action="block"),
+        MonitorSpec("completion_length_growth", above=1.0, action="warn")])
+    """The checks; every breach is recorded with its step and value."""
+    not_learning: NotLearningConfig = field(default_factory=NotLearningConfig)
+    """The not-learning warning."""
+
+
+@dataclass
 class PipelineConfig:
     """Everything a pipeline run needs; mirrors params.yaml key for key."""
 
@@ -379,6 +456,7 @@ class PipelineConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     register: RegisterConfig = field(default_factory=RegisterConfig)
+    monitors: MonitorsConfig = field(default_factory=MonitorsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     operations: OperationsConfig = field(default_factory=OperationsConfig)
     reports: ReportsConfig = field(default_factory=ReportsConfig)
@@ -613,6 +691,7 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", "must be >= 1")
     _require(e.batch_size >= 1, "evaluate.batch_size", "must be >= 1")
     _require(e.bootstrap_samples >= 100, "evaluate.bootstrap_samples", "must be >= 100")
+    _validate_evaluation(cfg)
     _require(cfg.distributed.nproc >= 1, "distributed.nproc", "must be >= 1")
     _require(not (cfg.distributed.backend == "nccl" and cfg.device == "cpu"), "distributed.backend",
              "nccl needs CUDA devices; use gloo (or auto) with device: cpu")
@@ -633,6 +712,46 @@ def validate_config(cfg: PipelineConfig) -> None:
                  f"model.tiny.max_position_embeddings ({tiny.max_position_embeddings})")
 
 
+FIXED_METRICS = ("reward", "completion_length", "eos_rate")  # the rest: pass@k, or a reward's name
+PASS_AT_K = re.compile(r"pass@([1-9][0-9]*)")
+
+
+def _validate_evaluation(cfg: PipelineConfig) -> None:
+    """evaluate.metrics, the metric names other sections point at, and the monitors."""
+    e, g, m = cfg.evaluate, cfg.grpo, cfg.monitors
+    _require(len(e.metrics) >= 1, "evaluate.metrics", "needs at least one metric")
+    _require(len(set(e.metrics)) == len(e.metrics), "evaluate.metrics", "lists a metric twice")
+    for i, name in enumerate(e.metrics):
+        _require(name in FIXED_METRICS or PASS_AT_K.fullmatch(name) is not None or ":" in name
+                 or re.fullmatch(r"[a-z_]+", name) is not None, f"evaluate.metrics[{i}]",
+                 f"{name!r} is not reward, completion_length, eos_rate, pass@k (k >= 1), a built-in reward's name "
+                 "or package.module:function")
+    ks = [int(PASS_AT_K.fullmatch(n).group(1)) for n in e.metrics if PASS_AT_K.fullmatch(n)]
+    _require(e.pass_k_samples == 0 or e.pass_k_samples >= max(ks, default=1), "evaluate.pass_k_samples",
+             f"must be 0 (= k) or >= the largest k ({max(ks, default=1)})")
+    _require(e.pass_k_temperature > 0, "evaluate.pass_k_temperature", "must be > 0")
+    _require(e.every >= 0, "evaluate.every", "must be >= 0 (0 = no evaluation during training)")
+    _require(e.during_training_n >= 1, "evaluate.during_training_n", "must be >= 1")
+    greedy = set(FIXED_METRICS) | {n for n in e.metrics if not PASS_AT_K.fullmatch(n)}
+    _require(g.keep_metric in greedy, "grpo.keep_metric",
+             f"{g.keep_metric!r} must be a greedy metric of evaluate.metrics ({', '.join(sorted(greedy))})")
+    _require(g.keep == "last" or e.every > 0, "grpo.keep",
+             "best needs held-out evaluations during training: set evaluate.every > 0")
+    _require(not (g.keep == "best" and cfg.distributed.strategy == "fsdp2"), "grpo.keep",
+             "best is not supported with distributed.strategy fsdp2 (the held-out evaluation runs on one process)")
+    gate = cfg.register.gate_metric
+    _require(gate in set(e.metrics) | {"reward"}, "register.gate_metric",
+             f"{gate!r} must be one of evaluate.metrics ({', '.join(e.metrics)})")
+    _require(m.window >= 1, "monitors.window", "must be >= 1")
+    _require(m.evaluations >= 1, "monitors.evaluations", "must be >= 1")
+    for i, check in enumerate(m.checks):
+        _require((check.above is None) != (check.below is None), f"monitors.checks[{i}]",
+                 f"{check.signal}: set exactly one of above or below")
+    _require(m.not_learning.window >= 1, "monitors.not_learning.window", "must be >= 1")
+    _require(0 < m.not_learning.zero_variance_above <= 1, "monitors.not_learning.zero_variance_above",
+             "must be in (0, 1]")
+
+
 def config_warnings(cfg: PipelineConfig) -> list[str]:
     """Settings that run but probably do not do what their names suggest; printed before training."""
     g = cfg.grpo
@@ -642,6 +761,11 @@ def config_warnings(cfg: PipelineConfig) -> list[str]:
             f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} is not GSPO: "
             f"{g.loss_type} sums per-token terms, so each sequence is weighted by its length; set "
             "grpo.loss_type: grpo for the GSPO paper's per-sequence objective")
+    held_out = [c.signal for c in cfg.monitors.checks if c.signal in ("heldout_drop", "reward_heldout_gap")]
+    if held_out and (cfg.evaluate.every == 0 or cfg.distributed.strategy == "fsdp2"):
+        warnings.append(f"monitors {', '.join(held_out)} need held-out evaluations during training, which "
+                        + ("evaluate.every: 0 turns off" if cfg.evaluate.every == 0 else
+                           "do not run with distributed.strategy fsdp2") + ": they are not checked")
     return warnings
 
 
@@ -672,7 +796,9 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "validate": ("prompt", "model.trust_remote_code", "grpo.max_completion_length", "evaluate.max_new_tokens"),
     "sft": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "sft", "grpo.rewards",
             "grpo.max_completion_length", "distributed.nproc"),
-    "grpo": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "grpo", "distributed"),
+    "grpo": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "grpo", "distributed",
+             "evaluate.every", "evaluate.during_training_n", "evaluate.metrics", "evaluate.max_new_tokens",
+             "evaluate.batch_size", "monitors"),
     "evaluate": ("seed", "threads", "device", "prompt", "model.dtype", "model.trust_remote_code", "evaluate",
                  "grpo.rewards"),
     "register": ("seed", "prompt", "evaluate.bootstrap_samples", "evaluate.max_new_tokens", "register", "tracking"),

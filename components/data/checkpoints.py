@@ -41,13 +41,7 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        if any(not p.requires_grad for p in model.parameters()):  # LoRA: the frozen base is models/base already
-            from safetensors.torch import save_file
-
-            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
-                      str(tmp / TRAINABLE_FILE))
-        else:
-            save_model(model, str(tmp / "model.safetensors"))
+        _save_weights(model, tmp)
         if reference is not None:
             save_model(reference, str(tmp / "reference.safetensors"))
         import torch  # here, not at module level: the stage CLI imports this module's error class
@@ -93,8 +87,19 @@ def discard_foreign(root: Path, run_hash: str) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, Any]:
-    """Restore weights and optimizer in place; return the rest of the saved state."""
+def _save_weights(model, folder: Path) -> None:
+    """The full model, or with LoRA only the trainable (adapter) weights: the frozen base is models/base."""
+    from safetensors.torch import save_file, save_model
+
+    if any(not p.requires_grad for p in model.parameters()):
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                  str(folder / TRAINABLE_FILE))
+    else:
+        save_model(model, str(folder / "model.safetensors"))
+
+
+def load_weights(path: Path, model) -> None:
+    """Weights saved by `_save_weights` back into `model`, in place."""
     from safetensors.torch import load_file, load_model
 
     if (path / TRAINABLE_FILE).exists():
@@ -106,6 +111,50 @@ def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, A
         model.load_state_dict(saved, strict=False)
     else:
         load_model(model, str(path / "model.safetensors"))
+
+
+BEST = "best"  # checkpoints/grpo/best: the weights of the best held-out evaluation so far (grpo.keep: best)
+
+
+def save_best(root: Path, step: int, run_hash: str, model, metric: str, value: float) -> Path:
+    """Replace checkpoints/grpo/best atomically (a kill mid-write keeps the previous best)."""
+    final, tmp = root / BEST, root / f".tmp-{BEST}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _save_weights(model, tmp)
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash, "metric": metric,
+                                                   "value": value}) + "\n")
+        old = root / f".old-{BEST}"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def best_meta(root: Path, run_hash: str) -> dict[str, Any] | None:
+    """{step, metric, value} of this run's best weights, if saved (a `.old-best` left by a kill counts)."""
+    for name in (BEST, f".old-{BEST}"):
+        meta = root / name / "meta.json"
+        if meta.exists():
+            found = json.loads(meta.read_text())
+            if found.get("run_hash") == run_hash:
+                if name != BEST:
+                    (root / name).rename(root / BEST)
+                return found
+    return None
+
+
+def load_checkpoint(path: Path, model, optimizer, reference=None) -> dict[str, Any]:
+    """Restore weights and optimizer in place; return the rest of the saved state."""
+    from safetensors.torch import load_model
+
+    load_weights(path, model)
     if reference is not None and (path / "reference.safetensors").exists():
         load_model(reference, str(path / "reference.safetensors"))
     import torch

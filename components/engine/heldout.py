@@ -104,3 +104,34 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     rewards = score(records, completions, RewardModel(cfg.grpo.rewards))
     return {"checkpoint": str(path), "n": len(records), "heldout_md5": file_md5(heldout),
             "mean_reward": float(np.mean(rewards)), "rewards": rewards, "completions": completions}
+
+
+class HeldoutProbe:
+    """Greedy held-out metrics of the policy while it trains (`evaluate.every`), on the first
+    `evaluate.during_training_n` held-out prompts: the same prompts every time, so the curve shows the
+    model changing, not the sample. Greedy decoding draws no random numbers, so training is unchanged."""
+
+    def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer):
+        from components.engine.task_metrics import TaskMetrics
+
+        e = cfg.evaluate
+        self.every, self.steps, self.tokenizer = e.every, cfg.grpo.steps, tokenizer
+        self.records = read_jsonl(split_path(paths.data, "heldout"))[: e.during_training_n]
+        formatter = PromptFormatter(cfg.prompt, tokenizer)
+        self.prompts = [formatter(r) for r in self.records]
+        greedy = [n for n in e.metrics if not n.startswith("pass@")]
+        self.metrics = TaskMetrics(e, cfg.grpo.rewards, list(dict.fromkeys([*greedy, cfg.grpo.keep_metric])))
+        self.seconds = 0.0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.steps)
+
+    def __call__(self, model) -> dict[str, float]:
+        """Each metric's mean over the subset."""
+        import time
+
+        started = time.perf_counter()
+        values, _ = self.metrics.per_prompt(model, self.tokenizer, self.prompts, self.records, seed=0,
+                                            greedy_only=True)
+        self.seconds += time.perf_counter() - started
+        return {name: float(np.mean(v)) for name, v in values.items()}

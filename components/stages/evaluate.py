@@ -1,8 +1,10 @@
-"""Stage `evaluate`: greedy held-out reward of the baseline (SFT or base) and the GRPO model.
+"""Stage `evaluate`: held-out task metrics of the baseline (SFT or base) and the GRPO model.
 
-Both models answer the same prompts; the improvement is paired per prompt and its 95% interval
-comes from a seeded bootstrap over prompts. Per-prompt results go to eval/predictions.jsonl, which
-register later uses to compare a challenger with the champion on the same prompts.
+Both models answer the same prompts. Every metric of `evaluate.metrics` (components/engine/task_metrics.py;
+`reward`, the training reward, always) is computed per prompt for both, and its improvement is paired
+per prompt with a 95% interval from a seeded bootstrap over prompts. Per-prompt values go to
+eval/predictions.jsonl, which register later uses to compare a challenger with the champion on the
+same prompts and the metric `register.gate_metric` names.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import numpy as np
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, split_path, write_jsonl
-from components.engine.heldout import greedy_completions, paired_bootstrap, score
-from components.engine.modeling import pick_device, seed_everything
-from components.engine.rewards import RewardModel
+from components.engine.heldout import paired_bootstrap
+from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
+from components.engine.prompting import PromptFormatter
+from components.engine.task_metrics import TaskMetrics, check_metrics, metric_key
 from components.stages.cli import stage_main
 
 
@@ -26,44 +29,66 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
     from components.tracking.runs import stage_run
 
     e = cfg.evaluate
+    check_metrics(e.metrics)
     seed_everything(cfg.seed, cfg.threads)
     device = pick_device(cfg.device)
     heldout_file = split_path(paths.data, "heldout")
     records = read_jsonl(heldout_file)
-    rewards = RewardModel(cfg.grpo.rewards)
+    metrics = TaskMetrics(e, cfg.grpo.rewards)
     results: dict[str, dict[str, Any]] = {}
     with stage_run(cfg.tracking.experiment, "evaluate", to_flat_dict(cfg)) as run:
         for role, model_dir in (("baseline", paths.sft_model), ("candidate", paths.grpo_model)):
-            completions = greedy_completions(cfg, model_dir, records, e.max_new_tokens, e.batch_size, device)
-            per_prompt = score(records, completions, rewards)
-            results[role] = {"completions": completions, "rewards": per_prompt}
-            print(f"evaluate: {role} ({model_dir}) mean reward {np.mean(per_prompt):.4f} on {len(records)} prompts")
-        base, cand = np.array(results["baseline"]["rewards"]), np.array(results["candidate"]["rewards"])
-        improvement = paired_bootstrap(cand, base, e.bootstrap_samples, cfg.seed)
+            tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+            model = load_policy_model(cfg, model_dir, device)
+            formatter = PromptFormatter(cfg.prompt, tokenizer)
+            values, out = metrics.per_prompt(model, tokenizer, [formatter(r) for r in records], records, cfg.seed)
+            results[role] = {"completions": out.texts, **values}
+            print(f"evaluate: {role} ({model_dir}) " + ", ".join(f"{name} {np.mean(v):.4f}" for name, v in values.items())
+                  + f" on {len(records)} prompts")
+        table = {name: {"baseline": float(np.mean(results["baseline"][name])),
+                        "candidate": float(np.mean(results["candidate"][name])),
+                        "improvement": paired_bootstrap(np.array(results["candidate"][name]),
+                                                        np.array(results["baseline"][name]), e.bootstrap_samples,
+                                                        cfg.seed)}
+                 for name in metrics.names}
+        improvement = table["reward"]["improvement"]
         report = {
             "n": len(records), "heldout_md5": file_md5(heldout_file),
-            "baseline": {"model": str(paths.sft_model), "mean_reward": float(base.mean())},
-            "candidate": {"model": str(paths.grpo_model), "mean_reward": float(cand.mean())},
-            "improvement": improvement,
+            "baseline": {"model": str(paths.sft_model), "mean_reward": table["reward"]["baseline"]},
+            "candidate": {"model": str(paths.grpo_model), "mean_reward": table["reward"]["candidate"]},
+            "improvement": improvement, "metrics": table,
         }
         paths.metrics.mkdir(parents=True, exist_ok=True)
         (paths.metrics / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        write_jsonl(paths.eval_dir / "predictions.jsonl", [
-            {"id": r.get("id"), "prompt": r["prompt"], "answer": r.get("answer"),
-             "baseline_completion": bc, "baseline_reward": br, "candidate_completion": cc, "candidate_reward": cr}
-            for r, bc, br, cc, cr in zip(records, results["baseline"]["completions"], base.tolist(),
-                                          results["candidate"]["completions"], cand.tolist())])
+        rows = []
+        for i, r in enumerate(records):
+            row = {"id": r.get("id"), "prompt": r["prompt"], "answer": r.get("answer"),
+                   "baseline_completion": results["baseline"]["completions"][i],
+                   "candidate_completion": results["candidate"]["completions"][i]}
+            for name in metrics.names:
+                row.update({f"baseline_{name}": results["baseline"][name][i],
+                            f"candidate_{name}": results["candidate"][name][i]})
+            rows.append(row)
+        write_jsonl(paths.eval_dir / "predictions.jsonl", rows)
         run.log_metrics({"baseline_mean_reward": report["baseline"]["mean_reward"],
                          "candidate_mean_reward": report["candidate"]["mean_reward"],
                          "improvement_mean": improvement["mean"], "improvement_ci95_low": improvement["ci95_low"],
                          "improvement_ci95_high": improvement["ci95_high"]})
+        for name, row in table.items():  # eval/<metric>/{baseline,candidate,improvement,...}
+            key = f"eval/{metric_key(name)}"
+            run.log_metrics({f"{key}/baseline": row["baseline"], f"{key}/candidate": row["candidate"],
+                             f"{key}/improvement": row["improvement"]["mean"],
+                             f"{key}/improvement_ci95_low": row["improvement"]["ci95_low"],
+                             f"{key}/improvement_ci95_high": row["improvement"]["ci95_high"]})
         run.log_artifact(paths.metrics / "eval.json")
         run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
         from components.tracking.reports import log_predictions_table
 
         log_predictions_table(run.run_id, read_jsonl(paths.eval_dir / "predictions.jsonl"))
-    print(f"evaluate: improvement {improvement['mean']:+.4f} "
-          f"(95% CI {improvement['ci95_low']:+.4f} .. {improvement['ci95_high']:+.4f})")
+    for name, row in table.items():
+        imp = row["improvement"]
+        print(f"evaluate: {name}: {row['baseline']:.4f} -> {row['candidate']:.4f}, improvement {imp['mean']:+.4f} "
+              f"(95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f})")
     return report
 
 

@@ -19,11 +19,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from components.config import ConfigError, GRPOConfig, PipelineConfig, config_warnings, stage_params_hash, to_flat_dict
-from components.data.checkpoints import discard_foreign, latest_checkpoint
+from components.data.checkpoints import BEST, best_meta, discard_foreign, latest_checkpoint, load_weights, save_best
 from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.distributed import DistContext, barrier, init, launch, needs_launch, shutdown, wrap_ddp
+from components.engine.heldout import HeldoutProbe
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
+from components.engine.monitors import Monitors
 from components.engine.objectives import build_loss
 from components.engine.policy import Policy, build_policy, update_reference
 from components.engine.rewards import RewardError, RewardModel
@@ -94,11 +96,18 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     per_group = _distribute(policy, cfg, ctx, say)
     load_plain = lambda: load_policy_model(cfg, start_dir, torch.device("cpu"))  # noqa: E731 - fsdp2 gathers
     last_checkpoint, bad_steps, reward_failures = start_step, 0, 0
+    # Held-out evaluation during training (rank 0; not with a sharded model) and the monitors reading it.
+    probe = HeldoutProbe(cfg, paths, policy.tokenizer) if ctx.is_main and not ctx.lockstep and cfg.evaluate.every \
+        else None
+    monitors = Monitors(cfg.monitors, g.keep_metric)
+    monitors.replay(history)
+    best = best_meta(paths.grpo_checkpoints, run_hash) if g.keep == "best" else None
+    model_ids: dict[int, Any] = {}  # evaluated step -> its MLflow LoggedModel
 
     with tracking_run(ctx.is_main, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
-        log = StepLog(run, g, start_step, history, ctx.is_main)
+        log = StepLog(run, g, start_step, history, ctx.is_main, cfg.monitors.not_learning)
         for step in range(start_step, g.steps):
             set_progress(f"at step {step + 1} of {g.steps}; " + (f"the last checkpoint is step {last_checkpoint}"
                                                                  if last_checkpoint else "no checkpoint yet"))
@@ -137,7 +146,19 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                        "reference": t_reference - t_advantages, "policy": t_policy - t_reference,
                        "step": time.perf_counter() - t_step}
             metrics = step_metrics(batch, stats, advantages, scorable, optimizer.param_groups[0]["lr"], timings, g)
+            if probe is not None and probe.due(step + 1):  # 6b. held-out metrics; the best weights kept aside
+                scores = probe(policy.model)
+                metrics.update({f"heldout/{k}": v for k, v in scores.items()})
+                best = _keep_best(best, step + 1, scores, policy, run_hash, paths, g, say)
+                saved = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
+                model_ids[step + 1] = run.log_checkpoint_model(
+                    f"grpo-step-{step + 1:07d}", step + 1, {f"heldout/{k}": v for k, v in scores.items()},
+                    {"grpo.step": step + 1, "grpo.run_hash": run_hash, "grpo.keep_metric": g.keep_metric,
+                     "grpo.checkpoint": str(paths.grpo_checkpoints / f"step-{step + 1:07d}") if saved else "none"})
             log.record(step + 1, metrics)
+            for breach in monitors.check(history) if ctx.is_main else ():
+                say(f"grpo: monitor breached: {breach.text()}", flush=True)
+                run.set_tags({f"monitor.{breach.signal}": breach.text()})
             for callback in callbacks if ctx.is_main else ():
                 callback(step + 1, policy.model, metrics)
             if ctx.is_main:
@@ -149,12 +170,27 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 last_checkpoint = step + 1
 
         log.flush()
+        kept = {"mode": g.keep, "step": g.steps, "metric": g.keep_metric,
+                "value": history[-1].get(f"heldout/{g.keep_metric}") if history else None}
+        if best is not None and ctx.is_main:
+            load_weights(paths.grpo_checkpoints / BEST, policy.model)
+            kept.update(step=best["step"], value=best["value"])
+            say(f"grpo: keeping the weights of step {best['step']} (held-out {g.keep_metric} {best['value']:.4f}, "
+                f"the best of the evaluations during training) as {paths.grpo_model}")
         provenance = {"stage": "grpo", "run_hash": run_hash, "steps": g.steps, "start": str(start_dir),
-                      **({"base_model": str(start_dir)} if policy.lora else {})}
+                      "kept_step": kept["step"], **({"base_model": str(start_dir)} if policy.lora else {})}
         save_final_model(policy, paths.grpo_model, provenance, ctx, load_plain)
         if not ctx.is_main:
             return {}
-        summary = write_step_outputs(history, paths)
+        evaluations = [{"step": h["step"], **{k.removeprefix("heldout/"): v for k, v in h.items()
+                                              if k.startswith("heldout/")}} for h in history
+                       if any(k.startswith("heldout/") for k in h)]
+        summary = write_step_outputs(history, paths, {
+            "kept": kept, "monitors": monitors.summary(), "not_learning": log.warning,
+            "heldout_evaluations": evaluations, "heldout_seconds": round(probe.seconds, 3) if probe else 0.0})
+        run.set_tags({"grpo.kept_step": kept["step"], "grpo.keep": g.keep})
+        if model_ids.get(kept["step"]):
+            run.set_model_tags(model_ids[kept["step"]], {"grpo.kept": f"models/grpo ({g.keep})"})
         reporter.finish(history, paths.plots)
     return summary
 
@@ -172,6 +208,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
         "completion_length": float(rollout.completion_mask.sum(-1).float().mean()) if len(rollout) else 0.0,
         "truncated_frac": float(rollout.truncated.float().mean()) if len(rollout) else 0.0,
         "zero_std_group_frac": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        "all_fail_group_frac": float((grouped.max(1).values <= 0).float().mean()),
         "kept_completions": float(len(rollout)), "sampled_completions": float(batch.sampled),
         "unscored_completions": float((~scorable).sum()),
         "grad_norm": stats.grad_norm, "learning_rate": lr, "clip_low_frac": stats.clip_low_frac,
@@ -183,7 +220,18 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
     return metrics
 
 
-# ---- the details the loop above hides: multi-process set-up, resume, failure streaks
+# ---- the details the loop above hides: the best checkpoint, multi-process set-up, resume, failure streaks
+
+def _keep_best(best: dict[str, Any] | None, step: int, scores: dict[str, float], policy: Policy, run_hash: str,
+               paths: Paths, g: GRPOConfig, say) -> dict[str, Any] | None:
+    """With `grpo.keep: best`, save the weights when this evaluation beats every earlier one (ties keep the earlier)."""
+    value = scores[g.keep_metric]
+    if g.keep != "best" or (best is not None and value <= best["value"]):
+        return best
+    save_best(paths.grpo_checkpoints, step, run_hash, policy.model, g.keep_metric, value)
+    say(f"grpo: step {step}: new best held-out {g.keep_metric} {value:.4f}", flush=True)
+    return {"step": step, "metric": g.keep_metric, "value": value}
+
 
 def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[StepCallback], say) -> None:
     """Print the config's warnings; refuse what a sharded (fsdp2) run cannot do."""

@@ -1,9 +1,10 @@
 """Stage `register`: log the GRPO model to MLflow, register a version, and gate the `champion` alias.
 
-Every new version gets alias `challenger`. It becomes `champion` only when there is no champion yet,
-or when on the same held-out set (same file hash) it beats the champion: mean paired improvement
-over the champion's own per-prompt rewards > 0 with the bootstrap CI lower bound above
-`register.min_ci_low`. Registration is keyed by the candidate's content hash, so re-running it
+Every new version gets alias `challenger`, and an RL model card as its description
+(tracking/model_card.py). It becomes `champion` only when no `block` monitor was breached during GRPO
+and there is no champion yet, or when on the same held-out set (same file hash) it beats the champion
+on `register.gate_metric`: mean paired improvement over the champion's own per-prompt values > 0 with
+the bootstrap CI lower bound above `register.min_ci_low`. Registration is keyed by the candidate's content hash, so re-running it
 never creates a duplicate version.
 """
 
@@ -23,6 +24,7 @@ from components.data.paths import Paths
 from components.data.records import SPLITS, dir_md5, file_md5, read_jsonl, split_path
 from components.engine.heldout import paired_bootstrap
 from components.engine.modeling import pick_device
+from components.engine.task_metrics import metric_key
 from components.stages.cli import stage_main
 from components.tracking.registry import current_tags
 from components.tracking.run_environment import run_environment
@@ -83,14 +85,42 @@ def lineage_tags(cfg: PipelineConfig, paths: Paths, evaluation: dict[str, Any], 
     return tags
 
 
-def version_description(evaluation: dict[str, Any], decision: dict[str, Any]) -> str:
-    """The first lines a model version page shows: its held-out result and the promotion decision."""
-    imp = evaluation["improvement"]
-    return (f"Held-out mean reward {evaluation['candidate']['mean_reward']:.4f} (before GRPO "
-            f"{evaluation['baseline']['mean_reward']:.4f}; improvement {imp['mean']:+.4f}, 95% CI "
-            f"{imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}, n = {evaluation['n']}).\n\n"
-            f"Decision: {'champion' if decision['promote'] else 'challenger'}: {decision['reason']}.\n\n"
-            "Lineage (data and model hashes, commit, environment) is in the tags.")
+def evidence_tags(cfg: PipelineConfig, evaluation: dict[str, Any], grpo: dict[str, Any]) -> dict[str, str]:
+    """Each task metric's result, the kept checkpoint and the monitors' verdicts, as version tags."""
+    tags = {"eval.gate_metric": cfg.register.gate_metric}
+    for metric, row in (evaluation.get("metrics") or {}).items():
+        imp = row["improvement"]
+        tags[f"eval.{metric_key(metric)}"] = (f"{row['candidate']:.4f} (before {row['baseline']:.4f}; {imp['mean']:+.4f}, "
+                                  f"95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f})")
+    kept = grpo.get("kept") or {}
+    if kept:
+        tags.update({"grpo.keep": str(kept.get("mode")), "grpo.kept_step": str(kept.get("step"))})
+    for m in grpo.get("monitors") or []:
+        b = m.get("breach")
+        tags[f"monitor.{m['signal']}"] = (f"breached: {b['value']:.4g} at step {b['step']} ({m['rule']}, {m['action']})"
+                                          if b else f"ok ({m['rule']}, {m['action']})")
+    if grpo.get("not_learning"):
+        tags["warning.not_learning"] = str(grpo["not_learning"])[:5000]
+    return tags
+
+
+def write_model_card(run, cfg: PipelineConfig, paths: Paths, name: str, version: str, evaluation: dict[str, Any],
+                     decision: dict[str, Any], grpo: dict[str, Any], tags: dict[str, str],
+                     predictions: list[dict[str, Any]]) -> str:
+    """Log `model_card/model_card.md` (+ the held-out curve) to the register run; return the description card."""
+    from components.tracking.model_card import model_card
+    from components.tracking.reports import HELDOUT_CURVE
+
+    figure = paths.plots / HELDOUT_CURVE
+    url = f"get-artifact?path=model_card/{HELDOUT_CURVE}&run_uuid={run.run_id}" if figure.exists() else None
+    full, short = model_card(cfg, name, version, evaluation, decision, grpo, tags, predictions, url)
+    with tempfile.TemporaryDirectory() as tmp:
+        card = Path(tmp) / "model_card.md"
+        card.write_text(full.replace(f"]({url})", f"]({HELDOUT_CURVE})") if url else full)
+        run.log_artifact(card, "model_card")
+    if figure.exists():
+        run.log_artifact(figure, "model_card")
+    return short
 
 
 def log_params_file(run, params_path: Path) -> None:
@@ -114,56 +144,94 @@ def _champion(client, name: str):
         return None
 
 
-def champion_rewards(client, champion) -> dict[str, float] | None:
-    """The champion's per-prompt held-out rewards (id -> reward), from its run's artifacts."""
+def champion_predictions(client, champion) -> dict[str, dict[str, Any]] | None:
+    """The champion's per-prompt held-out results (id -> row of eval/predictions.jsonl), from its run's artifacts."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = client.download_artifacts(champion.run_id, "eval/predictions.jsonl", tmp)
         except Exception:  # noqa: BLE001 - a champion without predictions cannot be compared
             return None
-        return {str(r["id"]): float(r["candidate_reward"]) for r in read_jsonl(local)}
+        return {str(r["id"]): r for r in read_jsonl(local)}
+
+
+def blocking_breaches(grpo: dict[str, Any]) -> list[dict[str, Any]]:
+    """The monitors with `action: block` that GRPO found breached (metrics/grpo.json)."""
+    return [m for m in grpo.get("monitors") or [] if m.get("breached") and m.get("action") == "block"]
+
+
+def compare_with_champion(predictions: list[dict[str, Any]], theirs: dict[str, dict[str, Any]],
+                          cfg: PipelineConfig) -> dict[str, dict[str, float]]:
+    """Paired improvement over the champion on every metric both have per prompt."""
+    ids = [str(p["id"]) for p in predictions]
+    out = {}
+    for metric in dict.fromkeys(["reward", *cfg.evaluate.metrics]):
+        column = f"candidate_{metric}"
+        if all(column in p for p in predictions) and all(column in theirs[i] for i in ids):
+            out[metric] = paired_bootstrap(np.array([p[column] for p in predictions], dtype=float),
+                                           np.array([theirs[i][column] for i in ids], dtype=float),
+                                           cfg.evaluate.bootstrap_samples, cfg.seed)
+    return out
 
 
 def decide(client, name: str, version: str, evaluation: dict[str, Any], predictions: list[dict[str, Any]],
-           cfg: PipelineConfig) -> dict[str, Any]:
-    """Whether `version` should take the `champion` alias, and why."""
+           cfg: PipelineConfig, grpo: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Whether `version` should take the `champion` alias, and why.
+
+    A `block` monitor breached during GRPO refuses it outright. Otherwise it becomes champion when there is
+    none, or when on the same held-out set its paired improvement over the champion on
+    `register.gate_metric` is > 0 with the CI's lower bound above `register.min_ci_low`.
+    """
+    gate = cfg.register.gate_metric
+    blocked = blocking_breaches(grpo or {})
+    refusal = ("monitor breached: " + "; ".join(
+        f"{b['signal']} = {b['breach']['value']:.4g} at step {b['breach']['step']} (rule {b['signal']} {b['rule']})"
+        for b in blocked) + " -> not promoted") if blocked else None
     champion = _champion(client, name)
     if champion is None:
-        return {"promote": True, "reason": "no champion yet", "champion_version": None}
+        return {"promote": refusal is None, "reason": refusal or "no champion yet", "champion_version": None,
+                "gate_metric": gate}
     if str(champion.version) == str(version):
-        return {"promote": True, "reason": "already champion", "champion_version": version}
-    base = {"champion_version": champion.version}
+        return {"promote": True, "reason": "already champion", "champion_version": version, "gate_metric": gate}
+    base = {"champion_version": champion.version, "gate_metric": gate}
     if current_tags(champion.tags).get("eval.heldout_md5") != evaluation["heldout_md5"]:
-        return base | {"promote": False, "reason": (
+        return base | {"promote": False, "reason": refusal or (
             f"champion v{champion.version} was evaluated on a different held-out set "
             f"({current_tags(champion.tags).get('eval.heldout_md5')} vs {evaluation['heldout_md5']}); not comparable")}
-    theirs = champion_rewards(client, champion)
+    theirs = champion_predictions(client, champion)
     ids = [str(p["id"]) for p in predictions]
     if theirs is None or any(i not in theirs for i in ids):
-        return base | {"promote": False, "reason": f"champion v{champion.version} has no per-prompt held-out rewards"}
-    ours = np.array([p["candidate_reward"] for p in predictions])
-    champ = np.array([theirs[i] for i in ids])
-    cmp = paired_bootstrap(ours, champ, cfg.evaluate.bootstrap_samples, cfg.seed)
+        return base | {"promote": False, "reason": refusal or
+                       f"champion v{champion.version} has no per-prompt held-out rewards"}
+    versus = compare_with_champion(predictions, theirs, cfg)
+    if gate not in versus:
+        return base | {"promote": False, "vs_champion_metrics": versus, "reason": refusal or (
+            f"champion v{champion.version} has no per-prompt held-out {gate} (register.gate_metric); not comparable")}
+    cmp = versus[gate]
     wins = cmp["mean"] > 0 and cmp["ci95_low"] > cfg.register.min_ci_low
     verdict = "beats" if wins else "does not beat"
-    return base | {"promote": bool(wins), "vs_champion": cmp, "reason": (
-        f"{verdict} champion v{champion.version}: improvement {cmp['mean']:+.4f} "
-        f"(95% CI {cmp['ci95_low']:+.4f} .. {cmp['ci95_high']:+.4f}, needs low > {cfg.register.min_ci_low})")}
+    reason = (f"{verdict} champion v{champion.version} on held-out {gate}: improvement {cmp['mean']:+.4f} "
+              f"(95% CI {cmp['ci95_low']:+.4f} .. {cmp['ci95_high']:+.4f}, needs low > {cfg.register.min_ci_low})")
+    if refusal:
+        reason = f"{refusal}; it {reason}"
+    return base | {"promote": bool(wins) and refusal is None, "vs_champion": cmp, "vs_champion_metrics": versus,
+                   "reason": reason}
 
 
 def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
     name = cfg.register.model_name
     evaluation = json.loads((paths.metrics / "eval.json").read_text())
     predictions = read_jsonl(paths.eval_dir / "predictions.jsonl")
+    grpo_file = paths.metrics / "grpo.json"
+    grpo = json.loads(grpo_file.read_text()) if grpo_file.exists() else {}
     candidate_md5 = dir_md5(paths.grpo_model)
     from components.locks import REGISTRY_LOCK, file_lock
 
     with file_lock(paths.root / REGISTRY_LOCK, "a registry change in this repository", wait_s=600):
-        return _register_locked(cfg, paths, name, evaluation, predictions, candidate_md5)
+        return _register_locked(cfg, paths, name, evaluation, predictions, candidate_md5, grpo)
 
 
 def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: dict[str, Any],
-                     predictions: list[dict[str, Any]], candidate_md5: str) -> dict[str, Any]:
+                     predictions: list[dict[str, Any]], candidate_md5: str, grpo: dict[str, Any]) -> dict[str, Any]:
     import mlflow
 
     from components.tracking.runs import client as mlflow_client
@@ -184,7 +252,7 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             version = existing[0]
             print(f"register: candidate {candidate_md5} is already version {version.version}; not registering again")
         else:
-            tags = lineage_tags(cfg, paths, evaluation, candidate_md5)
+            tags = lineage_tags(cfg, paths, evaluation, candidate_md5) | evidence_tags(cfg, evaluation, grpo)
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
             log_params_file(run, paths.root / "params.yaml")
@@ -211,7 +279,10 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             # Only a version whose artifacts and tags are all in place is marked complete.
             client.set_model_version_tag(name, version.version, "registration", "complete")
             version = client.get_model_version(name, version.version)
-        decision = decide(client, name, version.version, evaluation, predictions, cfg)
+        decision = decide(client, name, version.version, evaluation, predictions, cfg, grpo)
+        for breach in blocking_breaches(grpo):
+            print(f"register: monitor {breach['signal']} {breach['rule']} breached at step {breach['breach']['step']} "
+                  f"(value {breach['breach']['value']:.4g}; action block): v{version.version} is not made champion")
         from components.tracking.registry import alias_version, move_alias
 
         aliases = [("challenger", f"registered by run {run.run_id}")]
@@ -226,12 +297,15 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             client.set_model_version_tag(name, version.version, key, value)
         run.set_tags({"promotion.decision": "champion" if decision["promote"] else "challenger",
                       "promotion.reason": decision["reason"], "model_version": version.version})
-        client.update_model_version(name, version.version, description=version_description(evaluation, decision))
+        card = write_model_card(run, cfg, paths, name, str(version.version), evaluation, decision, grpo,
+                                current_tags(version.tags), predictions)
+        client.update_model_version(name, version.version, description=card)
     uri = f"models:/{name}/{version.version}"
     result = {"model_name": name, "version": str(version.version), "model_uri": uri, "promoted": decision["promote"],
               "reason": decision["reason"], "champion_version": None if decision.get("champion_version") is None else str(decision["champion_version"]),
               "champion_uri": f"models:/{name}@champion", "candidate_md5": candidate_md5,
-              "vs_champion": decision.get("vs_champion")}
+              "vs_champion": decision.get("vs_champion"), "gate_metric": cfg.register.gate_metric,
+              "blocked_by": [b["signal"] for b in blocking_breaches(grpo)]}
     paths.metrics.mkdir(parents=True, exist_ok=True)
     (paths.metrics / "register.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"register: {uri} -> {'champion' if decision['promote'] else 'challenger'} ({decision['reason']})")

@@ -19,6 +19,7 @@ from components.config import ReportsConfig
 REWARD_CURVE = "grpo_reward.png"
 GROUP_REWARDS = "grpo_group_rewards.png"
 TRAINING_CURVES = "grpo_training.png"
+HELDOUT_CURVE = "grpo_heldout.png"
 
 
 def _pyplot():
@@ -123,7 +124,34 @@ def write_step_figures(history: list[dict[str, Any]], group_means: list[tuple[in
     groups = plots_dir / GROUP_REWARDS
     fig.savefig(groups)
     plt.close(fig)
-    return [curve, training, groups]
+    return [curve, training, groups, heldout_figure(history, plots_dir / HELDOUT_CURVE)]
+
+
+def heldout_figure(history: list[dict[str, Any]], path: Path) -> Path:
+    """The held-out evaluations during training (evaluate.every) against the step, with the training reward
+    for comparison: a held-out curve that falls while the training reward rises is reward hacking's mark."""
+    plt = _pyplot()
+    rows = [h for h in history if any(k.startswith("heldout/") for k in h)]
+    keys = sorted({k for h in rows for k in h if k.startswith("heldout/")} - {"heldout/completion_length"})
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for key in keys:
+        ax.plot([h["step"] for h in rows if key in h], [h[key] for h in rows if key in h], marker="o",
+                label=key.removeprefix("heldout/") + " (held-out)")
+    if history:
+        k = max(1, len(history) // 20)
+        steps = [h["step"] for h in history]
+        mean = [h["reward_mean"] for h in history]
+        smooth = [sum(mean[max(0, i - k + 1): i + 1]) / len(mean[max(0, i - k + 1): i + 1]) for i in range(len(mean))]
+        ax.plot(steps, smooth, color="grey", lw=1, label=f"training reward ({k}-step mean)")
+    if not rows:
+        ax.text(0.5, 0.5, "no held-out evaluation during training (evaluate.every: 0)", ha="center",
+                transform=ax.transAxes)
+    ax.set(xlabel="step", ylabel="value", title="Held-out metrics during GRPO")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _buckets(group_means: list[tuple[int, list[float]]], n: int) -> list[tuple[str, list[float]]]:

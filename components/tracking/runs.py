@@ -116,6 +116,27 @@ class StageRun:
         elif path.exists():
             self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_checkpoint_model(self, name: str, step: int, metrics: dict[str, float], tags: dict[str, Any]) -> str:
+        """One training checkpoint as an MLflow LoggedModel carrying its step and held-out metrics: the
+        experiment's Models tab lists every evaluated checkpoint of every run side by side."""
+        from mlflow.entities import Metric
+
+        with deferred():
+            experiment = self._client.get_run(self.run_id).info.experiment_id
+            model = self._client.create_logged_model(experiment, name=name, source_run_id=self.run_id,
+                                                     tags={k: str(v) for k, v in tags.items()},
+                                                     params={"step": str(step)})
+            now = int(time.time() * 1000)
+            self._client.log_batch(self.run_id, metrics=[
+                Metric(k, float(v), now, step, model_id=model.model_id, run_id=self.run_id)
+                for k, v in metrics.items() if v == v])
+            self._client.finalize_logged_model(model.model_id, "READY")
+        return model.model_id
+
+    def set_model_tags(self, model_id: str, tags: dict[str, Any]) -> None:
+        with deferred():
+            self._client.set_logged_model_tags(model_id, {k: str(v) for k, v in tags.items()})
+
 
 def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None) -> StageRun:
@@ -161,6 +182,10 @@ class NullRun:
     def set_tags(self, *args: Any, **kwargs: Any) -> None: ...
 
     def log_artifact(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def log_checkpoint_model(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def set_model_tags(self, *args: Any, **kwargs: Any) -> None: ...
 
 
 def tracking_run(is_main: bool, experiment: str, stage: str, params: dict[str, Any]):

@@ -8,8 +8,9 @@ import json
 import time
 from typing import Any
 
-from components.config import GRPOConfig
+from components.config import GRPOConfig, NotLearningConfig
 from components.data.paths import Paths
+from components.engine.monitors import not_learning
 
 # MLflow's run page shows one section of charts per prefix before "/", sections in alphabetical order
 # (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
@@ -18,7 +19,7 @@ METRIC_GROUPS = {
     "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length"),
     "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
               "clip_high_frac"),
-    "rollout": ("truncated_frac", "zero_std_group_frac", "kept_completions", "sampled_completions",
+    "rollout": ("truncated_frac", "zero_std_group_frac", "all_fail_group_frac", "kept_completions", "sampled_completions",
                 "unscored_completions", "reward_failures"),
     "time": ("step_seconds", "completions_per_s"),
 }
@@ -37,17 +38,28 @@ def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 class StepLog:
-    """Collects each step's metrics; logs windows to MLflow and prints progress (rank 0 only)."""
+    """Collects each step's metrics; logs windows to MLflow and prints progress (rank 0 only).
 
-    def __init__(self, run, g: GRPOConfig, start_step: int, history: list[dict[str, Any]], is_main: bool):
+    Held-out metrics (`heldout/...`, on the steps that ran an evaluation) go to MLflow at their own step,
+    not averaged into a window. The progress line says when the run is not learning (engine/monitors.py),
+    and so does the run's tag `warning.not_learning`.
+    """
+
+    def __init__(self, run, g: GRPOConfig, start_step: int, history: list[dict[str, Any]], is_main: bool,
+                 not_learning_cfg: NotLearningConfig | None = None):
         self.run, self.g, self.start_step, self.history, self.is_main = run, g, start_step, history, is_main
+        self.not_learning_cfg = not_learning_cfg
         self.window: list[dict[str, float]] = []
         self.started = time.perf_counter()
+        self.warning: str | None = None
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """`step` is 1-based: the number of steps done."""
         self.history.append({"step": step, **{k: round(v, 6) for k, v in metrics.items()}})
-        self.window.append(metrics)
+        heldout = {k: v for k, v in metrics.items() if k.startswith("heldout/")}
+        if heldout:
+            self.run.log_metrics(heldout, step=step)
+        self.window.append({k: v for k, v in metrics.items() if k not in heldout})
         if step % self.g.metrics_every == 0:
             self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=step)
             self.window = []
@@ -56,9 +68,16 @@ class StepLog:
             eta = (self.g.steps - step) / rate if rate > 0 else float("inf")
             recent = self.history[-self.g.log_every:]
             mean_reward = sum(h["reward_mean"] for h in recent) / len(recent)
-            print(f"grpo: step {step}/{self.g.steps} reward {mean_reward:.3f} kl {metrics['kl']:.4f} "
-                  f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
-                  f"completions/s, ETA {eta:.0f}s", flush=True)
+            line = (f"grpo: step {step}/{self.g.steps} reward {mean_reward:.3f} kl {metrics['kl']:.4f} "
+                    f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
+                    f"completions/s, ETA {eta:.0f}s")
+            if heldout:
+                line += " | held-out " + ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in heldout.items())
+            self.warning = not_learning(self.history, self.not_learning_cfg) if self.not_learning_cfg else None
+            if self.warning:
+                line += f"\ngrpo: WARNING at step {step}: {self.warning}"
+                self.run.set_tags({"warning.not_learning": f"step {step}: {self.warning}"})
+            print(line, flush=True)
 
     def flush(self) -> None:
         """The last, partial window (also when the last steps were skipped)."""
@@ -67,11 +86,13 @@ class StepLog:
             self.window = []
 
 
-def write_step_outputs(history: list[dict[str, Any]], paths: Paths) -> dict[str, Any]:
-    """Per-step CSV (DVC plots) and a small summary JSON (DVC metrics)."""
+def write_step_outputs(history: list[dict[str, Any]], paths: Paths, extra: dict[str, Any] | None = None
+                       ) -> dict[str, Any]:
+    """Per-step CSV (DVC plots) and a small summary JSON (DVC metrics), plus `extra` (kept checkpoint,
+    monitors, held-out evaluations)."""
     paths.plots.mkdir(parents=True, exist_ok=True)
     paths.metrics.mkdir(parents=True, exist_ok=True)
-    keys = list(history[-1].keys()) if history else ["step"]  # the last row has every column, timings included
+    keys = list(dict.fromkeys(k for row in history for k in row)) or ["step"]  # held-out columns on some rows only
     with (paths.plots / "grpo_steps.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
@@ -79,7 +100,8 @@ def write_step_outputs(history: list[dict[str, Any]], paths: Paths) -> dict[str,
     tail = history[-max(1, len(history) // 10):]
     summary = {"steps": len(history),
                "reward_mean_first10pct": _mean(history[: max(1, len(history) // 10)], "reward_mean"),
-               "reward_mean_last10pct": _mean(tail, "reward_mean"), "kl_last": history[-1]["kl"] if history else 0.0}
+               "reward_mean_last10pct": _mean(tail, "reward_mean"), "kl_last": history[-1]["kl"] if history else 0.0,
+               **(extra or {})}
     (paths.metrics / "grpo.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 

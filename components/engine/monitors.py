@@ -1,0 +1,127 @@
+"""Reward-hacking monitors and the not-learning diagnosis, read from GRPO's step history.
+
+Both are pure functions of the history (one dict per step, with `heldout/<metric>` on the steps
+that ran a held-out evaluation), so a resumed run replays them and reaches the same verdicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from components.config import MonitorsConfig, MonitorSpec, NotLearningConfig
+
+WINDOW_SIGNALS = ("kl", "entropy", "completion_length", "reward_mean", "zero_std_group_frac")
+
+
+def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, evaluations: int,
+                  keep_metric: str) -> dict[str, float]:
+    """Every signal at history[end - 1] (the signals that cannot be computed yet are left out)."""
+    if end < window:
+        return {}
+    rows = history[end - window:end]
+    values = {name: v for name in WINDOW_SIGNALS if (v := _mean(rows, name)) is not None}
+    first = _mean(history[:window], "completion_length")
+    if end >= 2 * window and first and "completion_length" in values:
+        values["completion_length_growth"] = values["completion_length"] / first - 1.0
+    key = f"heldout/{keep_metric}"
+    evals = [i for i in range(end) if key in history[i]]
+    if evals and "heldout/reward" in history[evals[-1]] and "reward_mean" in values:
+        values["reward_heldout_gap"] = values["reward_mean"] - history[evals[-1]]["heldout/reward"]
+    if len(evals) > evaluations:
+        then, now = evals[-1 - evaluations], evals[-1]
+        rose = (_mean(history[max(0, now + 1 - window):now + 1], "reward_mean") or 0.0) > \
+            (_mean(history[max(0, then + 1 - window):then + 1], "reward_mean") or 0.0)
+        drop = history[then][key] - history[now][key]
+        values["heldout_drop"] = drop if rose and drop > 0 else 0.0
+    return values
+
+
+@dataclass
+class Breach:
+    """A check's first breach: where, by how much, and what it does to promotion."""
+
+    signal: str
+    rule: str
+    action: str
+    step: int
+    value: float
+
+    def text(self) -> str:
+        return f"{self.signal} = {self.value:.4g} at step {self.step} (rule: {self.signal} {self.rule}; {self.action})"
+
+
+def _breached(check: MonitorSpec, value: float) -> bool:
+    return (check.above is not None and value > check.above) or (check.below is not None and value < check.below)
+
+
+def _rule(check: MonitorSpec) -> str:
+    return f"> {check.above:g}" if check.above is not None else f"< {check.below:g}"
+
+
+class Monitors:
+    """Checks `monitors.checks` after every step; remembers each check's first breach."""
+
+    def __init__(self, m: MonitorsConfig, keep_metric: str):
+        self.m, self.keep_metric = m, keep_metric
+        self.breaches: dict[int, Breach] = {}
+        self.last: dict[str, float] = {}
+
+    def check(self, history: Sequence[dict[str, Any]], end: int | None = None) -> list[Breach]:
+        """The checks first breached at history[end - 1] (default: the newest step)."""
+        end = len(history) if end is None else end
+        self.last = signal_values(history, end, self.m.window, self.m.evaluations, self.keep_metric) or self.last
+        new = []
+        for i, check in enumerate(self.m.checks):
+            value = self.last.get(check.signal)
+            if i in self.breaches or value is None or not _breached(check, value):
+                continue
+            self.breaches[i] = Breach(check.signal, _rule(check), check.action, int(history[end - 1]["step"]), value)
+            new.append(self.breaches[i])
+        return new
+
+    def replay(self, history: Sequence[dict[str, Any]]) -> None:
+        """Rebuild the breaches of a resumed run from its checkpointed history."""
+        for end in range(1, len(history) + 1):
+            self.check(history, end)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One entry per check for metrics/grpo.json: its rule, action, first breach (if any) and last value."""
+        out = []
+        for i, check in enumerate(self.m.checks):
+            breach = self.breaches.get(i)
+            out.append({"signal": check.signal, "rule": _rule(check), "action": check.action,
+                        "breached": breach is not None, "breach": asdict(breach) if breach else None,
+                        "last_value": self.last.get(check.signal)})
+        return out
+
+
+REMEDIES = ("a stronger warm start (sft.stop_at_reward, more SFT data)",
+            "dynamic sampling (grpo.dynamic_sampling.enabled: true) to train only on groups that differ",
+            "a denser reward (partial credit, a format reward)", "another grpo.learning_rate")
+
+
+def not_learning(history: Sequence[dict[str, Any]], c: NotLearningConfig) -> str | None:
+    """Why this run does not seem to learn, with the likely remedies; None when it does (or it is too early).
+
+    Compares the last `window` steps with the first `window`: the training reward must have risen by
+    `min_reward_gain`. A run whose groups mostly score the same for every completion (all wrong)
+    gets no gradient from them, the usual cause; groups that are all right mean the task is solved,
+    so only all-wrong groups count as starving.
+    """
+    w = c.window
+    if len(history) < 2 * w:
+        return None
+    first, last = _mean(history[:w], "reward_mean") or 0.0, _mean(history[-w:], "reward_mean") or 0.0
+    if last - first >= c.min_reward_gain:
+        return None
+    starved = _mean(history[-w:], "all_fail_group_frac") or 0.0
+    reason = (f"training reward {first:.3f} -> {last:.3f} (first vs last {w} steps, needs +{c.min_reward_gain:g})")
+    if starved > c.zero_variance_above:
+        reason += f"; {starved:.0%} of groups score zero on every completion, so they give no gradient"
+    return f"not learning: {reason}. Try " + "; ".join(REMEDIES)

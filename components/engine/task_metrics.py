@@ -1,0 +1,132 @@
+"""Task metrics on held-out completions, kept apart from the training reward (`evaluate.metrics`).
+
+A metric gives one number per prompt, so baseline and candidate (or challenger and champion) can be
+compared prompt by prompt with the paired bootstrap:
+
+- `reward`: the training reward's weighted sum on the greedy completion;
+- a reward's name (a built-in or `package.module:function`): that reward alone (weight 1; the options
+  of the training reward of the same name, if there is one);
+- `pass@k`: whether a correct completion (training reward total >= `evaluate.correct_at`) is among k
+  sampled at `evaluate.pass_k_temperature`, with Chen et al.'s unbiased estimator over n >= k samples;
+- `completion_length`: tokens of the greedy completion, EOS included;
+- `eos_rate`: 1 when the greedy completion ended with EOS within `evaluate.max_new_tokens`, else 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from math import comb
+from typing import Any, Sequence
+
+import torch
+
+from components.config import PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
+from components.data.records import reward_columns
+from components.engine.rewards import RewardModel, resolve_reward
+from components.engine.rollout import decode_completions, sample_groups
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Probability that k of n samples (`correct` of them correct), drawn without replacement, hold a correct
+    one: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating Large Language Models Trained on Code")."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n and 0 <= correct <= n (n={n}, correct={correct})")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - comb(n - correct, k) / comb(n, k)
+
+
+def pass_k(name: str) -> int | None:
+    """k of a `pass@k` metric name, else None."""
+    match = PASS_AT_K.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def metric_key(name: str) -> str:
+    """A metric name MLflow accepts: `pass@4` -> `pass_at_4`, `my.rewards:f` -> `my.rewards.f`."""
+    return re.sub(r"[^\w./ -]", "_", name.replace("@", "_at_").replace(":", "."))
+
+
+def check_metrics(names: Sequence[str]) -> None:
+    """Every reward-named metric resolves (imports the user's module, so not part of config validation)."""
+    for i, name in enumerate(names):
+        if name in ("reward", "completion_length", "eos_rate") or pass_k(name):
+            continue
+        try:
+            resolve_reward(name)
+        except (KeyError, ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(f"evaluate.metrics[{i}]: {err}") from err
+
+
+@dataclass
+class Completions:
+    """Decoded completions with their token lengths and whether each ended with EOS (prompt-major)."""
+
+    texts: list[str]
+    lengths: list[int]
+    ended: list[bool]
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, batch_size: int, *,
+             greedy: bool = True, temperature: float = 1.0, generator: torch.Generator | None = None) -> Completions:
+    """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode."""
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    lengths: list[int] = []
+    ended: list[bool] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], n, max_new_tokens,
+                                    greedy=greedy, temperature=temperature, generator=generator)
+            texts += decode_completions(tokenizer, rollout)
+            lengths += rollout.completion_mask.sum(-1).tolist()
+            ended += (~rollout.truncated).tolist()
+    finally:
+        model.train(was_training)
+    return Completions(texts, [int(x) for x in lengths], [bool(x) for x in ended])
+
+
+class TaskMetrics:
+    """Computes `evaluate.metrics` (plus `reward`, always) per prompt for one model."""
+
+    def __init__(self, e: EvaluateConfig, rewards: Sequence[RewardSpec], names: Sequence[str] | None = None):
+        self.e = e
+        self.names = list(dict.fromkeys(["reward", *(e.metrics if names is None else names)]))
+        self.reward = RewardModel(rewards)
+        options = {spec.name: spec.options for spec in rewards}
+        self.single = {name: RewardModel([RewardSpec(name=name, weight=1.0, options=dict(options.get(name, {})))])
+                       for name in self.names if name not in ("reward", "completion_length", "eos_rate")
+                       and not pass_k(name)}
+
+    @property
+    def greedy_names(self) -> list[str]:
+        return [n for n in self.names if not pass_k(n)]
+
+    def per_prompt(self, model, tokenizer, prompts: list[str], records: list[dict[str, Any]], seed: int,
+                   greedy_only: bool = False) -> tuple[dict[str, list[float]], Completions]:
+        """{metric: one value per prompt} and the greedy completions; pass@k left out when `greedy_only`."""
+        e = self.e
+        out = generate(model, tokenizer, prompts, 1, e.max_new_tokens, e.batch_size)
+        columns = reward_columns(records, 1)
+        values: dict[str, list[float]] = {"reward": self.reward(prompts, out.texts, columns).total}
+        for name in self.greedy_names:
+            if name == "completion_length":
+                values[name] = [float(x) for x in out.lengths]
+            elif name == "eos_rate":
+                values[name] = [float(x) for x in out.ended]
+            elif name in self.single:
+                values[name] = self.single[name](prompts, out.texts, columns).total
+        ks = [k for k in map(pass_k, self.names) if k]
+        if ks and not greedy_only:
+            n = e.pass_k_samples or max(ks)
+            generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+            sampled = generate(model, tokenizer, prompts, n, e.max_new_tokens, max(1, e.batch_size // n),
+                               greedy=False, temperature=e.pass_k_temperature, generator=generator)
+            scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts, reward_columns(records, n)).total
+            correct = [sum(s >= e.correct_at for s in scores[i * n:(i + 1) * n]) for i in range(len(prompts))]
+            for k in ks:
+                values[f"pass@{k}"] = [pass_at_k(n, c, k) for c in correct]
+        return {name: values[name] for name in self.names if name in values}, out
