@@ -52,3 +52,13 @@ def always_one(prompts, completions, **_):
 
 def always_zero(prompts, completions, **_):
     return [0.0] * len(completions)
+
+
+def every_other(prompts, completions, **_):
+    """1, 0, 1, 0, ... over the completions: with n samples per prompt (n even), n/2 of each prompt's are correct."""
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+def pays_for_length(prompts, completions, **_):
+    """A hackable reward: pays for characters, whatever they say."""
+    return [len(c) / 10 for c in completions]

@@ -55,7 +55,8 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
                 "| metric | before GRPO | this version | improvement (95% CI) | "
                 + (f"vs champion v{champion} (95% CI) |" if champion and vs_champion else "vs champion |"),
                 "|---|---|---|---|---|"]
-    for metric, row in metrics.items():
+    order = [cfg.register.gate_metric, "reward", *cfg.evaluate.metrics]
+    for metric, row in sorted(metrics.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         gate = " (gate)" if metric == cfg.register.gate_metric else ""
         evidence.append(f"| {metric}{gate} | {row['baseline']:.4f} | {row['candidate']:.4f} | {_ci(row['improvement'])} "
                         f"| {_ci(vs_champion.get(metric))} |")

@@ -1,0 +1,75 @@
+"""Reward-hacking monitors and the not-learning diagnosis on step histories with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.config import MonitorsConfig, MonitorSpec, NotLearningConfig
+from components.engine.monitors import Monitors, not_learning, signal_values
+
+
+def steps(n: int, **columns) -> list[dict]:
+    """n history rows; each column a constant or a function of the 0-based step index."""
+    return [{"step": i + 1, **{k: (v(i) if callable(v) else v) for k, v in columns.items()}} for i in range(n)]
+
+
+def test_window_signals_are_means_over_the_last_window():
+    history = steps(10, kl=lambda i: float(i), completion_length=lambda i: 2.0 if i < 5 else 3.0, reward_mean=0.5)
+    values = signal_values(history, 10, window=5, evaluations=3, keep_metric="reward")
+    assert values["kl"] == pytest.approx((5 + 6 + 7 + 8 + 9) / 5)
+    assert values["completion_length_growth"] == pytest.approx(3.0 / 2.0 - 1)  # last window over the first
+    assert signal_values(history, 4, window=5, evaluations=3, keep_metric="reward") == {}  # window not full yet
+
+
+def test_a_breach_is_recorded_once_with_its_first_step_and_value():
+    m = MonitorsConfig(window=2, checks=[MonitorSpec("kl", above=1.0, action="block"),
+                                         MonitorSpec("entropy", below=0.1, action="warn")])
+    history = steps(6, kl=lambda i: [0.5, 0.5, 0.9, 1.5, 2.0, 0.1][i], entropy=1.0)
+    monitors = Monitors(m, "reward")
+    firsts = [monitors.check(history, end) for end in range(1, 7)]
+    # window of 2: means 0.5, 0.7, 1.2 (step 4: first above 1.0), 1.75, 1.05
+    assert [len(f) for f in firsts] == [0, 0, 0, 1, 0, 0]
+    breach = firsts[3][0]
+    assert (breach.signal, breach.step, breach.action) == ("kl", 4, "block")
+    assert breach.value == pytest.approx(1.2)
+    summary = monitors.summary()
+    assert summary[0]["breached"] and summary[0]["breach"]["step"] == 4
+    assert not summary[1]["breached"] and summary[1]["last_value"] == 1.0
+
+
+def test_heldout_drop_counts_only_while_the_training_reward_rises():
+    def history(train):
+        rows = steps(8, reward_mean=train)
+        for step, value in ((2, 0.8), (4, 0.7), (6, 0.6), (8, 0.5)):
+            rows[step - 1]["heldout/reward"] = value
+        return rows
+
+    rising = signal_values(history(lambda i: 0.1 * i), 8, window=2, evaluations=3, keep_metric="reward")
+    assert rising["heldout_drop"] == pytest.approx(0.8 - 0.5)  # three evaluations back: step 2
+    assert rising["reward_heldout_gap"] == pytest.approx((0.6 + 0.7) / 2 - 0.5)
+    falling = signal_values(history(lambda i: 1 - 0.1 * i), 8, window=2, evaluations=3, keep_metric="reward")
+    assert falling["heldout_drop"] == 0.0  # both fell: not the mark of a hacked reward
+
+
+def test_replay_after_resume_reaches_the_same_breaches():
+    m = MonitorsConfig(window=3, checks=[MonitorSpec("completion_length_growth", above=0.5)])
+    history = steps(12, completion_length=lambda i: 2.0 + 0.3 * i)
+    live = Monitors(m, "reward")
+    for end in range(1, 13):
+        live.check(history, end)
+    replayed = Monitors(m, "reward")
+    replayed.replay(history)
+    assert replayed.summary() == live.summary() and live.summary()[0]["breached"]
+
+
+def test_not_learning_says_why_and_stays_quiet_while_learning():
+    c = NotLearningConfig(window=10, min_reward_gain=0.05, zero_variance_above=0.5)
+    flat = steps(20, reward_mean=0.08, all_fail_group_frac=0.7)
+    message = not_learning(flat, c)
+    assert "0.080 -> 0.080" in message and "70% of groups score zero" in message
+    assert "dynamic sampling" in message and "warm start" in message and "learning_rate" in message
+    assert not_learning(flat[:19], c) is None  # too early: needs two windows
+    learning = steps(20, reward_mean=lambda i: 0.05 + 0.01 * i, all_fail_group_frac=0.7)
+    assert not_learning(learning, c) is None  # starving at first, but the reward climbs
+    solved = steps(20, reward_mean=lambda i: 0.9, all_fail_group_frac=0.0)
+    assert "score zero" not in not_learning(solved, c)  # flat because all right: not blamed on starving
