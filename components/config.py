@@ -396,7 +396,7 @@ class MonitorSpec:
     signal: Literal["kl", "entropy", "completion_length", "completion_length_growth", "reward_mean",
                     "zero_std_group_frac", "reward_heldout_gap", "heldout_drop"] = "heldout_drop"
     """kl, entropy, completion_length, reward_mean, zero_std_group_frac: means over the last `window` steps;
-    completion_length_growth: that mean over the first window's, minus 1; reward_heldout_gap: training reward
+    completion_length_growth: that mean over step 1's (sampled from the start policy), minus 1; reward_heldout_gap: training reward
     minus the last held-out `reward`; heldout_drop: how far the held-out `grpo.keep_metric` fell over the last
     `evaluations` evaluations while the training reward rose (0 otherwise)."""
     above: float | None = None

@@ -26,8 +26,8 @@ def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, eval
         return {}
     rows = history[end - window:end]
     values = {name: v for name in WINDOW_SIGNALS if (v := _mean(rows, name)) is not None}
-    first = _mean(history[:window], "completion_length")
-    if end >= 2 * window and first and "completion_length" in values:
+    first = history[0].get("completion_length")  # step 1 samples from the start policy, before any update
+    if first and "completion_length" in values:
         values["completion_length_growth"] = values["completion_length"] / first - 1.0
     key = f"heldout/{keep_metric}"
     evals = [i for i in range(end) if key in history[i]]

@@ -150,6 +150,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 scores = probe(policy.model)
                 metrics.update({f"heldout/{k}": v for k, v in scores.items()})
                 best = _keep_best(best, step + 1, scores, policy, run_hash, paths, g, say)
+                # The run's `heldout/...` curves and the checkpoint's LoggedModel share these points.
                 saved = g.checkpoint_every and (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps
                 model_ids[step + 1] = run.log_checkpoint_model(
                     f"grpo-step-{step + 1:07d}", step + 1, {f"heldout/{k}": v for k, v in scores.items()},

@@ -40,8 +40,8 @@ def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
 class StepLog:
     """Collects each step's metrics; logs windows to MLflow and prints progress (rank 0 only).
 
-    Held-out metrics (`heldout/...`, on the steps that ran an evaluation) go to MLflow at their own step,
-    not averaged into a window. The progress line says when the run is not learning (engine/monitors.py),
+    Held-out metrics (`heldout/...`, on the steps that ran an evaluation) are not averaged into a window:
+    the stage logs them at their own step, linked to that checkpoint's LoggedModel. The progress line says when the run is not learning (engine/monitors.py),
     and so does the run's tag `warning.not_learning`.
     """
 
@@ -56,9 +56,7 @@ class StepLog:
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """`step` is 1-based: the number of steps done."""
         self.history.append({"step": step, **{k: round(v, 6) for k, v in metrics.items()}})
-        heldout = {k: v for k, v in metrics.items() if k.startswith("heldout/")}
-        if heldout:
-            self.run.log_metrics(heldout, step=step)
+        heldout = {k: v for k, v in metrics.items() if k.startswith("heldout/")}  # MLflow: with its LoggedModel
         self.window.append({k: v for k, v in metrics.items() if k not in heldout})
         if step % self.g.metrics_every == 0:
             self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=step)

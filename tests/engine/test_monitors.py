@@ -17,7 +17,7 @@ def test_window_signals_are_means_over_the_last_window():
     history = steps(10, kl=lambda i: float(i), completion_length=lambda i: 2.0 if i < 5 else 3.0, reward_mean=0.5)
     values = signal_values(history, 10, window=5, evaluations=3, keep_metric="reward")
     assert values["kl"] == pytest.approx((5 + 6 + 7 + 8 + 9) / 5)
-    assert values["completion_length_growth"] == pytest.approx(3.0 / 2.0 - 1)  # last window over the first
+    assert values["completion_length_growth"] == pytest.approx(3.0 / 2.0 - 1)  # last window over step 1
     assert signal_values(history, 4, window=5, evaluations=3, keep_metric="reward") == {}  # window not full yet
 
 

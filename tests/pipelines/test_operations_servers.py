@@ -10,6 +10,7 @@ and an MLflow server on a real PostgreSQL database.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -283,7 +285,8 @@ def test_mlflow_holds_figures_sample_tables_and_predictions(served, servers):
     assert len(runs) == 2
     run_id = runs[0].info.run_id
     figures = {a.path for a in client.list_artifacts(run_id, "figures")}
-    assert figures == {"figures/grpo_reward.png", "figures/grpo_training.png", "figures/grpo_group_rewards.png"}
+    assert figures == {"figures/grpo_reward.png", "figures/grpo_training.png", "figures/grpo_group_rewards.png",
+                       "figures/grpo_heldout.png"}
     samples = {a.path for a in client.list_artifacts(run_id, "samples")}
     assert samples == {"samples/step_000003.json", "samples/step_000006.json"}
     local = client.download_artifacts(run_id, "samples/step_000003.json", str(servers["tmp"]))
@@ -311,10 +314,10 @@ def test_dvc_plots_render_offline(served, tmp_path):
     html = (tmp_path / "plots" / "index.html").read_text()
     assert not re.search(r"<(script|link|img)[^>]+(src|href)=[\"']?(https?:)?//", html), "loads a network resource"
     assert "https://" not in html and "http://" not in html
-    for name in ("grpo_reward.png", "grpo_training.png", "grpo_group_rewards.png"):
+    for name in ("grpo_reward.png", "grpo_training.png", "grpo_group_rewards.png", "grpo_heldout.png"):
         assert name in html
     images = list((tmp_path / "plots").rglob("*.png"))
-    assert len(images) == 3 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in images)
+    assert len(images) == 4 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in images)
 
 
 def chromium() -> str | None:
@@ -349,8 +352,22 @@ def test_mlflow_ui_shows_champion_and_heldout_metric(served, servers, tmp_path):
         shot.unlink(missing_ok=True)
         browse(url, tmp_path / "profile", f"--screenshot={shot}", f"--window-size={size}")
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
-    # The version page leads with the held-out result and the decision (its description), before the tags.
-    assert version_dom.find("Held-out mean reward") < version_dom.find("eval.heldout_md5"), "description not first"
+    # The version page leads with its RL model card (the description, rendered Markdown), before the tags:
+    # decision, held-out metrics with CIs, training, monitors, the held-out curve as a picture, limits.
+    card_at = version_dom.find(f"Model card: {MODEL} v{champion.version}")
+    assert 0 <= card_at < version_dom.find("eval.heldout_md5"), "model card not first"
+    for heading in ("Held-out evaluation", "Reward-hacking monitors", "Evaluation during training", "Known limits"):
+        assert heading in version_dom, heading
+    assert "<table" in version_dom[card_at:version_dom.find("eval.heldout_md5")]  # tables rendered, not raw pipes
+    image = re.search(r'<img[^>]+src="([^"]*get-artifact[^"]*)"', version_dom)
+    assert image, "held-out curve missing from the rendered card"
+    served_png = urllib.request.urlopen(servers["mlflow"] + "/" + html.unescape(image.group(1)).lstrip("/"), timeout=30)
+    assert served_png.read()[:8] == b"\x89PNG\r\n\x1a\n"
+    shot = ARTIFACTS / "mlflow-model-card.png"
+    shot.unlink(missing_ok=True)
+    browse(f"{model_page}/versions/{champion.version}", tmp_path / "profile", f"--screenshot={shot}",
+           "--window-size=1400,2400")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     # The GRPO run's charts: one section per prefix, `learning/` (reward, KL, entropy, length) first,
     # then optim/, rollout/, time/; no single-value bar charts (the old final/* section) on top.
     grpo = client.search_runs([client.get_experiment_by_name("grpo-pipeline").experiment_id],

@@ -21,7 +21,8 @@ def test_step_figures_are_pngs_and_byte_identical_for_the_same_history(tmp_path)
     groups = [(i, [0.0, 0.5, 1.0]) for i in range(1, 13)]
     first = write_step_figures(history(12), groups, tmp_path / "a")
     second = write_step_figures(history(12), groups, tmp_path / "b")
-    assert [p.name for p in first] == ["grpo_reward.png", "grpo_training.png", "grpo_group_rewards.png"]
+    assert [p.name for p in first] == ["grpo_reward.png", "grpo_training.png", "grpo_group_rewards.png",
+                                       "grpo_heldout.png"]
     for a, b in zip(first, second):  # DVC records their hashes: the same run must give the same files
         assert a.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and a.read_bytes() == b.read_bytes()
     other = write_step_figures(history(11), groups, tmp_path / "c")

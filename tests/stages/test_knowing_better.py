@@ -1,0 +1,147 @@
+"""Knowing when a model is better: held-out evaluation during GRPO (curves, LoggedModels, keep best),
+reward-hacking monitors that block promotion, and the not-learning warning, on real runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components.stages.grpo import train_grpo
+
+from conftest import LEARN, setup_stage_inputs
+
+pytestmark = pytest.mark.integration
+
+
+def _grpo_run(client, experiment: str):
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], "tags.`grpo.stage` = 'grpo'",
+                              order_by=["attributes.start_time DESC"])[0]
+
+
+def test_heldout_curves_logged_models_and_keep_best(tmp_path, mlflow_store, capsys):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
+        "grpo.steps=30", "evaluate.every=10", "evaluate.during_training_n=20", "grpo.keep=best",
+        "grpo.log_every=10", "evaluate.metrics=[reward, completion_length, eos_rate]"])
+    summary = train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    evals = summary["heldout_evaluations"]
+    assert [e["step"] for e in evals] == [10, 20, 30]
+    assert set(evals[0]) == {"step", "reward", "completion_length", "eos_rate"}
+    assert "| held-out reward" in out  # the progress line carries the evaluation
+    # keep: best -> the first evaluation with the highest held-out reward; its weights became models/grpo.
+    best = max(evals, key=lambda e: (e["reward"], -e["step"]))
+    assert summary["kept"] == {"mode": "best", "step": best["step"], "metric": "reward", "value": best["reward"]}
+    saved = load_file(str(paths.grpo_checkpoints / "best" / "model.safetensors"))
+    final = load_file(str(paths.grpo_model / "model.safetensors"))
+    tied = {"model.embed_tokens.weight": "lm_head.weight"}  # each file keeps one name of the tied pair
+    assert len(final) == len(saved) and all(torch.equal(saved[k if k in saved else tied[k]], v) for k, v in final.items())
+    assert json.loads((paths.grpo_checkpoints / "best" / "meta.json").read_text())["step"] == best["step"]
+    # One CSV row per step; the held-out columns filled on the evaluated steps only.
+    rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
+    assert [int(r["step"]) for r in rows if r["heldout/reward"]] == [10, 20, 30]
+    assert (paths.plots / "grpo_heldout.png").read_bytes()[:4] == b"\x89PNG"
+    # MLflow: a curve against the step, and one LoggedModel per evaluated checkpoint with its metrics.
+    client = MlflowClient(mlflow_store)
+    run = _grpo_run(client, cfg.tracking.experiment)
+    curve = client.get_metric_history(run.info.run_id, "heldout/reward")
+    assert [(p.step, p.value) for p in curve] == [(e["step"], pytest.approx(e["reward"], abs=1e-6)) for e in evals]
+    assert run.data.tags["grpo.kept_step"] == str(best["step"])
+    mlflow.set_tracking_uri(mlflow_store)
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
+    by_step = {int(m.tags["grpo.step"]): m for m in models}
+    assert sorted(by_step) == [10, 20, 30] and all(m.source_run_id == run.info.run_id for m in models)
+    for e in evals:
+        metrics = {m.key: m.value for m in by_step[e["step"]].metrics}
+        assert metrics["heldout/reward"] == pytest.approx(e["reward"], abs=1e-6)
+    assert [s for s, m in by_step.items() if "grpo.kept" in m.tags] == [best["step"]]
+
+
+def test_evaluating_during_training_leaves_training_unchanged(tmp_path, mlflow_store):
+    weights = []
+    for every in (0, 3):
+        cfg, paths = setup_stage_inputs(tmp_path / str(every), LEARN + ["grpo.steps=8", f"evaluate.every={every}",
+                                                                          "evaluate.during_training_n=10"])
+        train_grpo(cfg, paths)
+        weights.append(load_file(str(paths.grpo_model / "model.safetensors")))
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_not_learning_is_said_while_it_runs_and_not_when_learning(tmp_path, mlflow_store, capsys):
+    from mlflow.tracking import MlflowClient
+
+    watch = ["monitors.not_learning.window=10", "grpo.log_every=10", "evaluate.every=0"]
+    cfg, paths = setup_stage_inputs(tmp_path / "stuck", LEARN + watch + ["grpo.steps=20", "grpo.learning_rate=1e-9",
+                                                                   "monitors.not_learning.zero_variance_above=0.2"])
+    summary = train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert "grpo: WARNING at step 20: not learning: training reward" in out
+    assert "of groups score zero on every completion" in out and "dynamic_sampling" in out
+    assert summary["not_learning"].startswith("not learning")
+    run = _grpo_run(MlflowClient(mlflow_store), cfg.tracking.experiment)
+    assert run.data.tags["warning.not_learning"].startswith("step 20: not learning")
+
+    cfg, paths = setup_stage_inputs(tmp_path / "learning", LEARN + watch + ["grpo.steps=30"])
+    summary = train_grpo(cfg, paths)
+    assert "not learning" not in capsys.readouterr().out and summary["not_learning"] is None
+    assert summary["reward_mean_last10pct"] > summary["reward_mean_first10pct"] + 0.3  # it did learn
+
+
+HACK = ["task.n_sft=300", "task.n_train=200", "task.n_heldout=40", "sft.epochs=3", "sft.stop_at_reward=null",
+        "threads=1", "grpo.rewards=[{name: 'reward_fixtures:pays_for_length', weight: 1.0}]",
+        "grpo.learning_rate=0.003", "grpo.warmup_steps=0", "grpo.kl_beta=0.0", "grpo.checkpoint_every=0",
+        "grpo.log_every=20", "evaluate.every=0", "evaluate.metrics=[reward, exact_match, completion_length]",
+        "evaluate.bootstrap_samples=500", "monitors.window=10", "reports.samples_every=0"]
+GATE = "monitors.checks=[{signal: completion_length_growth, above: 0.3, action: block}]"
+
+
+def test_a_hacked_reward_is_blocked_from_champion(tmp_path, mlflow_store, capsys):
+    """A reward that pays for length: the longer completions 'beat' the champion on that reward, but the
+    length monitor blocks the promotion and the champion stays."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from components.config import load_config
+    from components.stages.evaluate import evaluate
+    from components.stages.register import register
+
+    from conftest import ROOT
+
+    # The champion: the warm start barely moved (one step at a tiny learning rate), no monitors.
+    cfg, paths = setup_stage_inputs(tmp_path, HACK + ["grpo.steps=1", "grpo.learning_rate=1e-9", "monitors.checks=[]"])
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    train_grpo(cfg, paths)
+    evaluate(cfg, paths)
+    first = register(cfg, paths)
+    assert first["promoted"] and first["version"] == "1"
+
+    hacked = load_config(ROOT / "params.yaml", HACK + ["grpo.steps=60", GATE])
+    summary = train_grpo(hacked, paths)
+    monitor = summary["monitors"][0]
+    assert monitor["breached"] and monitor["breach"]["value"] > 0.3, summary["monitors"]
+    report = evaluate(hacked, paths)
+    assert report["metrics"]["completion_length"]["improvement"]["mean"] > 0  # it learned to write more
+    capsys.readouterr()
+    second = register(hacked, paths)
+    out = capsys.readouterr().out
+    assert second["version"] == "2" and not second["promoted"] and second["blocked_by"] == ["completion_length_growth"]
+    assert "monitor breached: completion_length_growth" in second["reason"]
+    assert "beats champion v1 on held-out reward" in second["reason"]  # the gate metric alone would promote it
+    assert "register: monitor completion_length_growth > 0.3 breached at step" in out
+    client = MlflowClient(mlflow_store)
+    assert str(client.get_model_version_by_alias(cfg.register.model_name, "champion").version) == "1"
+    tags = client.get_model_version(cfg.register.model_name, "2").tags
+    assert tags["monitor.completion_length_growth"].startswith("breached:")
+    assert tags["promotion.decision"] == "challenger"
+    grpo_run = _grpo_run(client, cfg.tracking.experiment)
+    assert "completion_length_growth" in grpo_run.data.tags["monitor.completion_length_growth"]
+    card = client.get_model_version(cfg.register.model_name, "2").description
+    assert "**breached** at step" in card and "Decision: challenger" in card
