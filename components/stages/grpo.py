@@ -188,7 +188,9 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                        if any(k.startswith("heldout/") for k in h)]
         summary = write_step_outputs(history, paths, {
             "kept": kept, "monitors": monitors.summary(), "not_learning": log.warning,
-            "heldout_evaluations": evaluations, "heldout_seconds": round(probe.seconds, 3) if probe else 0.0})
+            "heldout_evaluations": evaluations})
+        if probe is not None:  # wall-clock: in MLflow, not in metrics/grpo.json (its hash must reproduce)
+            run.log_metrics({"time/heldout_evaluation_total": probe.seconds}, step=g.steps)
         run.set_tags({"grpo.kept_step": kept["step"], "grpo.keep": g.keep})
         if model_ids.get(kept["step"]):
             run.set_model_tags(model_ids[kept["step"]], {"grpo.kept": f"models/grpo ({g.keep})"})

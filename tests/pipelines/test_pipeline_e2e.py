@@ -152,9 +152,12 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
     # Grouped by prefix: nothing but the registration flag is left without one.
     assert {k for k in tags if "." not in k} == {"registration"}, sorted(tags)
     assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "1"
-    # The version page leads with its held-out result and the decision.
-    assert version.description.startswith(f"Held-out mean reward {float(tags['eval.heldout_mean_reward']):.4f}")
-    assert "Decision: champion: no champion yet" in version.description
+    # The version page leads with its model card: the decision, then the held-out metrics with CIs.
+    assert version.description.startswith("## Model card: grpo-addition v1\n\n**Decision: champion.** no champion yet.")
+    assert "| reward (gate) | " in version.description
+    assert f" | {float(tags['eval.heldout_mean_reward']):.4f} | " in version.description
+    for heading in ("### Training", "### Reward-hacking monitors", "### Evaluation during training", "### Known limits"):
+        assert heading in version.description
     # The environment `reproduce` judges bit-identity by.
     assert tags["env.threads"] == "1" and tags["env.device"] == "cpu" and tags["env.cpu_capability"]
 
