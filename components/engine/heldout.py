@@ -41,14 +41,6 @@ def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, 
     return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
 
 
-def greedy_completions(cfg: PipelineConfig, model_dir: Path, records: list[dict[str, Any]], max_new_tokens: int,
-                       batch_size: int, device: torch.device) -> list[str]:
-    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
-    model = load_policy_model(cfg, model_dir, device)
-    return greedy_completions_of(model, tokenizer, PromptFormatter(cfg.prompt, tokenizer), records, max_new_tokens,
-                                 batch_size)
-
-
 @torch.no_grad()
 def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, Any]], max_new_tokens: int,
                           batch_size: int) -> list[str]:
