@@ -111,8 +111,7 @@ class HeldoutProbe:
         self.records = read_jsonl(split_path(paths.data, "heldout"))[: e.during_training_n]
         formatter = PromptFormatter(cfg.prompt, tokenizer)
         self.prompts = [formatter(r) for r in self.records]
-        greedy = [n for n in e.metrics if not n.startswith("pass@")]
-        self.metrics = TaskMetrics(e, cfg.grpo.rewards, list(dict.fromkeys([*greedy, cfg.grpo.keep_metric])))
+        self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric])  # pass@k: skipped below
         self.seconds = 0.0
 
     def due(self, step: int) -> bool:

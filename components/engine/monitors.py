@@ -20,8 +20,11 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
 
 
 def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, evaluations: int,
-                  keep_metric: str) -> dict[str, float]:
-    """Every signal at history[end - 1] (the signals that cannot be computed yet are left out)."""
+                  keep_metric: str, evals: Sequence[int] | None = None) -> dict[str, float]:
+    """Every signal at history[end - 1] (the signals that cannot be computed yet are left out).
+
+    `evals`: the indices of history[:end] that hold a held-out evaluation, when the caller tracks them
+    (a search of the whole history at every step would make a long run quadratic)."""
     if end < window:
         return {}
     rows = history[end - window:end]
@@ -30,7 +33,7 @@ def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, eval
     if first and "completion_length" in values:
         values["completion_length_growth"] = values["completion_length"] / first - 1.0
     key = f"heldout/{keep_metric}"
-    evals = [i for i in range(end) if key in history[i]]
+    evals = [i for i in range(end) if key in history[i]] if evals is None else evals
     if evals and "heldout/reward" in history[evals[-1]] and "reward_mean" in values:
         values["reward_heldout_gap"] = values["reward_mean"] - history[evals[-1]]["heldout/reward"]
     if len(evals) > evaluations:
@@ -71,11 +74,15 @@ class Monitors:
         self.m, self.keep_metric = m, keep_metric
         self.breaches: dict[int, Breach] = {}
         self.last: dict[str, float] = {}
+        self.evals: list[int] = []  # history indices with a held-out evaluation, seen so far
 
     def check(self, history: Sequence[dict[str, Any]], end: int | None = None) -> list[Breach]:
         """The checks first breached at history[end - 1] (default: the newest step)."""
         end = len(history) if end is None else end
-        self.last = signal_values(history, end, self.m.window, self.m.evaluations, self.keep_metric) or self.last
+        if f"heldout/{self.keep_metric}" in history[end - 1] and (not self.evals or self.evals[-1] < end - 1):
+            self.evals.append(end - 1)
+        self.last = signal_values(history, end, self.m.window, self.m.evaluations, self.keep_metric,
+                                  self.evals) or self.last
         new = []
         for i, check in enumerate(self.m.checks):
             value = self.last.get(check.signal)

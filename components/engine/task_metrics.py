@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from components.config import PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
+from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
 from components.data.records import reward_columns
 from components.engine.rewards import RewardModel, resolve_reward
 from components.engine.rollout import decode_completions, sample_groups
@@ -51,7 +51,7 @@ def metric_key(name: str) -> str:
 def check_metrics(names: Sequence[str]) -> None:
     """Every reward-named metric resolves (imports the user's module, so not part of config validation)."""
     for i, name in enumerate(names):
-        if name in ("reward", "completion_length", "eos_rate") or pass_k(name):
+        if name in FIXED_METRICS or pass_k(name):
             continue
         try:
             resolve_reward(name)
@@ -98,8 +98,7 @@ class TaskMetrics:
         self.reward = RewardModel(rewards)
         options = {spec.name: spec.options for spec in rewards}
         self.single = {name: RewardModel([RewardSpec(name=name, weight=1.0, options=dict(options.get(name, {})))])
-                       for name in self.names if name not in ("reward", "completion_length", "eos_rate")
-                       and not pass_k(name)}
+                       for name in self.names if name not in FIXED_METRICS and not pass_k(name)}
 
     @property
     def greedy_names(self) -> list[str]:

@@ -47,6 +47,11 @@ def test_heldout_drop_counts_only_while_the_training_reward_rises():
     rising = signal_values(history(lambda i: 0.1 * i), 8, window=2, evaluations=3, keep_metric="reward")
     assert rising["heldout_drop"] == pytest.approx(0.8 - 0.5)  # three evaluations back: step 2
     assert rising["reward_heldout_gap"] == pytest.approx((0.6 + 0.7) / 2 - 0.5)
+    # Monitors track the evaluated steps as they come: the same value, with and without a replay.
+    monitors = Monitors(MonitorsConfig(window=2, evaluations=3, checks=[MonitorSpec("heldout_drop", above=0.2)]),
+                        "reward")
+    monitors.replay(history(lambda i: 0.1 * i))
+    assert monitors.last["heldout_drop"] == pytest.approx(0.3) and monitors.breaches[0].step == 8
     falling = signal_values(history(lambda i: 1 - 0.1 * i), 8, window=2, evaluations=3, keep_metric="reward")
     assert falling["heldout_drop"] == 0.0  # both fell: not the mark of a hacked reward
 
