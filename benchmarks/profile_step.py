@@ -1,78 +1,147 @@
-"""Where a GRPO step's time goes, before and after the prompt-once forward: torch.profiler top-5 hot spots.
+"""Where a GRPO step's seconds go, for one benchmark row: generation, reward, reference, policy forward,
+backward, optimizer, and the operators with the most self CPU time.
 
-Runs the real grpo stage for a few steps from the benchmark's tiny warm start (built by
-benchmarks/grpo_vs_trl.py, or by this script when missing) with `grpo.prefix_sharing` off (the plain
-Hugging Face forward, "before") and on ("after"), profiling the steps after a short warm-up, and
-prints CPU time per step and the five operators with the most self CPU time.
+Runs the real grpo stage from the row's start (benchmarks/grpo_vs_trl.py builds it, once) for
+`--warmup` + `--steps` steps. Phase seconds are the stage's own step timings (`time/...` metrics, no
+profiler running), the median over the measured steps; then torch.profiler records `--profile-steps`
+more steps for the top operators. Each invocation stores its figures under `--label` (e.g. `before`,
+`after`) with the commit, so one table shows a change's effect side by side.
 
-    python benchmarks/profile_step.py            # about a minute on 2 CPU cores
+    python benchmarks/profile_step.py --row smollm2-lora --label after     # about 3 minutes on 2 CPU cores
+    python benchmarks/profile_step.py --row tiny --label after --set grpo.prefix_sharing=false
+
+Writes benchmarks/results/profile_step.{json,md}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
+import statistics
+import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+PHASES = {"generation": "time/generation", "reward": "time/reward", "reference": "time/reference",
+          "policy forward": "time/policy_forward", "policy backward": "time/policy_backward",
+          "optimizer": "time/optimizer"}
 
-def profile(prefix_sharing: bool, root: Path, steps: int, warmup: int) -> dict:
+
+def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, steps: int, profile_steps: int,
+                top: int) -> dict[str, Any]:
+    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from benchmarks.grpo_vs_trl import grpo_run_dir
-    from components.config import load_config
+    from benchmarks.grpo_vs_trl import BENCH_OVERRIDES, ROWS, grpo_run_dir, prepare_start, row_config
     from components.data.paths import Paths
     from components.stages.grpo import train_grpo
 
-    run_dir = grpo_run_dir(root, f"profile-{'after' if prefix_sharing else 'before'}")
-    cfg = load_config(ROOT / "params.yaml", [f"grpo.steps={warmup + steps}", "grpo.checkpoint_every=0",
-                                             f"grpo.log_every={warmup + steps}",
-                                             f"grpo.prefix_sharing={str(prefix_sharing).lower()}"])
-    state: dict = {}
+    row = ROWS[row_name]
+    work = ROOT / "benchmarks" / ".work"
+    root = prepare_start(row, work, threads)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    total = warmup + steps + profile_steps
+    cfg = row_config(row, BENCH_OVERRIDES + [f"threads={threads}", f"grpo.steps={total}", f"grpo.log_every={total}",
+                                             *overrides])
+    rows: list[dict[str, float]] = []
+    state: dict[str, Any] = {}
 
-    def on_step(step: int, _model, _metrics) -> None:
-        if step == warmup:
+    def on_step(step: int, _model, metrics: dict[str, float]) -> None:
+        if warmup < step <= warmup + steps:
+            rows.append(metrics)
+        if step == warmup + steps:
             state["profiler"] = torch_profile(activities=[ProfilerActivity.CPU])
             state["profiler"].__enter__()
-            state["cpu"] = time.process_time()
-        elif step == warmup + steps:
-            state["cpu"] = time.process_time() - state["cpu"]
+        elif step == total:
             state["profiler"].__exit__(None, None, None)
 
-    train_grpo(cfg, Paths(root=run_dir), callbacks=[on_step])
+    train_grpo(cfg, Paths(root=grpo_run_dir(root, f"profile-{row_name}")), callbacks=[on_step])
+    phases = {name: statistics.median(r[key] for r in rows) for name, key in PHASES.items()}
+    step_seconds = statistics.median(r["step_seconds"] for r in rows)
+    phases["other (entropy, logging, Python)"] = max(0.0, step_seconds - sum(phases.values()))
     table = state["profiler"].key_averages()
-    total = sum(e.self_cpu_time_total for e in table)
-    top = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
-    return {"prefix_sharing": prefix_sharing, "cpu_seconds_per_step": round(state["cpu"] / steps, 4),
-            "top5": [{"op": e.key, "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 2),
-                      "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // steps}
-                     for e in top]}
+    busy = sum(e.self_cpu_time_total for e in table)
+    hot = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return {"commit": commit.strip() + ("+changes" if dirty else ""), "overrides": overrides, "threads": threads,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
+                       f"torch {torch.__version__}",
+            "measured_steps": steps, "step_seconds": round(step_seconds, 4),
+            "completions_per_s": round(statistics.median(r["completions_per_s"] for r in rows), 2),
+            "phases_seconds": {k: round(v, 4) for k, v in phases.items()},
+            "top_ops": [{"op": e.key, "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
+                         "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
+                        for e in hot]}
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["# Where a GRPO step's seconds go", "",
+             "`python benchmarks/profile_step.py --row ROW --label LABEL`; phase seconds are medians over the "
+             "measured steps (no profiler running); operators are self CPU time from torch.profiler.", ""]
+    for row, labels in results.items():
+        names = list(labels)
+        lines += [f"## {row}", "", "| | " + " | ".join(f"{n} ({labels[n]['commit']})" for n in names) + " |",
+                  "|---|" + "---|" * len(names),
+                  "| s/step (median) | " + " | ".join(f"**{labels[n]['step_seconds']:.3f}**" for n in names) + " |",
+                  "| completions/s | " + " | ".join(f"{labels[n]['completions_per_s']:.1f}" for n in names) + " |"]
+        phases = list(dict.fromkeys(p for n in names for p in labels[n]["phases_seconds"]))
+        for phase in phases:
+            cells = []
+            for n in names:
+                seconds = labels[n]["phases_seconds"].get(phase)
+                share = seconds / labels[n]["step_seconds"] if seconds is not None else None
+                cells.append("-" if seconds is None else f"{seconds:.3f} s ({share:.0%})")
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+        depth = max(len(labels[n]["top_ops"]) for n in names)
+        for i in range(depth):
+            cells = []
+            for n in names:
+                ops = labels[n]["top_ops"]
+                cells.append(f"`{ops[i]['op']}` {ops[i]['self_cpu_s_per_step']:.3f} s ({ops[i]['share']:.0%}, "
+                             f"{ops[i]['calls_per_step']} calls)" if i < len(ops) else "")
+            lines.append(f"| operator {i + 1} | " + " | ".join(cells) + " |")
+        overrides = {n: labels[n]["overrides"] for n in names if labels[n]["overrides"]}
+        lines += ["", f"Machine: {labels[names[-1]]['machine']}, {labels[names[-1]]['threads']} threads."
+                  + (f" Overrides: {overrides}." if overrides else ""), ""]
+    return "\n".join(lines)
 
 
 def main() -> int:
-    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}.items():
-        os.environ.setdefault(key, value)
-    from benchmarks.grpo_vs_trl import prepare_start
+    from benchmarks.grpo_vs_trl import ROWS
 
-    work = ROOT / "benchmarks" / ".work"
-    root = prepare_start("tiny", work, threads=2)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    results = [profile(False, root, steps=30, warmup=5), profile(True, root, steps=30, warmup=5)]
-    lines = ["| | before (plain HF forward) | after (prompt-once forward) |", "|---|---|---|",
-             f"| CPU seconds per step | {results[0]['cpu_seconds_per_step']:.4f} | "
-             f"{results[1]['cpu_seconds_per_step']:.4f} |"]
-    for i in range(5):
-        cells = [f"`{r['top5'][i]['op']}` {r['top5'][i]['self_cpu_ms_per_step']:.1f} ms ({r['top5'][i]['share']:.0%})"
-                 for r in results]
-        lines.append(f"| hot spot {i + 1} | {cells[0]} | {cells[1]} |")
-    text = "\n".join(lines) + "\n"
-    out = ROOT / "benchmarks" / "results"
-    (out / "profile_step.json").write_text(json.dumps(results, indent=2) + "\n")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", default="smollm2-lora", choices=list(ROWS))
+    parser.add_argument("--label", default="current", help="the column these figures go to (e.g. before, after)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="a key=value override")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="steps whose phase timings are measured")
+    parser.add_argument("--profile-steps", type=int, default=2, help="steps recorded by torch.profiler")
+    parser.add_argument("--top", type=int, default=8, help="operators listed")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+                       "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
+        os.environ.setdefault(key, value)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "profile_step.json"
+    results = json.loads(json_path.read_text()) if json_path.exists() else {}
+    if not isinstance(results, dict) or "top5" in json.dumps(results)[:200]:  # the old single-row format
+        results = {}
+    figures = profile_row(args.row, args.overrides, args.threads, args.warmup, args.steps, args.profile_steps, args.top)
+    results.setdefault(args.row, {})[args.label] = figures
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    text = markdown(results)
     (out / "profile_step.md").write_text(text)
     print(text)
     return 0

@@ -6,20 +6,16 @@ processes) with the loss object the trainer built once.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from components.config import GRPOConfig
 from components.engine.distributed import DistContext, all_reduce_sum, no_sync
 from components.engine.objectives import GRPOLoss, build_loss, masked_entropy
 from components.engine.policy import Policy
 from components.engine.rollout import Rollout, completion_logprobs
-
-
-# Labels a torch.profiler trace shows for the parts of an update (benchmarks/profile_step.py splits a step by them).
-PROFILE_FORWARD, PROFILE_BACKWARD, PROFILE_OPTIMIZER = "grpo/policy_forward", "grpo/policy_backward", "grpo/optimizer"
 
 
 def learning_rate(step: int, g: GRPOConfig) -> float:
@@ -52,6 +48,9 @@ class UpdateStats:
     logprob_mean: float = 0.0
     skipped_updates: int = 0
     updates: int = 0
+    forward_seconds: float = 0.0  # where the update's time goes (logged as time/policy_forward, ...)
+    backward_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
 
 
 def minibatch_plan(n: int, g: GRPOConfig) -> list[list[int]]:
@@ -131,15 +130,16 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                     continue
                 sub, sub_mask = rollout.select(mb), mask[mb]
                 with no_sync(module, skip=ctx.active and not last):
-                    with record_function(PROFILE_FORWARD):
-                        logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
-                        out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
-                                      sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb],
-                                      num_sequences=n_seq,
-                                      num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
-                        part = out.loss * share
-                    with record_function(PROFILE_BACKWARD):
-                        (part * grad_scale if ctx.active else part).backward()
+                    t0 = time.perf_counter()
+                    logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
+                    out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                  sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb], num_sequences=n_seq,
+                                  num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
+                    part = out.loss * share
+                    t1 = time.perf_counter()
+                    (part * grad_scale if ctx.active else part).backward()
+                    stats.forward_seconds += t1 - t0
+                    stats.backward_seconds += time.perf_counter() - t1
                 if iteration == 0:
                     weight = float(sub_mask.sum())
                     stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
@@ -150,9 +150,9 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 stats.kl += float(out.kl) * share
                 stats.clip_low_frac += float(out.clip_low_frac) * len(mb) / n
                 stats.clip_high_frac += float(out.clip_high_frac) * len(mb) / n
-            with record_function(PROFILE_OPTIMIZER):
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
+            t0 = time.perf_counter()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in policy.model.parameters() if p.requires_grad], g.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):  # fsdp2: a DTensor over the shards
                 grad_norm = grad_norm.full_tensor()
             stats.updates += 1
@@ -163,9 +163,10 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
             if not (torch.isfinite(chunk_loss) and torch.isfinite(grad_norm)):
                 stats.skipped_updates += 1
                 optimizer.zero_grad(set_to_none=True)
+                stats.optimizer_seconds += time.perf_counter() - t0
                 continue
-            with record_function(PROFILE_OPTIMIZER):
-                optimizer.step()
+            optimizer.step()
+            stats.optimizer_seconds += time.perf_counter() - t0
     if ctx.active:  # each rank saw part of every chunk: sum the parts (normalisers were already global)
         sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
                                     stats.entropy, stats.logprob_mean, tokens_seen])

@@ -218,6 +218,8 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
         "clip_high_frac": stats.clip_high_frac, "step_seconds": seconds["step"],
         "completions_per_s": batch.sampled / seconds["step"], "time/generation": seconds["generation"],
         "time/reward": seconds["reward"], "time/reference": seconds["reference"], "time/policy": seconds["policy"],
+        "time/policy_forward": stats.forward_seconds, "time/policy_backward": stats.backward_seconds,
+        "time/optimizer": stats.optimizer_seconds,
     }
     metrics.update({f"reward/{k}/mean": v for k, v in batch.first_scores.component_means().items()})
     return metrics
