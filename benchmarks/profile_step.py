@@ -70,8 +70,8 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
     busy = sum(e.self_cpu_time_total for e in table)
     hot = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"commit": commit.strip() + ("+changes" if dirty else ""), "overrides": overrides, "threads": threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
                        f"torch {torch.__version__}",

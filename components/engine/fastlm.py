@@ -2,9 +2,14 @@
 
 GRPO scores G completions of the same prompt, so a plain forward over `[prompt; completion]` rows
 spends most of its work re-encoding the same prompt G times. `PrefixSharedLM` runs the prompt rows
-once, keeps their keys/values, and lets every completion row attend to its prompt's cache. The last
-completion token is never fed (its output predicts nothing we score). Sampling uses the same pieces
-with a preallocated completion KV cache, so there is no general-purpose `generate` overhead.
+once, keeps their keys/values, and lets every completion row attend to its prompt's cache. Completion
+tokens are packed: only the tokens that predict a scored token (up to each row's EOS) go through the
+projections, the MLPs and the vocabulary head, so padding after an early EOS costs no matrix work;
+attention alone sees them padded per row. The last completion token is never fed (its output
+predicts nothing we score). Log-probs come from `token_logprobs` (one-pass backward), with the
+sampling temperature applied to the hidden state rather than to the vocabulary-sized logits.
+Sampling uses the same pieces with a preallocated completion KV cache, so there is no
+general-purpose `generate` overhead.
 
 It calls the model's own submodules (projections, norms, MLP, rotary embedding), so the weights,
 gradients, optimizer state and LoRA adapters are the Hugging Face model's: nothing is copied.
@@ -21,9 +26,12 @@ products, the attention and the outputs are unchanged; only the cached keys are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from components.engine.logprobs import token_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SMALL_DECODE_KEYS = 64  # up to this many cached keys, decoding attention is a broadcast multiply-sum
@@ -64,6 +72,45 @@ class Rotary:
     def at(self, offset: int) -> "Rotary":
         """The rotation of one decoding position (all positions are computed once per decoding run)."""
         return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
+
+
+Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, bias) of a projection used as a plain matmul
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's projections as plain matmuls; None where the module must be called itself."""
+
+    qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None  # fused q|k|v weight, bias, q|k rows paired
+    o: Linear | None
+    gate_up: torch.Tensor | None  # fused gate|up weight (no bias)
+    down: Linear | None
+
+
+def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
+    """(weight, bias) such that F.linear(x, weight, bias) == module(x), or None.
+
+    A plain `nn.Linear` gives its own. With `merge_lora`, a peft LoRA `Linear` over a plain one gives
+    W + sum of s * B @ A over its active adapters (W alone while they are disabled): only for vanilla
+    LoRA without dropout or a bias on B, and not while merged into W (the module then handles it).
+    """
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias
+    base = getattr(module, "base_layer", None)
+    if not merge_lora or type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight") \
+            or getattr(module, "merged", True):
+        return None
+    weight = base.weight
+    if module.disable_adapters:
+        return weight, base.bias
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or type(module.lora_dropout[name]) is not torch.nn.Identity \
+                or module.lora_B[name].bias is not None:
+            return None
+        weight = weight + module.get_delta_weight(name)
+    return weight, base.bias
 
 
 def full_attention(config: Any, max_length: int) -> bool:
@@ -151,33 +198,35 @@ class PrefixSharedLM:
                                              torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)]).to(device)
         return self._qkv_order
 
-    def fused_weights(self) -> list[tuple[Any, Any]]:
-        """Per layer, (q|k|v weight, bias and whether its q|k rows are paired, gate|up weight), so each is
-        one matmul.
+    def fused_weights(self, merge_lora: bool = False) -> list[LayerWeights]:
+        """Per layer, each projection as a plain matmul where possible, q|k|v and gate|up fused into one.
 
-        None where a projection is not a plain `nn.Linear` (e.g. a LoRA-wrapped one): it is then called
-        as a module. Built once per forward or decoding run; gradients flow back through the cat. `_qkv`
-        rotates paired rows as complex numbers and the others with cos/sin, so the rows' order and the
-        rotation cannot disagree.
+        A projection that is not a plain `nn.Linear` is called as a module, except that with `merge_lora`
+        (decoding and reference forwards: no gradient) a LoRA-wrapped one becomes one matmul with
+        W + s * B @ A (or W alone while its adapters are disabled): 2 matmuls, a scale and an add fewer
+        per projection and decode step, and the q|k|v and gate|up fusions apply again. Built once per
+        forward or decoding run; gradients flow back through the cat. `_qkv` rotates paired rows as
+        complex numbers and the others with cos/sin, so the rows' order and the rotation cannot disagree.
         """
         fused = []
         for layer in self.decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            q, k, v = (plain_linear(m, merge_lora) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
             qkv = None
-            if all(type(m) is torch.nn.Linear for m in projections):
-                biases = [m.bias for m in projections]
-                weight = torch.cat([m.weight for m in projections])
-                bias = None if any(b is None for b in biases) else torch.cat(biases)
+            if q is not None and k is not None and v is not None:
+                weight = torch.cat([q[0], k[0], v[0]])
+                bias = None if q[1] is None or k[1] is None or v[1] is None else torch.cat([q[1], k[1], v[1]])
                 paired = self._rotates_as_complex(weight.dtype)
                 if paired:
                     order = self._pair_rows(weight.device)
                     weight, bias = weight.index_select(0, order), None if bias is None else bias.index_select(0, order)
                 qkv = (weight, bias, paired)
+            gate, up = plain_linear(mlp.gate_proj, merge_lora), plain_linear(mlp.up_proj, merge_lora)
             gate_up = None
-            if all(type(m) is torch.nn.Linear and m.bias is None for m in (mlp.gate_proj, mlp.up_proj)):
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            fused.append((qkv, gate_up))
+            if gate is not None and up is not None and gate[1] is None and up[1] is None:
+                gate_up = torch.cat([gate[0], up[0]])
+            fused.append(LayerWeights(qkv, plain_linear(attn.o_proj, merge_lora), gate_up,
+                                      plain_linear(mlp.down_proj, merge_lora)))
         return fused
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -185,14 +234,14 @@ class PrefixSharedLM:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
         return module(x)
 
-    def _qkv(self, layer: Any, fused: tuple[Any, Any], h: torch.Tensor, rotary: Rotary):
+    def _qkv(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary):
         attn = layer.self_attn
         b, length, _ = h.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rotary.cos, rotary.sin
-        if fused[0] is not None and not hasattr(attn, "q_norm"):
+        if fused.qkv is not None and not hasattr(attn, "q_norm"):
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
-            weight, bias, paired = fused[0]
+            weight, bias, paired = fused.qkv
             qkv = torch.nn.functional.linear(h, weight, bias)
             qk = qkv[..., :(heads + kv_heads) * d]
             if paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
@@ -202,8 +251,8 @@ class PrefixSharedLM:
                 qk = _rope(qk.view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
             v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
             return qk[:, :heads], qk[:, heads:], v
-        if fused[0] is not None:  # never paired: models with q/k norms rotate with cos/sin
-            weight, bias, _ = fused[0]
+        if fused.qkv is not None:  # never paired: models with q/k norms rotate with cos/sin
+            weight, bias, _ = fused.qkv
             q, k, v = torch.nn.functional.linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -219,15 +268,21 @@ class PrefixSharedLM:
         b, _, length, d = q.shape
         return q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, length, d)
 
-    def _finish_layer(self, layer: Any, fused: tuple[Any, Any], x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _merge_heads(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, d] -> [B, L, H * d]."""
         b, _, length, _ = attn_out.shape
-        attn_out = attn_out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim)
-        x = x + layer.self_attn.o_proj(attn_out)
+        return attn_out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim)
+
+    def _finish_layer(self, layer: Any, fused: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged)."""
+        linear = torch.nn.functional.linear
+        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else linear(attn_out, *fused.o))
         h = self._norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
-        if fused[1] is not None:
-            gate, up = torch.nn.functional.linear(h, fused[1]).chunk(2, dim=-1)
-            return x + mlp.down_proj(mlp.act_fn(gate) * up)
+        if fused.gate_up is not None:
+            gate, up = linear(h, fused.gate_up).chunk(2, dim=-1)
+            hidden = mlp.act_fn(gate) * up
+            return x + (mlp.down_proj(hidden) if fused.down is None else linear(hidden, *fused.down))
         return x + mlp(h)
 
     @staticmethod
@@ -249,7 +304,8 @@ class PrefixSharedLM:
 
     # ----------------------------------------------------------------------------------------- prompt
     def encode_prompts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list):
-        """Run left-padded prompts once: (logits at the last position [U, V], per-layer (K, V) caches)."""
+        """Run left-padded prompts once: (final-normed hidden state at the last position [U, D], per-layer
+        (K, V) caches)."""
         length = prompt_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=prompt_ids.device).tril()
         x = self.decoder.embed_tokens(prompt_ids)
@@ -259,14 +315,26 @@ class PrefixSharedLM:
         for layer, fused in zip(self.decoder.layers, weights):
             q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
             caches.append((k, v))
-            x = self._finish_layer(layer, fused, x, self._attend(q, k, v, bias))
-        last = self._norm(self.decoder.norm, x[:, -1:, :])
-        return self.lm_head(last)[:, 0, :], caches
+            x = self._finish_layer(layer, fused, x, self._merge_heads(self._attend(q, k, v, bias)))
+        return self._norm(self.decoder.norm, x[:, -1, :]), caches
+
+    def _logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Vocabulary logits / temperature; a bias-free head takes the division on the (much smaller) hidden state."""
+        if temperature == 1.0:
+            return self.lm_head(hidden)
+        if type(self.lm_head) is torch.nn.Linear and self.lm_head.bias is None:
+            return self.lm_head(hidden / temperature)
+        return self.lm_head(hidden) / temperature
 
     # ------------------------------------------------------------------------------------- completion
-    def completion_logits(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                          completion_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [N, T, V] predicting each completion token, each prompt of a run of equal rows encoded once.
+    def _completion_states(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                           completion_mask: torch.Tensor):
+        """Final-normed hidden states that predict the completion tokens, prompt-once and packed.
+
+        Returns (first [N, D]: each row's prompt end, predicting token 0; packed [S, D]: fed token j of
+        row r, for each (r, j) in `fed`, predicting token j + 1; fed = (rows, columns)). Only tokens
+        that predict a scored token (completion_mask 1 at j + 1) are fed; attention sees them padded
+        per row, where causality keeps real tokens from attending to the padding.
 
         GRPO rollouts keep each group's rows together, so runs of equal prompts are the groups. When
         every run has the same length G, each prompt's cache reaches its G rows by broadcasting (its
@@ -279,47 +347,75 @@ class PrefixSharedLM:
         unique, unique_mask = unique_keyed[:, :width], unique_keyed[:, width:].to(prompt_mask.dtype)
         group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
-        weights = self.fused_weights()
-        first, caches = self.encode_prompts(unique, unique_mask, weights)
-        logits = [first.index_select(0, rows).unsqueeze(1)]
-        steps = completion_ids.shape[1] - 1  # the last token predicts nothing we score
-        if steps > 0:
-            inputs = completion_ids[:, :steps]
-            x = self.decoder.embed_tokens(inputs)
-            causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
-            keep = torch.cat([prompt_mask.bool()[:, None, :].expand(-1, steps, -1),
-                              causal[None].expand(len(rows), -1, -1)], dim=-1)
-            bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, S, P + S]
-            start = unique_mask.sum(-1, keepdim=True)[rows]
-            rotary = self._positions(x, start + torch.arange(steps, device=x.device))
-            for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
-                q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
-                if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
-                    keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
-                    values = torch.cat([vp[:, None].expand(-1, group, -1, -1, -1), v.unflatten(0, (-1, group))], 3)
-                    keys, values = keys.flatten(0, 1), values.flatten(0, 1)
-                else:
-                    keys = torch.cat([kp.index_select(0, rows), k], dim=2)
-                    values = torch.cat([vp.index_select(0, rows), v], dim=2)
-                x = self._finish_layer(layer, fused, x, self._attend(q, keys, values, bias))
-            logits.append(self.lm_head(self._norm(self.decoder.norm, x)))
-        return torch.cat(logits, dim=1)
+        weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
+        last, caches = self.encode_prompts(unique, unique_mask, weights)
+        n, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token predicts nothing we score
+        fed = completion_mask[:, 1:].bool().nonzero(as_tuple=True)
+        if steps == 0 or len(fed[0]) == 0:
+            return last.index_select(0, rows), last.new_zeros(0, last.shape[-1]), fed
+        fed_rows, fed_cols = fed
+        place = fed_rows * steps + fed_cols  # each packed token's slot in the padded [N, steps] grid
+        x = self.decoder.embed_tokens(completion_ids[fed_rows, fed_cols]).unsqueeze(0)  # [1, S, D]
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
+        keep = torch.cat([prompt_mask.bool()[:, None, :].expand(-1, steps, -1),
+                          causal[None].expand(n, -1, -1)], dim=-1)
+        bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
+        start = unique_mask.sum(-1)[rows]
+        rotary = self._positions(x, (start[fed_rows] + fed_cols).unsqueeze(0))
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:  # [1, h, S, d] -> [N, h, steps, d], zeros in the padding
+            flat = t[0].transpose(0, 1)
+            grid = flat.new_zeros(n * steps, *flat.shape[1:]).index_copy(0, place, flat)
+            return grid.view(n, steps, *flat.shape[1:]).transpose(1, 2)
+
+        for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
+            q, k, v = (unpack(t) for t in self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary))
+            if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
+                keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
+                values = torch.cat([vp[:, None].expand(-1, group, -1, -1, -1), v.unflatten(0, (-1, group))], 3)
+                keys, values = keys.flatten(0, 1), values.flatten(0, 1)
+            else:
+                keys = torch.cat([kp.index_select(0, rows), k], dim=2)
+                values = torch.cat([vp.index_select(0, rows), v], dim=2)
+            attn = self._merge_heads(self._attend(q, keys, values, bias))  # [N, steps, H * d]
+            x = self._finish_layer(layer, fused, x, attn.flatten(0, 1).index_select(0, place).unsqueeze(0))
+        return last.index_select(0, rows), self._norm(self.decoder.norm, x[0]), fed
 
     def completion_logprobs(self, rollout: Any, temperature: float = 1.0,
-                            return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as `rollout.completion_logprobs`, computed prompt-once."""
-        logits = self.completion_logits(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids).float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
-        return logp, (logits if return_logits else None)
+                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Same contract as `rollout.completion_logprobs`: log-probs [N, T] of the completion tokens (and their
+        entropies), computed prompt-once and packed; 0 where `completion_mask` is 0."""
+        return self.token_logprobs(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                   rollout.completion_mask, temperature, with_entropy)
+
+    def token_logprobs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                       completion_mask: torch.Tensor, temperature: float = 1.0,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        first, packed, (fed_rows, fed_cols) = self._completion_states(prompt_ids, prompt_mask, completion_ids,
+                                                                      completion_mask)
+        n, width = completion_ids.shape
+        scored = [token_logprobs(self._logits(first, temperature), completion_ids[:, 0], with_entropy)]
+        slots = [torch.arange(n, device=completion_ids.device) * width]
+        if len(fed_rows):
+            scored.append(token_logprobs(self._logits(packed, temperature), completion_ids[fed_rows, fed_cols + 1],
+                                         with_entropy))
+            slots.append(fed_rows * width + fed_cols + 1)
+        place = torch.cat(slots)
+
+        def spread(values: list[torch.Tensor]) -> torch.Tensor:  # packed values -> [N, T], zeros elsewhere
+            flat = torch.cat(values)
+            return flat.new_zeros(n * width).index_copy(0, place, flat).view(n, width)
+
+        logp = spread([lp for lp, _ in scored])
+        return logp, (spread([h for _, h in scored]) if with_entropy else None)
 
     # --------------------------------------------------------------------------------------- sampling
     def start_decoding(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                        max_new_tokens: int) -> "_Decoder":
         """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
-        weights = self.fused_weights()
-        first, caches = self.encode_prompts(prompt_ids, prompt_mask, weights)
+        weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
+        last, caches = self.encode_prompts(prompt_ids, prompt_mask, weights)
+        first = self.lm_head(last)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
         buffers = []
         for k, v in caches:
@@ -338,10 +434,11 @@ class PrefixSharedLM:
     # ------------------------------------------------------------------------------------------ check
     @torch.no_grad()
     def matches_reference_forward(self, vocab_size: int, prompt_length: int = 5, completion_length: int = 4) -> bool:
-        """Compare log-probs with the Hugging Face forward on a small left-padded batch of full-length rows.
+        """Compare token log-probs and entropies with the Hugging Face forward on a small left-padded batch.
 
         Rows 3 and 4 repeat row 0's prompt ids side by side, row 4 with another mask (a padded token made
-        real), so the check fails if prompts that differ only in their mask are merged.
+        real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
+        so the packed forward is checked against padding too. The entropies depend on every logit.
         """
         param = next(self.model.parameters())
         gen = torch.Generator().manual_seed(0)
@@ -353,6 +450,8 @@ class PrefixSharedLM:
         prompt = torch.cat([prompt, prompt[:1], prompt[:1]])  # a repeated prompt exercises the shared path
         mask = torch.cat([mask, mask[:1], torch.ones_like(mask[:1])])
         completion = torch.cat([completion, completion[2:3], completion[1:2]])
+        completion_mask = torch.ones_like(completion)
+        completion_mask[1, max(1, completion_length // 2):] = 0
         ids = torch.cat([prompt, completion], 1)
         full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
         was_training = self.model.training
@@ -361,11 +460,15 @@ class PrefixSharedLM:
             reference = self.model(input_ids=ids, attention_mask=full_mask,
                                    position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
             reference = reference[:, prompt.shape[1] - 1:-1].float().log_softmax(-1)
-            ours = self.completion_logits(prompt, mask, completion).float().log_softmax(-1)
+            ref_logp = reference.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+            ref_entropy = -(reference.exp() * reference).sum(-1)
+            logp, entropy = self.token_logprobs(prompt, mask, completion, completion_mask, with_entropy=True)
         finally:
             self.model.train(was_training)
+        real = completion_mask.bool()
+        error = torch.cat([(logp - ref_logp)[real], (entropy - ref_entropy)[real]]).abs()
         tolerance = CHECK_TOLERANCE.get(param.dtype, 0.1)
-        return bool(torch.isfinite(ours).all()) and float((ours - reference).abs().max()) <= tolerance
+        return bool(torch.isfinite(error).all()) and float(error.max()) <= tolerance
 
 
 class _Decoder:
@@ -385,7 +488,8 @@ class _Decoder:
         for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
             q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), rotary)
             kbuf[:, :, end - 1:end], vbuf[:, :, end - 1:end] = k, v
-            x = lm._finish_layer(layer, fused, x, lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias))
+            attn = lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias)
+            x = lm._finish_layer(layer, fused, x, lm._merge_heads(attn))
         self.offset += 1
-        self.logits = lm.lm_head(lm._norm(lm.decoder.norm, x))[:, 0, :]
+        self.logits = lm.lm_head(lm._norm(lm.decoder.norm, x[:, 0, :]))
         return self.logits

@@ -159,12 +159,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return LossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), **stats)
 
 
-def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean entropy (nats) of the next-token distributions at real completion positions."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    maskf = mask.to(entropy.dtype)
-    return (entropy * maskf).sum() / maskf.sum().clamp(min=1.0)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of per-token `values` (e.g. entropies) at real completion positions (mask 1)."""
+    maskf = mask.to(values.dtype)
+    return (values * maskf).sum() / maskf.sum().clamp(min=1.0)
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,15 @@ class Policy:
     def train_module(self):
         return self.model if self.trainer is None else self.trainer
 
-    def logprobs(self, rollout: Rollout, temperature: float, return_logits: bool = False,
+    def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False,
                  module: Any | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Completion log-probs through `module` (default: `model`), prompt-once when `fast` is set.
+        """Completion log-probs (and entropies) through `module` (default: `model`), prompt-once when `fast` is set.
 
         Distributed runs clear `fast`: DDP and FSDP need every forward to go through their wrapper.
         """
         if self.fast is not None:
-            return self.fast.completion_logprobs(rollout, temperature, return_logits)
-        return completion_logprobs(self.model if module is None else module, rollout, temperature, return_logits)
+            return self.fast.completion_logprobs(rollout, temperature, with_entropy)
+        return completion_logprobs(self.model if module is None else module, rollout, temperature, with_entropy)
 
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """Once per rollout under inference_mode; cloned outside it so the loss can use the result."""

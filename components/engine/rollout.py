@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from components.engine.logprobs import token_logprobs
+
 
 @dataclass
 class Rollout:
@@ -58,6 +60,21 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of `probs` [N, V] (rows need not sum to 1), by inverting the cumulative distribution.
+
+    It takes N uniforms where `torch.multinomial` takes N x V exponentials: with SmolLM2's 49,152-token
+    vocabulary those were 0.78 s of an 11 s GRPO step on 2 cores. Tokens of probability 0 (top-p) are
+    never drawn: their interval of the cumulative sum is empty.
+    """
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64) * total
+    drawn = torch.searchsorted(cdf, target, right=True)
+    # u * total can round up to total itself: take the last token of non-zero probability
+    return torch.where(drawn >= probs.shape[-1], torch.searchsorted(cdf, total), drawn).squeeze(-1)
 
 
 def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
@@ -113,7 +130,7 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
             scaled = logits.float() / temperature
             if top_p < 1.0:
                 scaled = _filter_top_p(scaled, top_p)
-            next_tok = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator).squeeze(-1)
+            next_tok = sample_from(torch.softmax(scaled, -1), generator)
         next_tok = torch.where(finished, torch.full_like(next_tok, pad_id), next_tok)
         tokens[:, t] = next_tok
         length = t + 1
@@ -178,8 +195,9 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,
-                        return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature)."""
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature),
+    and with `with_entropy` the entropy [N, T] of each next-token distribution (no gradient)."""
     attention = rollout.attention_mask
     out = model(input_ids=rollout.input_ids, attention_mask=attention, position_ids=positions_from_mask(attention),
                 use_cache=False)
@@ -187,8 +205,7 @@ def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,
     logits = out.logits[:, prompt_len - 1: prompt_len - 1 + comp_len, :].float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
-    return logp, (logits if return_logits else None)
+    return token_logprobs(logits, rollout.completion_ids, with_entropy)
 
 
 def decode_completions(tokenizer, rollout: Rollout) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 
 from components.config import GRPOConfig
 from components.engine.distributed import DistContext, all_reduce_sum, no_sync
-from components.engine.objectives import GRPOLoss, build_loss, masked_entropy
+from components.engine.objectives import GRPOLoss, build_loss, masked_mean
 from components.engine.policy import Policy
 from components.engine.rollout import Rollout, completion_logprobs
 
@@ -131,7 +131,7 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                 sub, sub_mask = rollout.select(mb), mask[mb]
                 with no_sync(module, skip=ctx.active and not last):
                     t0 = time.perf_counter()
-                    logp, logits = policy.logprobs(sub, g.temperature, return_logits=iteration == 0, module=module)
+                    logp, entropy = policy.logprobs(sub, g.temperature, with_entropy=iteration == 0, module=module)
                     out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
                                   sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb], num_sequences=n_seq,
                                   num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
@@ -142,7 +142,7 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                     stats.backward_seconds += time.perf_counter() - t1
                 if iteration == 0:
                     weight = float(sub_mask.sum())
-                    stats.entropy += float(masked_entropy(logits.detach(), sub_mask)) * weight
+                    stats.entropy += float(masked_mean(entropy, sub_mask)) * weight
                     stats.logprob_mean += float((logp.detach() * sub_mask).sum())
                     tokens_seen += weight
                 chunk_loss = chunk_loss + part.detach()

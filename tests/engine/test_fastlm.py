@@ -189,27 +189,70 @@ def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_
     assert torch.allclose(got[mask], expected[mask], atol=1e-5)
 
 
-def test_lora_adapters_are_seen_and_can_be_disabled():
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ALL_PROJECTIONS], ids=["q-v", "all-projections"])
+def test_lora_adapters_are_seen_and_can_be_disabled(targets):
+    """Without a gradient (decoding, reference) LoRA projections run merged (W + s B A), with one they run as
+    peft modules; both must give the peft model's own log-probs, with adapters on and off."""
     from components.config import LoRAConfig
+    from components.engine.fastlm import plain_linear
     from components.engine.policy import attach_lora
 
     base = _llama()
-    model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=["q_proj", "v_proj"]))
+    model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=targets))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # non-zero adapters, so they change the output
     fast = PrefixSharedLM.for_model(model)
     assert fast is not None
+    wrapped = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert plain_linear(wrapped) is None and plain_linear(wrapped, merge_lora=True) is not None
     rollout = _rollout()
     mask = rollout.completion_mask.bool()
     with torch.no_grad():
+        expected = completion_logprobs(model, rollout)[0][mask]
         with_adapters = fast.completion_logprobs(rollout)[0]
-        assert torch.allclose(with_adapters[mask], completion_logprobs(model, rollout)[0][mask], atol=1e-5)
+        assert torch.allclose(with_adapters[mask], expected, atol=1e-5)
         with model.disable_adapter():
             without = fast.completion_logprobs(rollout)[0]
         assert torch.allclose(without[mask], completion_logprobs(base, rollout)[0][mask], atol=1e-5)
         assert not torch.allclose(with_adapters[mask], without[mask], atol=1e-3)
+    with_gradient = fast.completion_logprobs(rollout)[0]  # modules, not merged: the adapters get gradients
+    assert torch.allclose(with_gradient[mask], expected, atol=1e-5)
+    with_gradient[mask].sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
+    from types import SimpleNamespace
+
+    from components.config import LoRAConfig
+    from components.engine.policy import attach_lora
+
+    model = attach_lora(_llama(num_key_value_heads=2), LoRAConfig(enabled=True, rank=4, target_modules=ALL_PROJECTIONS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    fast = PrefixSharedLM.for_model(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (prompts != 0).long()
+
+    class Tok:
+        eos_token_id, pad_token_id = 3, 0
+
+        def __call__(self, texts, **_):
+            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
+
+    plain = sample_groups(model, Tok(), ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3))
+    quick = sample_groups(model, Tok(), ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3), fast=fast)
+    assert torch.equal(plain.completion_ids, quick.completion_ids)
+    with torch.inference_mode():  # what decoding runs on: every projection merged into one matmul
+        layers = fast.fused_weights(merge_lora=True)
+    assert all(w.qkv is not None and w.o is not None and w.gate_up is not None and w.down is not None for w in layers)
 
 
 def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():

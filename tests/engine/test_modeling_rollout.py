@@ -14,7 +14,7 @@ from components.engine.modeling import (
     resolve_model_dir,
     save_model,
 )
-from components.engine.rollout import completion_logprobs, decode_completions, sample_groups
+from components.engine.rollout import completion_logprobs, decode_completions, sample_from, sample_groups
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
 
@@ -113,3 +113,21 @@ def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
     check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)  # allowed: no error, nothing fetched yet
     write_pointer(tmp_path / "base", "Qwen/Qwen2.5-0.5B-Instruct", hub=True)
     assert str(resolve_model_dir(tmp_path / "base")) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_sample_from_draws_each_token_at_its_probability():
+    probs = torch.tensor([[0.1, 0.0, 0.2, 0.7], [2.0, 0.0, 0.0, 2.0]])  # row 1 unnormalised: 1/2, 1/2
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_from(probs, gen) for _ in range(20_000)])
+    freq0 = torch.bincount(draws[:, 0], minlength=4).float() / len(draws)
+    freq1 = torch.bincount(draws[:, 1], minlength=4).float() / len(draws)
+    # 20,000 draws: standard error <= 0.0036, so 0.015 is over four of them
+    assert torch.allclose(freq0, torch.tensor([0.1, 0.0, 0.2, 0.7]), atol=0.015)
+    assert torch.allclose(freq1, torch.tensor([0.5, 0.0, 0.0, 0.5]), atol=0.015)
+    assert freq0[1] == 0 and freq1[1] == 0 and freq1[2] == 0  # probability 0 is never drawn
+
+
+def test_sample_from_a_uniform_rounding_up_to_the_total_takes_the_last_possible_token(monkeypatch):
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))
+    assert sample_from(probs).tolist() == [1]  # not the zero-probability tail

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from components.engine.objectives import aggregate, group_advantages, kl_estimate, masked_entropy, policy_loss
+from components.engine.objectives import aggregate, group_advantages, kl_estimate, masked_mean, policy_loss
 
 # Two sequences, three completion positions; the second position of row 0 is padding after EOS.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -171,6 +171,6 @@ def test_minibatch_normalisers_reassemble_the_full_batch_loss():
     assert seq.item() == pytest.approx(0.5)
 
 
-def test_masked_entropy_of_uniform_is_log_vocab():
-    logits = torch.zeros(2, 3, 8)
-    assert masked_entropy(logits, MASK).item() == pytest.approx(math.log(8), rel=1e-6)
+def test_masked_mean_counts_real_positions_only():
+    values = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])  # 9.0 sits in row 0's padding
+    assert masked_mean(values, MASK).item() == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
