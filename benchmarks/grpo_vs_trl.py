@@ -226,8 +226,9 @@ def trl_settings(cfg, steps: int, output_dir: Path) -> dict[str, Any]:
     compute differently (the comparison is only fair when both engines optimise the same objective)."""
     g = cfg.grpo
     different = {"kl_estimator": (g.kl_estimator, "k3"), "algorithm": (g.algorithm, "grpo"),
-                 "reference.mode": (g.reference.mode, "static"), "dynamic_sampling": (g.dynamic_sampling.enabled, False),
-                 "overlong": (g.overlong.enabled, False), "minibatch_size": (g.minibatch_size, 0)}
+                 "reference.mode": (g.reference.mode, "static"),
+                 "dynamic_sampling": (g.dynamic_sampling.enabled, False), "overlong": (g.overlong.enabled, False),
+                 "minibatch_size": (g.minibatch_size, 0)}
     for key, (value, supported) in different.items():
         if value != supported:
             raise SystemExit(f"grpo.{key} = {value!r}: the TRL side of the benchmark is written for {supported!r}")
@@ -257,10 +258,13 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     from components.engine.prompting import PromptFormatter
     from components.engine.rewards import RewardModel
 
+    from components.engine.host_memory import keep_freed_memory
+
     cfg = worker_config(spec)
     root = Path(spec["root"])
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)  # no deterministic-kernel switch: TRL at its fastest
+    keep_freed_memory()  # the allocator setting our engine makes for itself, so both are spared the same page faults
     tokenizer = load_tokenizer(root / "models" / "sft")
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
     # The prompt text our engine feeds the model (template, chat template), as plain strings: TRL tokenizes
@@ -398,7 +402,8 @@ def steady_rise(start: float, curve: list[dict[str, float]], n: int) -> str | No
     values = [start] + [p["heldout"] for p in curve]
     rise = values[-1] - values[0]
     if rise <= 2 * noise_band(values[0], n):
-        return f"rose {rise:+.3f} from {values[0]:.3f}, within twice the noise band ({2 * noise_band(values[0], n):.3f})"
+        band = 2 * noise_band(values[0], n)
+        return f"rose {rise:+.3f} from {values[0]:.3f}, within twice the noise band ({band:.3f})"
     best = values[0]
     for i, value in enumerate(values[1:], 1):
         if value < best - noise_band(best, n):
@@ -532,7 +537,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and settings)", "",
              f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}`", "",
              "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
-             "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | ours - TRL (95% CI) |",
+             "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | "
+             "ours - TRL (95% CI) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         o, t, d = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
@@ -550,8 +556,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {r['row']}: {r['summary']} ({r['parameters'] / 1e6:.2f}M parameters)", "",
                   f"{r['steps']} steps each ({r['completions_each']:,} completions), {r['rounds']} alternating rounds "
                   f"of {r['round_steps']} steps; {s['prompts_per_step']} prompts x {s['group_size']} completions of at "
-                  f"most {s['max_completion_length']} tokens, temperature {s['temperature']}, lr {s['learning_rate']:g}, "
-                  f"beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, chat template: {s['chat_template']}.", "",
+                  f"most {s['max_completion_length']} tokens, temperature {s['temperature']}, "
+                  f"lr {s['learning_rate']:g}, beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, chat template: {s['chat_template']}.", "",
                   f"**speedup_vs_trl: {r['speedup_vs_trl']:.2f}x** (rounds: "
                   f"{', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
                   "| | ours | TRL |", "|---|---|---|"]

@@ -24,6 +24,7 @@ from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.distributed import DistContext, barrier, init, launch, needs_launch, shutdown, wrap_ddp
 from components.engine.heldout import HeldoutProbe
+from components.engine.host_memory import keep_freed_memory
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
 from components.engine.monitors import Monitors
 from components.engine.objectives import build_loss
@@ -75,6 +76,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     g, say = cfg.grpo, (print if ctx.is_main else (lambda *args, **kwargs: None))
     _check_settings(cfg, ctx, callbacks, say)
     seed_everything(cfg.seed, cfg.threads)
+    keep_freed_memory()  # no page faults for each step's vocabulary-sized tensors
     start_dir = resolve_model_dir(paths.sft_model)
     records = read_jsonl(split_path(paths.data, "train"))
     loss = build_loss(g)
