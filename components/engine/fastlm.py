@@ -113,21 +113,6 @@ def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
     return weight, base.bias
 
 
-def runs_of_equal_rows(ids: torch.Tensor, mask: torch.Tensor):
-    """Consecutive equal (ids, mask) rows as one: (unique ids, unique mask, each row's run, run lengths).
-
-    Equal ids with another mask are another prompt (a real token can equal the pad id). Vectorised:
-    `torch.unique_consecutive(dim=0)` compares rows one pair at a time (127 `equal` calls for 128 rows).
-    """
-    if len(ids) == 0:
-        empty = torch.zeros(0, dtype=torch.long, device=ids.device)
-        return ids, mask, empty, empty
-    changed = ((ids[1:] != ids[:-1]) | (mask[1:] != mask[:-1])).any(-1)
-    starts = torch.cat([changed.new_ones(1), changed])
-    rows = starts.long().cumsum(0) - 1
-    return ids[starts], mask[starts], rows, torch.bincount(rows)
-
-
 def full_attention(config: Any, max_length: int) -> bool:
     """Does every layer attend to every earlier token of a `max_length`-token row?
 
@@ -355,7 +340,11 @@ class PrefixSharedLM:
         every run has the same length G, each prompt's cache reaches its G rows by broadcasting (its
         gradient is a sum over G); otherwise rows gather it with an index (a scatter-add backward).
         """
-        unique, unique_mask, rows, counts = runs_of_equal_rows(prompt_ids, prompt_mask)
+        # Equal ids with another mask are another prompt (a real token can equal the pad id).
+        keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+        unique_keyed, rows, counts = torch.unique_consecutive(keyed, dim=0, return_inverse=True, return_counts=True)
+        width = prompt_ids.shape[1]
+        unique, unique_mask = unique_keyed[:, :width], unique_keyed[:, width:].to(prompt_mask.dtype)
         group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged

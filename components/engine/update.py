@@ -59,13 +59,6 @@ def minibatch_plan(n: int, g: GRPOConfig) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def as_slice(rows: list[int]) -> slice | list[int]:
-    """A run of consecutive rows as a slice, which indexes as a view (no gather, no index tensor)."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return rows
-
-
 def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
     """This rank's rows of a global minibatch: its groups, round-robin, each group whole on one rank."""
     if not ctx.active:
@@ -114,8 +107,7 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                         if rows:
                             old_logp[rows] = part
             else:
-                old_logp = torch.cat([policy.logprobs(rollout.select(as_slice(mb)), g.temperature)[0]
-                                      for mb in minibatches])
+                old_logp = torch.cat([policy.logprobs(rollout.select(mb), g.temperature)[0] for mb in minibatches])
     stats = UpdateStats()
     tokens_seen = 0.0
     grad_scale = float(ctx.world)  # DDP averages gradients over ranks; the loss is already a global sum
@@ -136,13 +128,12 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                         logp, _ = completion_logprobs(module, rollout.select(minibatches[k][:1]), g.temperature)
                         (torch.nan_to_num(logp).sum() * 0.0).backward()
                     continue
-                at = as_slice(mb)
-                sub, sub_mask = rollout.select(at), mask[at]
+                sub, sub_mask = rollout.select(mb), mask[mb]
                 with no_sync(module, skip=ctx.active and not last):
                     t0 = time.perf_counter()
                     logp, entropy = policy.logprobs(sub, g.temperature, with_entropy=iteration == 0, module=module)
-                    out = loss_fn(logp, old_logp[at] if old_logp is not None else logp.detach(), advantages[at],
-                                  sub_mask, ref_logp=None if ref_logp is None else ref_logp[at], num_sequences=n_seq,
+                    out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
+                                  sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb], num_sequences=n_seq,
                                   num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
                     part = out.loss * share
                     t1 = time.perf_counter()
