@@ -479,8 +479,16 @@ class _Decoder:
         self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
         self.rope, self.logits, self.offset = rope, first_logits, 0
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Decode only `rows` from now on (indices into the rows held now): finished rows cost nothing more.
+        Copies each layer's cache once, so the sampler calls it only when enough rows have finished."""
+        self.buffers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.buffers]
+        self.bias = self.bias.index_select(0, rows)
+        self.rope = Rotary(self.rope.cos.index_select(0, rows), self.rope.sin.index_select(0, rows))
+        self.logits = self.logits.index_select(0, rows)
+
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token per row; return the logits [N, V] for the next one."""
+        """Append one token per row held; return the logits [rows, V] for the next one."""
         lm, end = self.lm, self.prompt_len + self.offset + 1
         x = lm.decoder.embed_tokens(tokens[:, None])
         rotary = self.rope.at(self.offset)

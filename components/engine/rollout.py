@@ -48,6 +48,9 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
 
+COMPACT_AT = 0.75  # the fast decoder drops finished rows once at most this share of the rows it holds is open
+
+
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding: 0 at each row's first real token."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -109,6 +112,7 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
+    decoder = None
     if fast is not None:
         decoder = fast.start_decoding(prompt_ids, prompt_mask, group_size, max_new_tokens)
         logits = decoder.logits
@@ -121,26 +125,43 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
     n = prompt_ids.shape[0]
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    length = 0
+    # `live`: the rows the decoder holds (the rows of `logits`); `open_`: which of them have not emitted EOS.
+    # Only open rows draw a token, so both decoders consume the generator alike; the fast one drops
+    # finished rows from its caches once a quarter of those it holds are done (COMPACT_AT).
+    live = torch.arange(n, device=device)
+    open_ = torch.ones(n, dtype=torch.bool, device=device)
+    length, all_open = 0, True
     for t in range(max_new_tokens):
+        scores = logits if all_open else logits[open_]
         if greedy:
-            next_tok = logits.argmax(-1)
+            next_tok = scores.argmax(-1)
         else:
-            scaled = logits.float() / temperature
+            scaled = scores.float() / temperature
             if top_p < 1.0:
                 scaled = _filter_top_p(scaled, top_p)
             next_tok = sample_from(torch.softmax(scaled, -1), generator)
-        next_tok = torch.where(finished, torch.full_like(next_tok, pad_id), next_tok)
-        tokens[:, t] = next_tok
+        rows = live if all_open else live[open_]
+        tokens[rows, t] = next_tok
         length = t + 1
-        finished |= next_tok == eos_id
-        done = bool(finished.all())
+        still = next_tok != eos_id
+        if all_open:
+            open_ = still
+        else:
+            updated = open_.clone()
+            updated[open_] = still
+            open_ = updated
+        remaining = int(open_.sum())
+        all_open = remaining == len(live)
+        done = remaining == 0
         if stop_together is not None:
             done = stop_together(done)
         if done or t == max_new_tokens - 1:
             break
-        logits = advance(next_tok, t)
+        if decoder is not None and remaining <= COMPACT_AT * len(live):
+            keep = open_.nonzero().squeeze(-1)
+            decoder.keep(keep)
+            live, open_, all_open = live[keep], torch.ones(remaining, dtype=torch.bool, device=device), True
+        logits = advance(tokens[live, t], t)
     tokens = tokens[:, :length]
     is_eos = tokens == eos_id
     # Mask: every token up to and including the first EOS (all tokens when there is none).

@@ -279,3 +279,37 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
     assert loss_a == pytest.approx(loss_b, rel=1e-4, abs=1e-6) and ent_a == pytest.approx(ent_b, rel=1e-4)
     assert any(not torch.equal(p, q) for p, q in zip(params_a, base.parameters())), "no update happened"
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(params_a, params_b))
+
+
+def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samples(monkeypatch):
+    """Rows that emitted EOS leave the fast decoder's caches (`_Decoder.keep`); the completions, masks and the
+    generator's stream must stay those of the plain Hugging Face path, which decodes every row to the end."""
+    from types import SimpleNamespace
+
+    from components.engine import fastlm
+
+    model = _llama(num_key_value_heads=2)
+    with torch.no_grad():
+        model.lm_head.weight[3] += 0.4 * model.model.embed_tokens.weight.sum(0)  # EOS (id 3) is drawn often
+    fast = PrefixSharedLM.for_model(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 4, 9, 6, 5]])
+    mask = (prompts != 0).long()
+
+    class Tok:
+        eos_token_id, pad_token_id = 3, 0
+
+        def __call__(self, texts, **_):
+            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
+
+    kept = []
+    original = fastlm._Decoder.keep
+    monkeypatch.setattr(fastlm._Decoder, "keep", lambda self, rows: (kept.append(len(rows)), original(self, rows)))
+    plain_gen, fast_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    plain = sample_groups(model, Tok(), ["a"] * 3, 6, 10, generator=plain_gen)
+    quick = sample_groups(model, Tok(), ["a"] * 3, 6, 10, generator=fast_gen, fast=fast)
+    lengths = plain.completion_mask.sum(-1)
+    assert lengths.min() < lengths.max(), "every row ended at the same step: nothing to drop"
+    assert kept, "no finished row was dropped"
+    assert torch.equal(plain.completion_ids, quick.completion_ids)
+    assert torch.equal(plain.completion_mask, quick.completion_mask)
+    assert torch.equal(plain_gen.get_state(), fast_gen.get_state())
