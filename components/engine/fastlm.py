@@ -113,6 +113,23 @@ def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
     return weight, base.bias
 
 
+SHARED_PREFIX_MIN = 8  # prompts sharing at least this many leading tokens encode them once (fewer: not worth a pass)
+
+
+def shared_prefix_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """How many leading real tokens all rows of left-padded `ids` share, leaving each row at least one of its own."""
+    if len(ids) < 2:
+        return 0
+    lengths = mask.sum(-1)
+    span = int(lengths.min()) - 1
+    if span < 1:
+        return 0
+    starts = ids.shape[1] - lengths
+    heads = ids.gather(1, starts[:, None] + torch.arange(span, device=ids.device))  # each row's first `span` tokens
+    differs = (heads != heads[:1]).any(0)
+    return int(differs.int().argmax()) if bool(differs.any()) else span
+
+
 def full_attention(config: Any, max_length: int) -> bool:
     """Does every layer attend to every earlier token of a `max_length`-token row?
 
@@ -305,18 +322,44 @@ class PrefixSharedLM:
     # ----------------------------------------------------------------------------------------- prompt
     def encode_prompts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list):
         """Run left-padded prompts once: (final-normed hidden state at the last position [U, D], per-layer
-        (K, V) caches)."""
-        length = prompt_ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=prompt_ids.device).tril()
-        x = self.decoder.embed_tokens(prompt_ids)
-        bias = self._bias(causal[None] & prompt_mask.bool()[:, None, :], x.dtype)[:, None, None]  # [U,1,1,P,P]
-        rotary = self._positions(x, (prompt_mask.long().cumsum(-1) - 1).clamp(min=0))
+        (K, V) caches [U, Hkv, W, d], cache mask [U, W]: which of the W cached positions are real tokens).
+
+        When the prompts share their first `SHARED_PREFIX_MIN` or more real tokens (a system prompt, a chat
+        template's header), that prefix is encoded once and each prompt encodes only the rest while
+        attending to it; the caches then hold [prefix | padding | rest].
+        """
+        shared = shared_prefix_length(prompt_ids, prompt_mask)
+        if shared < SHARED_PREFIX_MIN:
+            return self._encode(prompt_ids, prompt_mask, weights, None)
+        prefix = prompt_ids[:1, prompt_ids.shape[1] - int(prompt_mask[0].sum()):][:, :shared]
+        caches = self._encode(prefix, torch.ones_like(prefix), weights, None)[1]
+        rest = prompt_mask.sum(-1) - shared  # real tokens after the prefix, at least 1
+        width = int(rest.max())
+        rest_mask = (torch.arange(width, device=rest.device) >= width - rest[:, None]).to(prompt_mask.dtype)
+        return self._encode(prompt_ids[:, -width:], rest_mask, weights, caches)
+
+    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, weights: list, prefix: list | None):
+        """`encode_prompts` for left-padded `ids` that follow the (one-row) `prefix` caches, if any."""
+        length = ids.shape[1]
+        done = 0 if prefix is None else prefix[0][0].shape[2]
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+        x = self.decoder.embed_tokens(ids)
+        keep = causal[None] & mask.bool()[:, None, :]
+        if done:
+            keep = torch.cat([keep.new_ones(len(ids), length, done), keep], dim=-1)
+        bias = self._bias(keep, x.dtype)[:, None, None]  # [U, 1, 1, P, done + P]
+        rotary = self._positions(x, done + (mask.long().cumsum(-1) - 1).clamp(min=0))
         caches = []
-        for layer, fused in zip(self.decoder.layers, weights):
+        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
             q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
+            if done:
+                kp, vp = prefix[i]
+                k = torch.cat([kp.expand(len(ids), -1, -1, -1), k], dim=2)
+                v = torch.cat([vp.expand(len(ids), -1, -1, -1), v], dim=2)
             caches.append((k, v))
             x = self._finish_layer(layer, fused, x, self._merge_heads(self._attend(q, k, v, bias)))
-        return self._norm(self.decoder.norm, x[:, -1, :]), caches
+        cache_mask = mask if not done else torch.cat([mask.new_ones(len(ids), done), mask], dim=1)
+        return self._norm(self.decoder.norm, x[:, -1, :]), caches, cache_mask
 
     def _logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Vocabulary logits / temperature; a bias-free head takes the division on the (much smaller) hidden state."""
@@ -348,7 +391,7 @@ class PrefixSharedLM:
         group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
-        last, caches = self.encode_prompts(unique, unique_mask, weights)
+        last, caches, cache_mask = self.encode_prompts(unique, unique_mask, weights)
         n, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token predicts nothing we score
         fed = completion_mask[:, 1:].bool().nonzero(as_tuple=True)
         if steps == 0 or len(fed[0]) == 0:
@@ -357,7 +400,7 @@ class PrefixSharedLM:
         place = fed_rows * steps + fed_cols  # each packed token's slot in the padded [N, steps] grid
         x = self.decoder.embed_tokens(completion_ids[fed_rows, fed_cols]).unsqueeze(0)  # [1, S, D]
         causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
-        keep = torch.cat([prompt_mask.bool()[:, None, :].expand(-1, steps, -1),
+        keep = torch.cat([cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
                           causal[None].expand(n, -1, -1)], dim=-1)
         bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
         start = unique_mask.sum(-1)[rows]
@@ -414,60 +457,75 @@ class PrefixSharedLM:
                        max_new_tokens: int) -> "_Decoder":
         """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
-        last, caches = self.encode_prompts(prompt_ids, prompt_mask, weights)
+        last, caches, cache_mask = self.encode_prompts(prompt_ids, prompt_mask, weights)
         first = self.lm_head(last)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
         buffers = []
         for k, v in caches:
             n, heads, p_len, d = len(rows), k.shape[1], k.shape[2], k.shape[3]
-            kbuf, vbuf = k.new_empty(n, heads, p_len + max_new_tokens, d), v.new_empty(n, heads, p_len + max_new_tokens, d)
+            kbuf, vbuf = (t.new_empty(n, heads, p_len + max_new_tokens, d) for t in (k, v))
             kbuf[:, :, :p_len], vbuf[:, :, :p_len] = k.index_select(0, rows), v.index_select(0, rows)
             buffers.append((kbuf, vbuf))
-        keep = torch.cat([prompt_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
+        keep = torch.cat([cache_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
                                                                device=prompt_ids.device)], dim=-1)
         bias = self._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
         start = prompt_mask.sum(-1)[rows]
         positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
         rope = self._positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
-        return _Decoder(self, weights, buffers, bias, prompt_ids.shape[1], rope, first.index_select(0, rows))
+        return _Decoder(self, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows))
 
     # ------------------------------------------------------------------------------------------ check
     @torch.no_grad()
     def matches_reference_forward(self, vocab_size: int, prompt_length: int = 5, completion_length: int = 4) -> bool:
-        """Compare token log-probs and entropies with the Hugging Face forward on a small left-padded batch.
+        """Compare token log-probs and entropies with the Hugging Face forward on small left-padded batches.
 
         Rows 3 and 4 repeat row 0's prompt ids side by side, row 4 with another mask (a padded token made
         real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
-        so the packed forward is checked against padding too. The entropies depend on every logit.
+        so the packed forward is checked against padding too. When prompts this long can share a prefix
+        worth encoding once, a second batch whose prompts share their first tokens checks that path. The
+        entropies depend on every logit.
         """
-        param = next(self.model.parameters())
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, vocab_size, (3, prompt_length), generator=gen).to(param.device)
-        mask = torch.ones_like(prompt)
-        mask[1, :2] = 0
-        mask[0, :1] = 0
-        completion = torch.randint(0, vocab_size, (3, completion_length), generator=gen).to(param.device)
-        prompt = torch.cat([prompt, prompt[:1], prompt[:1]])  # a repeated prompt exercises the shared path
-        mask = torch.cat([mask, mask[:1], torch.ones_like(mask[:1])])
-        completion = torch.cat([completion, completion[2:3], completion[1:2]])
-        completion_mask = torch.ones_like(completion)
-        completion_mask[1, max(1, completion_length // 2):] = 0
-        ids = torch.cat([prompt, completion], 1)
-        full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
+        batches = [self._check_batch(vocab_size, prompt_length, completion_length, shared_head=0)]
+        if prompt_length - 3 >= SHARED_PREFIX_MIN:
+            head = max(SHARED_PREFIX_MIN, (prompt_length - 2) // 2)
+            batches.append(self._check_batch(vocab_size, prompt_length, completion_length, shared_head=head))
         was_training = self.model.training
         self.model.eval()
         try:
-            reference = self.model(input_ids=ids, attention_mask=full_mask,
-                                   position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
-            reference = reference[:, prompt.shape[1] - 1:-1].float().log_softmax(-1)
-            ref_logp = reference.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-            ref_entropy = -(reference.exp() * reference).sum(-1)
-            logp, entropy = self.token_logprobs(prompt, mask, completion, completion_mask, with_entropy=True)
+            return all(self._agrees_with_hugging_face(*batch) for batch in batches)
         finally:
             self.model.train(was_training)
+
+    def _check_batch(self, vocab_size: int, prompt_length: int, completion_length: int, shared_head: int):
+        device = next(self.model.parameters()).device
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab_size, (3, prompt_length), generator=gen)
+        mask = torch.ones_like(prompt)
+        mask[1, :2] = 0
+        mask[0, :1] = 0
+        if shared_head:  # rows 1 and 2 start with row 0's first real tokens
+            prompt[1, 2:2 + shared_head] = prompt[2, :shared_head] = prompt[0, 1:1 + shared_head]
+        completion = torch.randint(0, vocab_size, (3, completion_length), generator=gen)
+        prompt = torch.cat([prompt, prompt[:1], prompt[:1]])  # a repeated prompt exercises the shared path
+        mask = torch.cat([mask, mask[:1], mask[:1] if shared_head else torch.ones_like(mask[:1])])
+        completion = torch.cat([completion, completion[2:3], completion[1:2]])
+        completion_mask = torch.ones_like(completion)
+        completion_mask[1, max(1, completion_length // 2):] = 0
+        return tuple(t.to(device) for t in (prompt, mask, completion, completion_mask))
+
+    def _agrees_with_hugging_face(self, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
+                                  completion_mask: torch.Tensor) -> bool:
+        ids = torch.cat([prompt, completion], 1)
+        full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
+        reference = self.model(input_ids=ids, attention_mask=full_mask,
+                               position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
+        reference = reference[:, prompt.shape[1] - 1:-1].float().log_softmax(-1)
+        ref_logp = reference.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        ref_entropy = -(reference.exp() * reference).sum(-1)
+        logp, entropy = self.token_logprobs(prompt, mask, completion, completion_mask, with_entropy=True)
         real = completion_mask.bool()
         error = torch.cat([(logp - ref_logp)[real], (entropy - ref_entropy)[real]]).abs()
-        tolerance = CHECK_TOLERANCE.get(param.dtype, 0.1)
+        tolerance = CHECK_TOLERANCE.get(next(self.model.parameters()).dtype, 0.1)
         return bool(torch.isfinite(error).all()) and float(error.max()) <= tolerance
 
 

@@ -313,3 +313,100 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
     assert torch.equal(plain.completion_ids, quick.completion_ids)
     assert torch.equal(plain.completion_mask, quick.completion_mask)
     assert torch.equal(plain_gen.get_state(), fast_gen.get_state())
+
+
+def test_shared_prefix_length_by_hand():
+    from components.engine.fastlm import shared_prefix_length
+
+    ids = torch.tensor([[0, 0, 7, 7, 5, 6, 1],    # real: 7 7 5 6 1
+                        [7, 7, 5, 6, 2, 3, 4],    # real: 7 7 5 6 2 3 4
+                        [0, 7, 7, 5, 9, 9, 9]])   # real: 7 7 5 9 9 9
+    mask = (ids != 0).long()
+    assert shared_prefix_length(ids, mask) == 3  # "7 7 5"
+    assert shared_prefix_length(ids[:2], mask[:2]) == 4  # "7 7 5 6"
+    same = torch.tensor([[7, 7, 5], [7, 7, 5]])
+    assert shared_prefix_length(same, torch.ones_like(same)) == 2  # each row keeps one token of its own
+    assert shared_prefix_length(ids[:1], mask[:1]) == 0  # one prompt: nothing to share
+
+
+def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
+    """Three left-padded prompts whose real tokens share their first 10 (a system prompt, say)."""
+    gen = torch.Generator().manual_seed(2)
+    head = torch.randint(4, VOCAB, (10,), generator=gen)
+    own = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (2, 5, 3)]
+    width = 15
+    prompts = torch.zeros(3, width, dtype=torch.long)
+    for i, tail in enumerate(own):
+        real = torch.cat([head, tail])
+        prompts[i, width - len(real):] = real
+    prompt_mask = (torch.arange(width) >= width - torch.tensor([12, 15, 13])[:, None]).long()
+    rows = torch.tensor(rows)
+    completions = torch.randint(4, VOCAB, (len(rows), 5), generator=gen)
+    completion_mask = torch.ones_like(completions)
+    completion_mask[1, 2:] = 0
+    completion_mask[-2, 4:] = 0
+    completions = completions * completion_mask
+    return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask,
+                   torch.zeros(len(rows), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradients(monkeypatch, arch, groups):
+    from components.engine import fastlm
+
+    model = ARCHITECTURES[arch]()
+    fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
+    assert fast is not None
+    prefixes = []
+    original = fastlm.PrefixSharedLM._encode
+    monkeypatch.setattr(fastlm.PrefixSharedLM, "_encode", lambda self, ids, mask, weights, prefix: (
+        prefixes.append(None if prefix is None else prefix[0][0].shape[2]), original(self, ids, mask, weights, prefix))[1])
+    rollout = _rollout_with_shared_prefix(groups)
+    weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
+
+    def loss_and_grads(logprobs):
+        model.zero_grad()
+        logp, _ = logprobs(rollout, 0.7)
+        (logp * weights).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_logp, ref_grads = loss_and_grads(lambda r, t: completion_logprobs(model, r, t))
+    prefixes.clear()
+    fast_logp, fast_grads = loss_and_grads(fast.completion_logprobs)
+    assert prefixes == [None, 10], "the 10 shared tokens were not encoded once"
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
+    for name, grad in ref_grads.items():
+        assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_decoding_after_a_shared_prefix_matches_a_full_forward():
+    model = ARCHITECTURES["llama-gqa-tied"]()
+    fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
+    rollout = _rollout_with_shared_prefix((0, 1, 2))
+    prompts, mask = rollout.prompt_ids, rollout.prompt_mask
+    decoder = fast.start_decoding(prompts, mask, group_size=2, max_new_tokens=4)
+    fed = torch.tensor([[13, 14, 15]] * 6)
+    seen = [decoder.logits] + [decoder.feed(fed[:, t]) for t in range(3)]
+    ids = torch.cat([prompts.repeat_interleave(2, 0), fed], 1)
+    full_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(fed)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    for t, step_logits in enumerate(seen):
+        assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
+
+
+def test_the_self_check_covers_the_shared_prefix_path(monkeypatch):
+    model = _llama()
+    assert PrefixSharedLM.for_model(model, max_length=20, completion_length=5) is not None
+    broken = PrefixSharedLM(model)
+    original = broken._encode
+
+    def misplaced(ids, mask, weights, prefix):  # the rest of each prompt at the wrong positions after the prefix
+        last, caches, cache_mask = original(ids, mask, weights, prefix)
+        return (last * 1.5, caches, cache_mask) if prefix is not None else (last, caches, cache_mask)
+
+    monkeypatch.setattr(broken, "_encode", misplaced)
+    assert broken.matches_reference_forward(VOCAB, prompt_length=5)  # too short to share: the broken path is unused
+    assert not broken.matches_reference_forward(VOCAB, prompt_length=15)
