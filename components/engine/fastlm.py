@@ -74,83 +74,43 @@ class Rotary:
         return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
 
 
-@dataclass
-class Projection:
-    """x -> x W^T + b [+ (x A^T) B^T]: a projection (or several fused along the output) as plain matmuls.
-
-    The low-rank term is LoRA with its scaling folded into B; when several projections are fused, A stacks
-    their adapters and B is block-diagonal, so one pair of small matmuls serves them all.
-    """
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-    lora_a: torch.Tensor | None = None  # [r, in]
-    lora_b: torch.Tensor | None = None  # [out, r], scaling included
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.lora_a is not None:
-            out = out + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
-        return out
-
-    def rows(self, order: torch.Tensor) -> "Projection":
-        """The same map with its output rows permuted."""
-        pick = lambda t: None if t is None else t.index_select(0, order)  # noqa: E731
-        return Projection(pick(self.weight), pick(self.bias), self.lora_a, pick(self.lora_b))
-
-    @staticmethod
-    def fuse(parts: "list[Projection]") -> "Projection":
-        """One projection whose output is the parts' outputs side by side."""
-        weight = torch.cat([p.weight for p in parts])
-        bias = None
-        if any(p.bias is not None for p in parts):
-            bias = torch.cat([p.weight.new_zeros(len(p.weight)) if p.bias is None else p.bias for p in parts])
-        if all(p.lora_a is None for p in parts):
-            return Projection(weight, bias)
-        lora_a = torch.cat([p.lora_a for p in parts if p.lora_a is not None])
-        lora_b = torch.block_diag(*[p.weight.new_zeros(len(p.weight), 0) if p.lora_b is None else p.lora_b
-                                    for p in parts])
-        return Projection(weight, bias, lora_a, lora_b)
+Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, bias) of a projection used as a plain matmul
 
 
 @dataclass
 class LayerWeights:
     """One decoder layer's projections as plain matmuls; None where the module must be called itself."""
 
-    qkv: Projection | None  # q|k|v fused (q|k rows paired when `paired`)
-    paired: bool
-    o: Projection | None
-    gate_up: Projection | None  # gate|up fused
-    down: Projection | None
+    qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None  # fused q|k|v weight, bias, q|k rows paired
+    o: Linear | None
+    gate_up: torch.Tensor | None  # fused gate|up weight (no bias)
+    down: Linear | None
 
 
-def projection(module: Any, merge_lora: bool = False) -> Projection | None:
-    """The `Projection` that computes module(x), or None (the module must then be called).
+def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
+    """(weight, bias) such that F.linear(x, weight, bias) == module(x), or None.
 
-    A plain `nn.Linear` gives its weight and bias. A peft LoRA `Linear` over a plain one gives its base
-    plus its active adapters: merged into one weight, W + sum of s * B @ A, with `merge_lora` (no
-    gradient: decoding, reference forwards), else as the low-rank term, so the adapters get their
-    gradients and the frozen base none. While its adapters are disabled, W alone. Only vanilla LoRA
-    without dropout or a bias on B, and not while merged into W (the module then handles it).
+    A plain `nn.Linear` gives its own. With `merge_lora`, a peft LoRA `Linear` over a plain one gives
+    W + sum of s * B @ A over its active adapters (W alone while they are disabled): only for vanilla
+    LoRA without dropout or a bias on B, and not while merged into W (the module then handles it).
     """
     if type(module) is torch.nn.Linear:
-        return Projection(module.weight, module.bias)
+        return module.weight, module.bias
     base = getattr(module, "base_layer", None)
-    if type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight") or getattr(module, "merged", True):
+    if not merge_lora or type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight") \
+            or getattr(module, "merged", True):
         return None
+    weight = base.weight
     if module.disable_adapters:
-        return Projection(base.weight, base.bias)
-    names = [name for name in module.active_adapters if name in module.lora_A]
-    for name in names:
+        return weight, base.bias
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
         if name in getattr(module, "lora_variant", {}) or type(module.lora_dropout[name]) is not torch.nn.Identity \
-                or module.lora_B[name].bias is not None or getattr(module, "fan_in_fan_out", False):
+                or module.lora_B[name].bias is not None:
             return None
-    if not names:
-        return Projection(base.weight, base.bias)
-    if merge_lora:
-        return Projection(base.weight + sum(module.get_delta_weight(name) for name in names), base.bias)
-    return Projection(base.weight, base.bias, torch.cat([module.lora_A[name].weight for name in names]),
-                      torch.cat([module.lora_B[name].weight * module.scaling[name] for name in names], dim=1))
+        weight = weight + module.get_delta_weight(name)
+    return weight, base.bias
 
 
 SHARED_PREFIX_MIN = 8  # prompts sharing at least this many leading tokens encode them once (fewer: not worth a pass)
@@ -256,29 +216,34 @@ class PrefixSharedLM:
         return self._qkv_order
 
     def fused_weights(self, merge_lora: bool = False) -> list[LayerWeights]:
-        """Per layer, each projection as plain matmuls where possible, q|k|v and gate|up fused into one.
+        """Per layer, each projection as a plain matmul where possible, q|k|v and gate|up fused into one.
 
-        LoRA-wrapped projections become `Projection`s too (see `projection`): merged into one weight with
-        `merge_lora` (decoding and reference forwards: no gradient), else base plus a low-rank term whose
-        adapters are stacked across the fused projections. Either way a layer is a few large matmuls rather
-        than a peft module call (5 small ops) per projection. Built once per forward or decoding run;
-        gradients flow back through the cat. `_qkv` rotates paired rows as complex numbers and the others
-        with cos/sin, so the rows' order and the rotation cannot disagree.
+        A projection that is not a plain `nn.Linear` is called as a module, except that with `merge_lora`
+        (decoding and reference forwards: no gradient) a LoRA-wrapped one becomes one matmul with
+        W + s * B @ A (or W alone while its adapters are disabled): 2 matmuls, a scale and an add fewer
+        per projection and decode step, and the q|k|v and gate|up fusions apply again. Built once per
+        forward or decoding run; gradients flow back through the cat. `_qkv` rotates paired rows as
+        complex numbers and the others with cos/sin, so the rows' order and the rotation cannot disagree.
         """
         fused = []
         for layer in self.decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = (projection(m, merge_lora) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-            qkv, paired = None, False
+            q, k, v = (plain_linear(m, merge_lora) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+            qkv = None
             if q is not None and k is not None and v is not None:
-                qkv = Projection.fuse([q, k, v])
-                paired = self._rotates_as_complex(qkv.weight.dtype)
+                weight = torch.cat([q[0], k[0], v[0]])
+                bias = None if q[1] is None or k[1] is None or v[1] is None else torch.cat([q[1], k[1], v[1]])
+                paired = self._rotates_as_complex(weight.dtype)
                 if paired:
-                    qkv = qkv.rows(self._pair_rows(qkv.weight.device))
-            gate, up = projection(mlp.gate_proj, merge_lora), projection(mlp.up_proj, merge_lora)
-            gate_up = Projection.fuse([gate, up]) if gate is not None and up is not None else None
-            fused.append(LayerWeights(qkv, paired, projection(attn.o_proj, merge_lora), gate_up,
-                                      projection(mlp.down_proj, merge_lora)))
+                    order = self._pair_rows(weight.device)
+                    weight, bias = weight.index_select(0, order), None if bias is None else bias.index_select(0, order)
+                qkv = (weight, bias, paired)
+            gate, up = plain_linear(mlp.gate_proj, merge_lora), plain_linear(mlp.up_proj, merge_lora)
+            gate_up = None
+            if gate is not None and up is not None and gate[1] is None and up[1] is None:
+                gate_up = torch.cat([gate[0], up[0]])
+            fused.append(LayerWeights(qkv, plain_linear(attn.o_proj, merge_lora), gate_up,
+                                      plain_linear(mlp.down_proj, merge_lora)))
         return fused
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -293,9 +258,10 @@ class PrefixSharedLM:
         cos, sin = rotary.cos, rotary.sin
         if fused.qkv is not None and not hasattr(attn, "q_norm"):
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
-            qkv = fused.qkv(h)
+            weight, bias, paired = fused.qkv
+            qkv = torch.nn.functional.linear(h, weight, bias)
             qk = qkv[..., :(heads + kv_heads) * d]
-            if fused.paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
+            if paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
                 pairs = torch.view_as_complex(qk.unflatten(-1, (heads + kv_heads, d // 2, 2))).transpose(1, 2)
                 qk = torch.view_as_real(pairs * rotary.turn).flatten(-2)
             else:
@@ -303,7 +269,8 @@ class PrefixSharedLM:
             v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
             return qk[:, :heads], qk[:, heads:], v
         if fused.qkv is not None:  # never paired: models with q/k norms rotate with cos/sin
-            q, k, v = fused.qkv(h).split([heads * d, kv_heads * d, kv_heads * d], -1)
+            weight, bias, _ = fused.qkv
+            q, k, v = torch.nn.functional.linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q = q.view(b, length, heads, d).transpose(1, 2)
@@ -320,13 +287,14 @@ class PrefixSharedLM:
 
     def _finish_layer(self, layer: Any, fused: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged)."""
-        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else fused.o(attn_out))
+        linear = torch.nn.functional.linear
+        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else linear(attn_out, *fused.o))
         h = self._norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if fused.gate_up is not None:
-            gate, up = fused.gate_up(h).chunk(2, dim=-1)
+            gate, up = linear(h, fused.gate_up).chunk(2, dim=-1)
             hidden = mlp.act_fn(gate) * up
-            return x + (mlp.down_proj(hidden) if fused.down is None else fused.down(hidden))
+            return x + (mlp.down_proj(hidden) if fused.down is None else linear(hidden, *fused.down))
         return x + mlp(h)
 
     @staticmethod
