@@ -83,6 +83,11 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
                         for e in hot]}
 
 
+def seconds(value: float) -> str:
+    """Three significant digits at least (the tiny model's phases are milliseconds)."""
+    return f"{value:.4f}" if value < 0.1 else f"{value:.3f}"
+
+
 def markdown(results: dict[str, dict[str, Any]]) -> str:
     lines = ["# Where a GRPO step's seconds go", "",
              "`python benchmarks/profile_step.py --row ROW --label LABEL`; phase seconds are medians over the "
@@ -91,22 +96,22 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
         names = list(labels)
         lines += [f"## {row}", "", "| | " + " | ".join(f"{n} ({labels[n]['commit']})" for n in names) + " |",
                   "|---|" + "---|" * len(names),
-                  "| s/step (median) | " + " | ".join(f"**{labels[n]['step_seconds']:.3f}**" for n in names) + " |",
+                  "| s/step (median) | " + " | ".join(f"**{seconds(labels[n]['step_seconds'])}**" for n in names) + " |",
                   "| completions/s | " + " | ".join(f"{labels[n]['completions_per_s']:.1f}" for n in names) + " |"]
         phases = list(dict.fromkeys(p for n in names for p in labels[n]["phases_seconds"]))
         for phase in phases:
             cells = []
             for n in names:
-                seconds = labels[n]["phases_seconds"].get(phase)
-                share = seconds / labels[n]["step_seconds"] if seconds is not None else None
-                cells.append("-" if seconds is None else f"{seconds:.3f} s ({share:.0%})")
+                value = labels[n]["phases_seconds"].get(phase)
+                share = value / labels[n]["step_seconds"] if value is not None else None
+                cells.append("-" if value is None else f"{seconds(value)} s ({share:.0%})")
             lines.append(f"| {phase} | " + " | ".join(cells) + " |")
         depth = max(len(labels[n]["top_ops"]) for n in names)
         for i in range(depth):
             cells = []
             for n in names:
                 ops = labels[n]["top_ops"]
-                cells.append(f"`{ops[i]['op']}` {ops[i]['self_cpu_s_per_step']:.3f} s ({ops[i]['share']:.0%}, "
+                cells.append(f"`{ops[i]['op']}` {seconds(ops[i]['self_cpu_s_per_step'])} s ({ops[i]['share']:.0%}, "
                              f"{ops[i]['calls_per_step']} calls)" if i < len(ops) else "")
             lines.append(f"| operator {i + 1} | " + " | ".join(cells) + " |")
         overrides = {n: labels[n]["overrides"] for n in names if labels[n]["overrides"]}
