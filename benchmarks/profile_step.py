@@ -96,7 +96,8 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
         names = list(labels)
         lines += [f"## {row}", "", "| | " + " | ".join(f"{n} ({labels[n]['commit']})" for n in names) + " |",
                   "|---|" + "---|" * len(names),
-                  "| s/step (median) | " + " | ".join(f"**{seconds(labels[n]['step_seconds'])}**" for n in names) + " |",
+                  "| s/step (median) | " + " | ".join(f"**{seconds(labels[n]['step_seconds'])}**" for n in names)
+                  + " |",
                   "| completions/s | " + " | ".join(f"{labels[n]['completions_per_s']:.1f}" for n in names) + " |"]
         phases = list(dict.fromkeys(p for n in names for p in labels[n]["phases_seconds"]))
         for phase in phases:
