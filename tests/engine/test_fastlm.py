@@ -360,8 +360,11 @@ def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradi
     assert fast is not None
     prefixes = []
     original = fastlm.PrefixSharedLM._encode
-    monkeypatch.setattr(fastlm.PrefixSharedLM, "_encode", lambda self, ids, mask, weights, prefix: (
-        prefixes.append(None if prefix is None else prefix[0][0].shape[2]), original(self, ids, mask, weights, prefix))[1])
+    def spy(self, ids, mask, weights, prefix):  # records how many shared tokens each encoding attends to
+        prefixes.append(None if prefix is None else prefix[0][0].shape[2])
+        return original(self, ids, mask, weights, prefix)
+
+    monkeypatch.setattr(fastlm.PrefixSharedLM, "_encode", spy)
     rollout = _rollout_with_shared_prefix(groups)
     weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
 
@@ -391,8 +394,9 @@ def test_decoding_after_a_shared_prefix_matches_a_full_forward():
     seen = [decoder.logits] + [decoder.feed(fed[:, t]) for t in range(3)]
     ids = torch.cat([prompts.repeat_interleave(2, 0), fed], 1)
     full_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(fed)], 1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(input_ids=ids, attention_mask=full_mask, position_ids=positions).logits
     for t, step_logits in enumerate(seen):
         assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
 
