@@ -1,0 +1,119 @@
+"""Report: the real-model example (SmolLM2-135M-Instruct + LoRA) over seeds, through the whole pipeline.
+
+For each seed: a fresh clone of this commit (sharing this checkout's installed .venv), then
+`grpo-pipeline run --params configs/examples/smollm2_addition.yaml --set seed=S`, the same Prefect flow
+as `make run-smollm2`: prepare, GGUF conversion, validate, GRPO (40 steps of 8 prompts x 8 completions),
+held-out evaluation on 300 prompts, registration. The held-out split is drawn per seed, so the
+baseline differs between seeds. Writes benchmarks/results/smollm2_seeds.{json,md}; not a test.
+
+    python benchmarks/smollm2_seeds.py                   # seeds 1234 1 2, about 8 minutes each on 2 cores
+    python benchmarks/smollm2_seeds.py --seeds 1234      # one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+EXAMPLE = "configs/examples/smollm2_addition.yaml"
+DEFAULT_SEEDS = [1234, 1, 2]
+
+
+def one_seed(seed: int, work: Path) -> dict[str, Any]:
+    shutil.rmtree(work, ignore_errors=True)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
+    (work / ".venv").symlink_to(ROOT / ".venv")  # this checkout's installed stack, shared
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    env.update(PATH=f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1",
+               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               GX_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false")
+    started = time.perf_counter()
+    proc = subprocess.run(["grpo-pipeline", "run", "--params", EXAMPLE, "--set", f"seed={seed}"], cwd=work, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - started
+    log = work.parent / f"smollm2-seed-{seed}.log"
+    log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"seed {seed}: grpo-pipeline run failed ({proc.returncode}); see {log}")
+    report = json.loads((work / "metrics" / "eval.json").read_text())
+    steps = json.loads((work / "metrics" / "grpo.json").read_text())
+    improvement = report["improvement"]
+    return {"seed": seed, "before": report["baseline"]["mean_reward"], "after": report["candidate"]["mean_reward"],
+            "improvement": improvement["mean"], "ci95_low": improvement["ci95_low"],
+            "ci95_high": improvement["ci95_high"], "n": report["n"], "grpo_steps": steps["steps"],
+            "wall_s": round(wall, 1)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [f"# SmolLM2-135M-Instruct + LoRA, `{EXAMPLE}`, {len(rows)} seeds", "",
+             f"`{result['command']}` at {result['commit']} on {result['machine']}, CPU only, 2 threads. Each row is "
+             f"one `grpo-pipeline run --params {EXAMPLE} --set seed=S` in a fresh clone (the whole pipeline: "
+             "prepare, GGUF conversion, validate, GRPO, evaluate on the held-out prompts, register). The held-out "
+             "split is drawn per seed, so the baseline differs between seeds.", "",
+             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | wall (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
+                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {r['wall_s']:.0f} |")
+    s = result["summary"]
+    lines += ["", "| | before | after | improvement | lowest CI low | wall (s) |", "|---|---|---|---|---|---|",
+              f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
+              f"{s['wall_s']} |", ""]
+    return "\n".join(lines)
+
+
+def spread(values: list[float], sign: str = "") -> str:
+    return f"{statistics.median(values):{sign}.3f} ({min(values):{sign}.3f} .. {max(values):{sign}.3f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
+    parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work" / "smollm2-seeds"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    import torch
+
+    from components.tracking.run_environment import cpu_model
+
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for i, seed in enumerate(args.seeds, 1):
+        rows.append(one_seed(seed, Path(args.work) / "clone"))
+        r, elapsed = rows[-1], time.perf_counter() - started
+        print(f"[{i}/{len(args.seeds)}] seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
+              f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s | "
+              f"ETA {elapsed / i * (len(args.seeds) - i) / 60:.0f} min", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    result = {"command": "python benchmarks/smollm2_seeds.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
+              "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
+                         f"Python {platform.python_version()}, torch {torch.__version__}",
+              "rows": rows,
+              "summary": {"before": spread([r["before"] for r in rows]), "after": spread([r["after"] for r in rows]),
+                          "improvement": spread([r["improvement"] for r in rows], "+"),
+                          "lowest_ci95_low": min(r["ci95_low"] for r in rows),
+                          "wall_s": f"{statistics.median(r['wall_s'] for r in rows):.0f} "
+                                    f"({min(r['wall_s'] for r in rows):.0f} .. {max(r['wall_s'] for r in rows):.0f})"}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "smollm2_seeds.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "smollm2_seeds.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
