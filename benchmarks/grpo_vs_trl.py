@@ -419,7 +419,8 @@ def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], 
     Reported only when both curves rise steadily (`steady_rise`) and ours crossed after its first evaluation
     (a crossing at the first evaluation says the task was already near TRL's end point, not that ours is fast).
     """
-    reasons = [f"{engine}'s curve {why}" for engine in ENGINES if (why := steady_rise(start, curves[engine], n))]
+    whose = {"ours": "our", "trl": "TRL's"}
+    reasons = [f"{whose[engine]} curve {why}" for engine in ENGINES if (why := steady_rise(start, curves[engine], n))]
     target = curves["trl"][-1]["heldout"]
     reached = next((i for i, p in enumerate(curves["ours"]) if p["heldout"] >= target), None)
     if reached is None:
@@ -557,7 +558,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{r['steps']} steps each ({r['completions_each']:,} completions), {r['rounds']} alternating rounds "
                   f"of {r['round_steps']} steps; {s['prompts_per_step']} prompts x {s['group_size']} completions of at "
                   f"most {s['max_completion_length']} tokens, temperature {s['temperature']}, "
-                  f"lr {s['learning_rate']:g}, beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, chat template: {s['chat_template']}.", "",
+                  f"lr {s['learning_rate']:g}, beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, "
+                  f"chat template: {s['chat_template']}.", "",
                   f"**speedup_vs_trl: {r['speedup_vs_trl']:.2f}x** (rounds: "
                   f"{', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
                   "| | ours | TRL |", "|---|---|---|"]
