@@ -1,0 +1,59 @@
+"""The benchmark's rule for reporting "time to reach TRL's final held-out reward" (benchmarks/grpo_vs_trl.py),
+on curves worked out by hand, and the TRL settings it derives from the pipeline's config."""
+
+import math
+
+import pytest
+
+from benchmarks.grpo_vs_trl import ROWS, noise_band, row_config, steady_rise, time_to_trl_reward, trl_settings
+
+
+def curve(values: list[float], seconds: float = 10.0) -> list[dict[str, float]]:
+    return [{"completions": 100 * (i + 1), "train_seconds": seconds * (i + 1), "heldout": v}
+            for i, v in enumerate(values)]
+
+
+def test_noise_band_is_the_binomial_half_width():
+    assert noise_band(0.5, 1000) == pytest.approx(1.96 * math.sqrt(0.25 / 1000))  # 0.031
+    assert noise_band(0.0, 100) == pytest.approx(1.96 * math.sqrt(1 / 100 / 100))  # floored at 1/n
+
+
+def test_a_steady_rise_passes_and_dips_within_the_band_are_allowed():
+    # n = 300: band at 0.5 is 0.0566; 0.62 -> 0.60 is a dip of 0.02, inside it
+    assert steady_rise(0.3, curve([0.45, 0.62, 0.60, 0.71]), 300) is None
+
+
+def test_a_fall_beyond_the_band_or_a_rise_within_noise_is_refused():
+    fell = steady_rise(0.55, curve([0.07, 0.3, 0.7]), 1000)  # the tiny default's first-round dip
+    assert fell is not None and "fell 0.480" in fell
+    flat = steady_rise(0.34, curve([0.36, 0.42]), 50)  # +0.08 against twice the band at 0.34, n=50 (0.263)
+    assert flat is not None and "within twice the noise band" in flat
+
+
+def test_time_to_reward_is_reported_only_when_both_curves_rise_and_ours_crosses_later():
+    ours, trl = curve([0.45, 0.65, 0.72, 0.75], 20.0), curve([0.37, 0.52, 0.70, 0.75], 100.0)
+    reported = time_to_trl_reward(0.317, {"ours": ours, "trl": trl}, 300, trl_seconds=400.0)
+    assert reported == {"reported": True, "ours_train_seconds": 80.0, "trl_train_seconds": 400.0, "fraction": 0.2}
+    early = time_to_trl_reward(0.317, {"ours": curve([0.80, 0.82, 0.85, 0.86]), "trl": trl}, 300, 400.0)
+    assert not early["reported"] and "at its first evaluation" in early["why_not"]
+    never = time_to_trl_reward(0.317, {"ours": curve([0.45, 0.6, 0.65, 0.7]), "trl": trl}, 300, 400.0)
+    assert not never["reported"] and "never reached" in never["why_not"]
+
+
+@pytest.mark.parametrize("row", ["smollm2-lora", "smollm2-full", "tiny"])
+def test_trl_is_configured_from_the_same_config(tmp_path, row):
+    cfg = row_config(ROWS[row], ["grpo.steps=40"])
+    args = trl_settings(cfg, 40, tmp_path)
+    g = cfg.grpo
+    assert args["per_device_train_batch_size"] == g.prompts_per_step * g.group_size
+    assert (args["num_generations"], args["max_completion_length"], args["temperature"], args["learning_rate"],
+            args["beta"], args["loss_type"], args["warmup_steps"]) == \
+        (g.group_size, g.max_completion_length, g.temperature, g.learning_rate, g.kl_beta, g.loss_type, g.warmup_steps)
+    assert args["lr_scheduler_kwargs"] == {"min_lr_rate": g.min_lr_ratio} and args["use_cpu"] and not args["bf16"]
+    assert cfg.grpo.lora.enabled == (row == "smollm2-lora")
+
+
+def test_settings_trl_would_compute_differently_are_refused(tmp_path):
+    cfg = row_config(ROWS["tiny"], ["grpo.reference.mode=ema"])
+    with pytest.raises(SystemExit, match="reference.mode"):
+        trl_settings(cfg, 10, tmp_path)
