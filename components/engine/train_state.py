@@ -22,7 +22,14 @@ from components.engine.policy import Policy
 from components.engine.update import make_optimizer
 
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
-TIMING_KEYS = ("step_seconds", "completions_per_s", "time/generation", "time/reward", "time/reference", "time/policy")
+# Every `time/...` key is one, whatever new timing a later change adds.
+TIMING_KEYS = ("step_seconds", "completions_per_s")
+TIMING_PREFIX = "time/"
+
+
+def without_timings(record: dict[str, Any]) -> dict[str, Any]:
+    """One step's history record less its wall-clock figures (what a checkpoint keeps)."""
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS and not k.startswith(TIMING_PREFIX)}
 
 
 def optimizer_and_resume(policy: Policy, g: GRPOConfig, ctx: DistContext, resume_from: Path | None,
@@ -54,7 +61,7 @@ def save_training_state(root: Path, step: int, run_hash: str, policy: Policy, op
                         load_plain: Callable[[], torch.nn.Module]) -> None:
     """checkpoints/grpo/step-N, written by rank 0 (with fsdp2 every rank first gathers its shards)."""
     saved = {"step": step, "rollout_rng": rollout_gen.get_state(),
-             "history": [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in history],
+             "history": [without_timings(h) for h in history],
              "torch_rng": torch.get_rng_state()}
     reference = policy.reference if moving_reference else None
     if ctx.lockstep:
