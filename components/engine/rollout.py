@@ -73,7 +73,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     never drawn: their interval of the cumulative sum is empty.
     """
     cdf = probs.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
     target = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64) * total
     drawn = torch.searchsorted(cdf, target, right=True)
     # u * total can round up to total itself: take the last token of non-zero probability
