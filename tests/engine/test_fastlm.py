@@ -69,6 +69,37 @@ def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
     return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
 
 
+def _logprobs_and_grads(model, rollout: Rollout, logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Completion log-probs from `logprobs(rollout, 0.7)` and the gradients of a fixed weighted sum of them."""
+    weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
+    model.zero_grad()
+    logp, _ = logprobs(rollout, 0.7)
+    (logp * weights).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class _StubTokenizer:
+    """Fixed prompt ids for the sampler (all it needs of a tokenizer), so a test stays about the model."""
+
+    eos_token_id, pad_token_id = 3, 0
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor):
+        self.ids, self.mask = ids, mask
+
+    def __call__(self, texts, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=self.ids, attention_mask=self.mask)
+
+
+def _assert_same_logprobs_and_grads(rollout: Rollout, fast, reference) -> None:
+    (fast_logp, fast_grads), (ref_logp, ref_grads) = fast, reference
+    mask = rollout.completion_mask.bool()
+    assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
+    for name, grad in ref_grads.items():
+        assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
 @pytest.mark.parametrize("complex_rotary", [True, False], ids=["complex-rotary", "plain-rotary"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -80,20 +111,9 @@ def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rot
     assert fast._rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
     fast.complex_rotary = complex_rotary
     rollout = _rollout(groups)
-    weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
-
-    def loss_and_grads(logprobs):
-        model.zero_grad()
-        logp, _ = logprobs(rollout, 0.7)
-        (logp * weights).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    ref_logp, ref_grads = loss_and_grads(lambda r, t: completion_logprobs(model, r, t))
-    fast_logp, fast_grads = loss_and_grads(fast.completion_logprobs)
-    mask = rollout.completion_mask.bool()
-    assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
-    for name, grad in ref_grads.items():
-        assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
+    ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
+    fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
+    _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
@@ -114,15 +134,10 @@ def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_pat
     for t, step_logits in enumerate(seen):
         assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
 
-    class Tok:  # the sampler only needs ids and special tokens, so a stub tokenizer keeps this about the model
-        eos_token_id, pad_token_id = 3, 0
+    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
-        def __call__(self, texts, **_):
-            from types import SimpleNamespace
-            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
-
-    plain = sample_groups(model, Tok(), ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7))
-    quick = sample_groups(model, Tok(), ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7), fast=fast)
+    plain = sample_groups(model, tokenizer, ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7))
+    quick = sample_groups(model, tokenizer, ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7), fast=fast)
     assert torch.equal(plain.completion_ids, quick.completion_ids)
     assert torch.equal(plain.completion_mask, quick.completion_mask)
 
@@ -135,14 +150,9 @@ def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_work
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
 
-    class Tok:
-        eos_token_id, pad_token_id = 3, 0
+    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
-        def __call__(self, texts, **_):
-            from types import SimpleNamespace
-            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
-
-    rollout = sample_groups(model, Tok(), ["a", "b"], 3, 4, generator=torch.Generator().manual_seed(1), fast=fast)
+    rollout = sample_groups(model, tokenizer, ["a", "b"], 3, 4, generator=torch.Generator().manual_seed(1), fast=fast)
     tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
                rollout.truncated)
     assert not any(t.is_inference() for t in tensors)
@@ -227,7 +237,6 @@ def test_lora_adapters_are_seen_and_can_be_disabled(targets):
 
 
 def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
-    from types import SimpleNamespace
 
     from components.config import LoRAConfig
     from components.engine.policy import attach_lora
@@ -241,14 +250,10 @@ def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
 
-    class Tok:
-        eos_token_id, pad_token_id = 3, 0
+    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
-        def __call__(self, texts, **_):
-            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
-
-    plain = sample_groups(model, Tok(), ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3))
-    quick = sample_groups(model, Tok(), ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3), fast=fast)
+    plain = sample_groups(model, tokenizer, ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3))
+    quick = sample_groups(model, tokenizer, ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3), fast=fast)
     assert torch.equal(plain.completion_ids, quick.completion_ids)
     with torch.inference_mode():  # what decoding runs on: every projection merged into one matmul
         layers = fast.fused_weights(merge_lora=True)
@@ -284,7 +289,6 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
 def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samples(monkeypatch):
     """Rows that emitted EOS leave the fast decoder's caches (`_Decoder.keep`); the completions, masks and the
     generator's stream must stay those of the plain Hugging Face path, which decodes every row to the end."""
-    from types import SimpleNamespace
 
     from components.engine import fastlm
 
@@ -295,18 +299,14 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 4, 9, 6, 5]])
     mask = (prompts != 0).long()
 
-    class Tok:
-        eos_token_id, pad_token_id = 3, 0
-
-        def __call__(self, texts, **_):
-            return SimpleNamespace(input_ids=prompts, attention_mask=mask)
+    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
     kept = []
     original = fastlm._Decoder.keep
     monkeypatch.setattr(fastlm._Decoder, "keep", lambda self, rows: (kept.append(len(rows)), original(self, rows)))
     plain_gen, fast_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    plain = sample_groups(model, Tok(), ["a"] * 3, 6, 10, generator=plain_gen)
-    quick = sample_groups(model, Tok(), ["a"] * 3, 6, 10, generator=fast_gen, fast=fast)
+    plain = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=plain_gen)
+    quick = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=fast_gen, fast=fast)
     lengths = plain.completion_mask.sum(-1)
     assert lengths.min() < lengths.max(), "every row ended at the same step: nothing to drop"
     assert kept, "no finished row was dropped"
@@ -366,22 +366,11 @@ def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradi
 
     monkeypatch.setattr(fastlm.PrefixSharedLM, "_encode", spy)
     rollout = _rollout_with_shared_prefix(groups)
-    weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
-
-    def loss_and_grads(logprobs):
-        model.zero_grad()
-        logp, _ = logprobs(rollout, 0.7)
-        (logp * weights).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    ref_logp, ref_grads = loss_and_grads(lambda r, t: completion_logprobs(model, r, t))
+    ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     prefixes.clear()
-    fast_logp, fast_grads = loss_and_grads(fast.completion_logprobs)
+    fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
     assert prefixes == [None, 10], "the 10 shared tokens were not encoded once"
-    mask = rollout.completion_mask.bool()
-    assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
-    for name, grad in ref_grads.items():
-        assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
+    _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
 
 
 def test_decoding_after_a_shared_prefix_matches_a_full_forward():
