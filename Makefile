@@ -34,7 +34,7 @@ setup: $(VENV)/.installed
 run: setup
 	grpo-pipeline run
 
-# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (about 15 minutes on 2 cores).
+# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (about 6 minutes on 2 cores).
 run-smollm2: setup
 	grpo-pipeline run --params configs/examples/smollm2_addition.yaml
 

@@ -27,7 +27,7 @@ def qwen2_half_billion():
 
 def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, new_tokens: int = 256) -> dict[str, Any]:
     from components.engine.fastlm import PrefixSharedLM
-    from components.engine.rollout import Rollout
+    from components.engine.rollout import Rollout, sample_from
 
     model = qwen2_half_billion()
     params = sum(p.numel() for p in model.parameters())
@@ -43,10 +43,10 @@ def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, n
         tokens = []
         logits = decoder.logits
         for _ in range(new_tokens - 1):
-            nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1).squeeze(-1)
+            nxt = sample_from(torch.softmax(logits.float(), -1))  # the engine's sampler
             tokens.append(nxt)
             logits = decoder.feed(nxt)
-        tokens.append(torch.multinomial(torch.softmax(logits.float(), -1), 1).squeeze(-1))
+        tokens.append(sample_from(torch.softmax(logits.float(), -1)))
     torch.cuda.synchronize()
     gen_seconds = time.perf_counter() - t0
     completion = torch.stack(tokens, 1)

@@ -201,9 +201,11 @@ def worker_config(spec: dict[str, Any]):
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
     from components.data.paths import Paths
+    from components.engine.host_memory import keep_freed_memory
     from components.engine.modeling import load_tokenizer
     from components.stages.grpo import train_grpo
 
+    keep_freed_memory()  # what the grpo stage's process sets (components/stages/grpo.py main)
     cfg = worker_config(spec)
     root = Path(spec["root"])
     mine = grpo_run_dir(root, f"ours-{spec['row']}")
@@ -264,7 +266,7 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     root = Path(spec["root"])
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)  # no deterministic-kernel switch: TRL at its fastest
-    keep_freed_memory()  # the allocator setting our engine makes for itself, so both are spared the same page faults
+    keep_freed_memory()  # the allocator setting our grpo stage makes, so both are spared the same page faults
     tokenizer = load_tokenizer(root / "models" / "sft")
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
     # The prompt text our engine feeds the model (template, chat template), as plain strings: TRL tokenizes

@@ -15,8 +15,8 @@ and range, and writes benchmarks/results/seed_spread.{json,md} (other kernel set
 seed_spread_<settings>.{json,md}). `grpo-pipeline run` compares its own result with the band
 recorded in seed_spread.json. Not a test: it reports, it does not assert.
 
-    python benchmarks/seed_spread.py                       # 5 seeds x 2 kernel settings, about 60 min on 2 cores
-    python benchmarks/seed_spread.py --seeds 1234 --kernels default   # one run, about 6 min
+    python benchmarks/seed_spread.py                       # 5 seeds x 2 kernel settings, about 17 min on 2 cores
+    python benchmarks/seed_spread.py --seeds 1234 --kernels default   # one run, about 2 min
     python benchmarks/seed_spread.py --kernels scalar --out /tmp/x    # the unvectorised path
 """
 
@@ -68,12 +68,14 @@ def one_run(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
 
     from components.config import load_config
     from components.data.paths import Paths
+    from components.engine.host_memory import keep_freed_memory
     from components.stages.evaluate import evaluate
     from components.stages.grpo import train_grpo
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
+    keep_freed_memory()  # what the grpo stage's process sets (components/stages/grpo.py main)
     cfg = load_config(ROOT / "params.yaml", [*overrides, f"seed={seed}"])
     paths = Paths(root=work)
     started = time.perf_counter()

@@ -6,7 +6,7 @@ as `make run-smollm2`: prepare, GGUF conversion, validate, GRPO (40 steps of 8 p
 held-out evaluation on 300 prompts, registration. The held-out split is drawn per seed, so the
 baseline differs between seeds. Writes benchmarks/results/smollm2_seeds.{json,md}; not a test.
 
-    python benchmarks/smollm2_seeds.py                   # seeds 1234 1 2, about 8 minutes each on 2 cores
+    python benchmarks/smollm2_seeds.py                   # seeds 1234 1 2, about 5.5 minutes each on 2 cores
     python benchmarks/smollm2_seeds.py --seeds 1234      # one run
 """
 

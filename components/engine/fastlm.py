@@ -12,7 +12,9 @@ Sampling uses the same pieces with a preallocated completion KV cache, so there 
 general-purpose `generate` overhead.
 
 It calls the model's own submodules (projections, norms, MLP, rotary embedding), so the weights,
-gradients, optimizer state and LoRA adapters are the Hugging Face model's: nothing is copied.
+gradients, optimizer state and LoRA adapters are the Hugging Face model's. Each forward or decoding
+run concatenates q|k|v and gate|up into fused matrices (gradients flow back through the cat), and
+without a gradient (sampling, the reference) merges LoRA as W + s * B @ A (`fused_weights`).
 
 In float32/float64 the rotary embedding is one complex multiply instead of Hugging Face's
 `x * cos + rotate_half(x) * sin` (five elementwise ops and their backward): the fused q|k weight
@@ -431,8 +433,8 @@ class PrefixSharedLM:
 
     def completion_logprobs(self, rollout: Any, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same contract as `rollout.completion_logprobs`: log-probs [N, T] of the completion tokens (and their
-        entropies), computed prompt-once and packed; 0 where `completion_mask` is 0."""
+        """`rollout.completion_logprobs` computed prompt-once and packed: log-probs [N, T] of the completion
+        tokens (and their entropies), which are 0 where `completion_mask` is 0 (the plain path scores those too)."""
         return self.token_logprobs(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                    rollout.completion_mask, temperature, with_entropy)
 

@@ -76,7 +76,6 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     g, say = cfg.grpo, (print if ctx.is_main else (lambda *args, **kwargs: None))
     _check_settings(cfg, ctx, callbacks, say)
     seed_everything(cfg.seed, cfg.threads)
-    keep_freed_memory()  # no page faults for each step's vocabulary-sized tensors
     start_dir = resolve_model_dir(paths.sft_model)
     records = read_jsonl(split_path(paths.data, "train"))
     loss = build_loss(g)
@@ -306,6 +305,9 @@ def _count_bad_steps(stats: UpdateStats, step: int, bad_steps: int, paths: Paths
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Process-wide, so set here in the stage's own process rather than inside the library call: no page
+    # faults for each step's vocabulary-sized tensors (components/engine/host_memory.py).
+    keep_freed_memory()
     return stage_main("GRPO training.", train_grpo, argv)
 
 
