@@ -522,14 +522,11 @@ class PrefixSharedLM:
 
     def _agrees_with_hugging_face(self, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
                                   completion_mask: torch.Tensor) -> bool:
-        ids = torch.cat([prompt, completion], 1)
-        full_mask = torch.cat([mask, torch.ones_like(completion)], 1)
-        reference = self.model(input_ids=ids, attention_mask=full_mask,
-                               position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=False).logits
-        reference = reference[:, prompt.shape[1] - 1:-1].float().log_softmax(-1)
-        ref_logp = reference.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        ref_entropy = -(reference.exp() * reference).sum(-1)
-        logp, entropy = self.token_logprobs(prompt, mask, completion, completion_mask, with_entropy=True)
+        from components.engine.rollout import Rollout, completion_logprobs
+
+        checked = Rollout(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
+        ref_logp, ref_entropy = completion_logprobs(self.model, checked, with_entropy=True)  # Hugging Face's forward
+        logp, entropy = self.completion_logprobs(checked, with_entropy=True)
         real = completion_mask.bool()
         error = torch.cat([(logp - ref_logp)[real], (entropy - ref_entropy)[real]]).abs()
         tolerance = CHECK_TOLERANCE.get(next(self.model.parameters()).dtype, 0.1)
