@@ -29,16 +29,24 @@ ROOT = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"orchestration overhead: ([\d.]+) s of ([\d.]+) s wall .*stages' own compute ([\d.]+) s")
 
 
-def measure(work: Path) -> dict:
+def fresh_clone(work: Path) -> dict[str, str]:
+    """A clone of the committed repository at `work` (replacing any), sharing this checkout's installed
+    .venv; returns the environment to run it in: this one without a tracking or Prefect server, so each
+    clone's pipeline uses its own stores."""
     shutil.rmtree(work, ignore_errors=True)
     work.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
-    (work / ".venv").symlink_to(ROOT / ".venv")  # this checkout's installed stack, shared
+    (work / ".venv").symlink_to(ROOT / ".venv")
+    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+
+
+def measure(work: Path) -> dict:
+    env = fresh_clone(work)
     started = time.perf_counter()
     # `-o .venv/.installed`: the shared .venv is already installed; never reinstall it (that would also
     # point its editable install at the scratch clone). What is timed is the `make run` a user repeats.
     proc = subprocess.run(["make", "-o", ".venv/.installed", "run"], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")})
+                          env=env)
     wall = time.perf_counter() - started
     (work.parent / "pipeline-make-run.log").write_text(proc.stdout)
     if proc.returncode != 0:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,9 @@ DEFAULT_SEEDS = [1234, 1, 2]
 
 
 def one_seed(seed: int, work: Path) -> dict[str, Any]:
-    shutil.rmtree(work, ignore_errors=True)
-    work.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
-    (work / ".venv").symlink_to(ROOT / ".venv")  # this checkout's installed stack, shared
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    from benchmarks.pipeline_overhead import fresh_clone
+
+    env = fresh_clone(work)
     env.update(PATH=f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1",
                MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                GX_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false")
