@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from components.engine.logprobs import token_logprobs
+from components.engine.rollout import Rollout, completion_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SMALL_DECODE_KEYS = 16  # up to this many cached keys, decoding attention is a broadcast multiply-sum (measured)
@@ -522,8 +523,6 @@ class PrefixSharedLM:
 
     def _agrees_with_hugging_face(self, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
                                   completion_mask: torch.Tensor) -> bool:
-        from components.engine.rollout import Rollout, completion_logprobs
-
         checked = Rollout(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
         ref_logp, ref_entropy = completion_logprobs(self.model, checked, with_entropy=True)  # Hugging Face's forward
         logp, entropy = self.completion_logprobs(checked, with_entropy=True)
