@@ -31,13 +31,19 @@ SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<bos>", "eos": "<eos>", "unk": "<unk>"
 
 
 def seed_everything(seed: int, threads: int = 0) -> None:
-    """Seed Python, NumPy and torch, pin the thread count and ask torch for deterministic kernels."""
+    """Seed Python, NumPy and torch, pin the thread count and ask torch for deterministic kernels.
+
+    Deterministic mode would also fill every `torch.empty` with NaN, a guard against reading memory
+    never written, which no result here depends on: off, as PyTorch's docs allow for valid programs
+    (1,300 fills per tiny-default GRPO step, among them the decoder's KV buffers; see docs/performance.md).
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if threads > 0:
         torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def pick_device(requested: str) -> torch.device:

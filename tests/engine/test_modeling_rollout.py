@@ -13,6 +13,7 @@ from components.engine.modeling import (
     load_tokenizer,
     resolve_model_dir,
     save_model,
+    seed_everything,
 )
 from components.engine.rollout import completion_logprobs, decode_completions, sample_from, sample_groups
 
@@ -85,6 +86,21 @@ def test_completion_mask_stops_after_eos(tiny):
             assert mask == [1] * (k + 1) + [0] * (len(ids) - k - 1) and not truncated
         else:
             assert all(mask) and truncated
+
+
+def test_seed_everything_keeps_deterministic_kernels_without_filling_empty_tensors():
+    """Deterministic algorithms stay on (the two-clone reproducibility test relies on them); the NaN fill of
+    `torch.empty`, a debugging guard that cost ~1 ms of a tiny-default step, is off."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        seed_everything(0)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
 
 
 def test_pickle_weights_are_refused(tmp_path):
