@@ -403,3 +403,21 @@ def test_the_self_check_covers_the_shared_prefix_path(monkeypatch):
     monkeypatch.setattr(broken, "_encode", misplaced)
     assert broken.matches_reference_forward(VOCAB, prompt_length=5)  # too short to share: the broken path is unused
     assert not broken.matches_reference_forward(VOCAB, prompt_length=15)
+
+
+@pytest.mark.parametrize("width", [1, 5, 12, 15, 16, 40])
+def test_short_softmax_rows_padded_for_speed_give_torch_softmax_and_its_gradient(width):
+    """Rows under 16 values are padded with -inf for PyTorch's fast CPU kernel: values and gradients unchanged,
+    also with a fully masked row (the attention bias's finite minimum everywhere)."""
+    gen = torch.Generator().manual_seed(width)
+    scores = torch.randn(3, 2, 4, width, generator=gen)
+    scores[0, 0, 0] = torch.finfo(torch.float32).min
+    upstream = torch.randn(3, 2, 4, width, generator=gen)
+    mine, ref = scores.clone().requires_grad_(), scores.clone().requires_grad_()
+    out = PrefixSharedLM._softmax(mine)
+    expected = torch.softmax(ref, dim=-1)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-5, atol=1e-7)
