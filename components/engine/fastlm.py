@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from components.engine.logprobs import token_logprobs
+from components.engine.rmsnorm import rms_norm
 from components.engine.rollout import Rollout, completion_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -252,7 +253,7 @@ class PrefixSharedLM:
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+            return rms_norm(x, module.weight, module.variance_epsilon)
         return module(x)
 
     def _qkv(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary):
