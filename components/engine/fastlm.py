@@ -348,38 +348,53 @@ class PrefixSharedLM:
         template's header), that prefix is encoded once and each prompt encodes only the rest while
         attending to it; the caches then hold [prefix | padding | rest].
         """
-        shared = shared_prefix_length(prompt_ids, prompt_mask)
-        if shared < SHARED_PREFIX_MIN:
-            return self._encode(prompt_ids, prompt_mask, weights, None)
-        prefix = prompt_ids[:1, prompt_ids.shape[1] - int(prompt_mask[0].sum()):][:, :shared]
-        caches = self._encode(prefix, torch.ones_like(prefix), weights, None)[1]
-        rest = prompt_mask.sum(-1) - shared  # real tokens after the prefix, at least 1
-        width = int(rest.max())
-        rest_mask = (torch.arange(width, device=rest.device) >= width - rest[:, None]).to(prompt_mask.dtype)
-        return self._encode(prompt_ids[:, -width:], rest_mask, weights, caches)
+        return self._encode(self._prompt_pass(prompt_ids, prompt_mask, weights), weights)
 
-    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, weights: list, prefix: list | None):
-        """`encode_prompts` for left-padded `ids` that follow the (one-row) `prefix` caches, if any."""
+    def _prompt_pass(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list) -> "_PromptPass":
+        """What a layer loop over the prompts needs; a prefix all prompts share is encoded here, once."""
+        shared = shared_prefix_length(prompt_ids, prompt_mask)
+        prefix = None
+        ids, mask = prompt_ids, prompt_mask
+        if shared >= SHARED_PREFIX_MIN:
+            head = prompt_ids[:1, prompt_ids.shape[1] - int(prompt_mask[0].sum()):][:, :shared]
+            prefix = self._encode(self._prompt_pass_of(head, torch.ones_like(head), None), weights)[1]
+            rest = prompt_mask.sum(-1) - shared  # real tokens after the prefix, at least 1
+            width = int(rest.max())
+            ids = prompt_ids[:, -width:]
+            mask = (torch.arange(width, device=rest.device) >= width - rest[:, None]).to(prompt_mask.dtype)
+        return self._prompt_pass_of(ids, mask, prefix)
+
+    def _prompt_pass_of(self, ids: torch.Tensor, mask: torch.Tensor, prefix: list | None) -> "_PromptPass":
         length = ids.shape[1]
         done = 0 if prefix is None else prefix[0][0].shape[2]
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        x = self.decoder.embed_tokens(ids)
         keep = causal[None] & mask.bool()[:, None, :]
         if done:
             keep = torch.cat([keep.new_ones(len(ids), length, done), keep], dim=-1)
-        bias = self._bias(keep, x.dtype)[:, None, None]  # [U, 1, 1, P, done + P]
-        rotary = self._positions(x, done + (mask.long().cumsum(-1) - 1).clamp(min=0))
+        cache_mask = mask if not done else torch.cat([mask.new_ones(len(ids), done), mask], dim=1)
+        dtype = self.decoder.embed_tokens.weight.dtype
+        return _PromptPass(ids, self._bias(keep, dtype)[:, None, None],  # [U, 1, 1, P, done + P]
+                           done + (mask.long().cumsum(-1) - 1).clamp(min=0), prefix, cache_mask)
+
+    def _prompt_layer(self, prompts: "_PromptPass", i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Layer i's attention over the prompts: (output [U, P, H * d], the layer's (K, V) cache with the prefix)."""
+        if prompts.prefix is not None:
+            kp, vp = prompts.prefix[i]
+            k = torch.cat([kp.expand(len(k), -1, -1, -1), k], dim=2)
+            v = torch.cat([vp.expand(len(v), -1, -1, -1), v], dim=2)
+        return self._merge_heads(self._attend(q, k, v, prompts.bias)), (k, v)
+
+    def _encode(self, prompts: "_PromptPass", weights: list):
+        """`encode_prompts` for a prepared pass (prompt ids after the shared prefix, if any)."""
+        x = self.decoder.embed_tokens(prompts.ids)
+        rotary = self._positions(x, prompts.positions)
         caches = []
         for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
             q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)
-            if done:
-                kp, vp = prefix[i]
-                k = torch.cat([kp.expand(len(ids), -1, -1, -1), k], dim=2)
-                v = torch.cat([vp.expand(len(ids), -1, -1, -1), v], dim=2)
-            caches.append((k, v))
-            x = self._finish_layer(layer, fused, x, self._merge_heads(self._attend(q, k, v, bias)))
-        cache_mask = mask if not done else torch.cat([mask.new_ones(len(ids), done), mask], dim=1)
-        return self._norm(self.decoder.norm, x[:, -1, :]), caches, cache_mask
+            attn, cache = self._prompt_layer(prompts, i, q, k, v)
+            caches.append(cache)
+            x = self._finish_layer(layer, fused, x, attn)
+        return self._norm(self.decoder.norm, x[:, -1, :]), caches, prompts.cache_mask
 
     def _logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Vocabulary logits / temperature; a bias-free head takes the division on the (much smaller) hidden state."""
@@ -411,28 +426,36 @@ class PrefixSharedLM:
         group = len(rows) // max(len(unique), 1)
         even = bool((counts == group).all())
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
-        last, caches, cache_mask = self.encode_prompts(unique, unique_mask, weights)
+        prompts = self._prompt_pass(unique, unique_mask, weights)
         n, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token predicts nothing we score
         fed = completion_mask[:, 1:].bool().nonzero(as_tuple=True)
         if steps == 0 or len(fed[0]) == 0:
+            last = self._encode(prompts, weights)[0]
             return last.index_select(0, rows), last.new_zeros(0, last.shape[-1]), fed
         fed_rows, fed_cols = fed
         place = fed_rows * steps + fed_cols  # each packed token's slot in the padded [N, steps] grid
-        x = self.decoder.embed_tokens(completion_ids[fed_rows, fed_cols]).unsqueeze(0)  # [1, S, D]
+        # One token list: the U x W prompt positions, then the S packed completion tokens. Projections,
+        # norms and MLPs run once over all of them; only attention treats the two parts apart.
+        u, w = prompts.ids.shape
+        x = self.decoder.embed_tokens(torch.cat([prompts.ids.flatten(), completion_ids[fed_rows, fed_cols]]))[None]
+        cache_mask = prompts.cache_mask
         causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
         keep = torch.cat([cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
                           causal[None].expand(n, -1, -1)], dim=-1)
         bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
         start = unique_mask.sum(-1)[rows]
-        rotary = self._positions(x, (start[fed_rows] + fed_cols).unsqueeze(0))
+        rotary = self._positions(x, torch.cat([prompts.positions.flatten(), start[fed_rows] + fed_cols])[None])
 
         def unpack(t: torch.Tensor) -> torch.Tensor:  # [1, h, S, d] -> [N, h, steps, d], zeros in the padding
             flat = t[0].transpose(0, 1)
             grid = flat.new_zeros(n * steps, *flat.shape[1:]).index_copy(0, place, flat)
             return grid.view(n, steps, *flat.shape[1:]).transpose(1, 2)
 
-        for layer, fused, (kp, vp) in zip(self.decoder.layers, weights, caches):
-            q, k, v = (unpack(t) for t in self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary))
+        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
+            q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)  # [1, h, U*W + S, d]
+            prompt_attn, (kp, vp) = self._prompt_layer(
+                prompts, i, *(t[0, :, :u * w].unflatten(1, (u, w)).transpose(0, 1) for t in (q, k, v)))
+            q, k, v = (unpack(t[:, :, u * w:]) for t in (q, k, v))
             if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
                 keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
                 values = torch.cat([vp[:, None].expand(-1, group, -1, -1, -1), v.unflatten(0, (-1, group))], 3)
@@ -441,8 +464,11 @@ class PrefixSharedLM:
                 keys = torch.cat([kp.index_select(0, rows), k], dim=2)
                 values = torch.cat([vp.index_select(0, rows), v], dim=2)
             attn = self._merge_heads(self._attend(q, keys, values, bias))  # [N, steps, H * d]
-            x = self._finish_layer(layer, fused, x, attn.flatten(0, 1).index_select(0, place).unsqueeze(0))
-        return last.index_select(0, rows), self._norm(self.decoder.norm, x[0]), fed
+            attn = torch.cat([prompt_attn.flatten(0, 1), attn.flatten(0, 1).index_select(0, place)])
+            x = self._finish_layer(layer, fused, x, attn[None])
+        # each prompt's last position (predicting token 0), then the packed tokens, through the final norm at once
+        hidden = self._norm(self.decoder.norm, torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]]))
+        return hidden[:u].index_select(0, rows), hidden[u:], fed
 
     def completion_logprobs(self, rollout: Any, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -542,6 +568,17 @@ class PrefixSharedLM:
         error = torch.cat([(logp - ref_logp)[real], (entropy - ref_entropy)[real]]).abs()
         tolerance = CHECK_TOLERANCE.get(next(self.model.parameters()).dtype, 0.1)
         return bool(torch.isfinite(error).all()) and float(error.max()) <= tolerance
+
+
+@dataclass
+class _PromptPass:
+    """Left-padded prompt ids [U, P] (after a shared prefix, if any) and what attending over them needs."""
+
+    ids: torch.Tensor
+    bias: torch.Tensor  # [U, 1, 1, P, prefix + P] additive attention mask
+    positions: torch.Tensor  # [U, P] rotary positions (after the prefix)
+    prefix: list | None  # per layer (K, V) [1, Hkv, prefix, d] of the prefix all prompts share, or None
+    cache_mask: torch.Tensor  # [U, prefix + P]: which cached positions are real tokens
 
 
 class _Decoder:

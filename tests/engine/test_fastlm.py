@@ -359,12 +359,12 @@ def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradi
     fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
     assert fast is not None
     prefixes = []
-    original = fastlm.PrefixSharedLM._encode
-    def spy(self, ids, mask, weights, prefix):  # records how many shared tokens each encoding attends to
+    original = fastlm.PrefixSharedLM._prompt_pass_of
+    def spy(self, ids, mask, prefix):  # records how many shared tokens each prompt pass attends to
         prefixes.append(None if prefix is None else prefix[0][0].shape[2])
-        return original(self, ids, mask, weights, prefix)
+        return original(self, ids, mask, prefix)
 
-    monkeypatch.setattr(fastlm.PrefixSharedLM, "_encode", spy)
+    monkeypatch.setattr(fastlm.PrefixSharedLM, "_prompt_pass_of", spy)
     rollout = _rollout_with_shared_prefix(groups)
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     prefixes.clear()
@@ -394,13 +394,13 @@ def test_the_self_check_covers_the_shared_prefix_path(monkeypatch):
     model = _llama()
     assert PrefixSharedLM.for_model(model, max_length=20, completion_length=5) is not None
     broken = PrefixSharedLM(model)
-    original = broken._encode
+    original = broken._prompt_layer
 
-    def misplaced(ids, mask, weights, prefix):  # the rest of each prompt at the wrong positions after the prefix
-        last, caches, cache_mask = original(ids, mask, weights, prefix)
-        return (last * 1.5, caches, cache_mask) if prefix is not None else (last, caches, cache_mask)
+    def misplaced(prompts, i, q, k, v):  # the rest of each prompt attends wrongly after the prefix
+        attn, cache = original(prompts, i, q, k, v)
+        return (attn * 1.5, cache) if prompts.prefix is not None else (attn, cache)
 
-    monkeypatch.setattr(broken, "_encode", misplaced)
+    monkeypatch.setattr(broken, "_prompt_layer", misplaced)
     assert broken.matches_reference_forward(VOCAB, prompt_length=5)  # too short to share: the broken path is unused
     assert not broken.matches_reference_forward(VOCAB, prompt_length=15)
 
