@@ -53,11 +53,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-def _pair_order(heads: int, head_dim: int) -> torch.Tensor:
-    """Row order that puts dims i and i + d/2 of each head side by side: [0, d/2, 1, d/2 + 1, ...]."""
-    half = head_dim // 2
-    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
-    return (torch.arange(heads)[:, None] * head_dim + within).flatten()
+def _paired_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A view of a projection's weight [heads * d, ...] (or bias) as [heads, d/2, 2, ...]: dims i and i + d/2 of
+    each head side by side, so that the row order [0, d/2, 1, d/2 + 1, ...] costs nothing beyond the fusing cat."""
+    return t.unflatten(0, (heads, 2, -1)).transpose(1, 2)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paired_heads: tuple[int, int] | None) -> torch.Tensor:
+    """q|k|v weights (or biases) in one tensor; with `paired_heads` (query heads, key/value heads) the q and k
+    rows are paired for complex rotation, in the same single copy."""
+    if paired_heads is None:
+        return torch.cat([q, k, v])
+    heads, kv_heads = paired_heads
+    return torch.cat([_paired_rows(q, heads), _paired_rows(k, kv_heads), v.unflatten(0, (kv_heads, -1, 2))]).flatten(0, 2)
 
 
 class Rotary:
@@ -166,7 +174,6 @@ class PrefixSharedLM:
         # Rotate q|k as complex pairs (see the module docstring); switched off by `for_model` if the
         # model's rotary embedding is not the standard one that this reordering reproduces.
         self.complex_rotary = True
-        self._qkv_order: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
@@ -211,15 +218,6 @@ class PrefixSharedLM:
         return (self.complex_rotary and dtype in (torch.float32, torch.float64)
                 and not hasattr(self.decoder.layers[0].self_attn, "q_norm"))
 
-    def _pair_rows(self, device: torch.device) -> torch.Tensor:
-        """The fused q|k|v weight's row order for complex rotation (q and k reordered, v as is)."""
-        if self._qkv_order is None or self._qkv_order.device != device:
-            d, qk_heads = self.head_dim, self.num_heads + self.num_kv_heads
-            with torch.inference_mode(False):  # kept for later forwards, whose backward saves this index
-                self._qkv_order = torch.cat([_pair_order(qk_heads, d),
-                                             torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)]).to(device)
-        return self._qkv_order
-
     def fused_weights(self, merge_lora: bool = False) -> list[LayerWeights]:
         """Per layer, each projection as a plain matmul where possible, q|k|v and gate|up fused into one.
 
@@ -236,12 +234,11 @@ class PrefixSharedLM:
             q, k, v = (plain_linear(m, merge_lora) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
             qkv = None
             if q is not None and k is not None and v is not None:
-                weight = torch.cat([q[0], k[0], v[0]])
-                bias = None if q[1] is None or k[1] is None or v[1] is None else torch.cat([q[1], k[1], v[1]])
-                paired = self._rotates_as_complex(weight.dtype)
-                if paired:
-                    order = self._pair_rows(weight.device)
-                    weight, bias = weight.index_select(0, order), None if bias is None else bias.index_select(0, order)
+                paired = self._rotates_as_complex(q[0].dtype)
+                heads = (self.num_heads, self.num_kv_heads) if paired else None
+                weight = _fuse_qkv(q[0], k[0], v[0], heads)
+                has_bias = q[1] is not None and k[1] is not None and v[1] is not None
+                bias = _fuse_qkv(q[1], k[1], v[1], heads) if has_bias else None
                 qkv = (weight, bias, paired)
             gate, up = plain_linear(mlp.gate_proj, merge_lora), plain_linear(mlp.up_proj, merge_lora)
             gate_up = None

@@ -144,7 +144,7 @@ def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_pat
 
 def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_working():
     """The fast sampler runs under inference_mode: neither its rollout nor anything it cached may be an
-    inference tensor, or the loss's backward (which saves the ids and the q|k row order) would fail."""
+    inference tensor, or the loss's backward (which saves the ids) would fail."""
     model = _llama()
     fast = PrefixSharedLM(model)  # no self-check: sampling is the first thing this instance ever runs
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
@@ -156,7 +156,6 @@ def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_work
     tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
                rollout.truncated)
     assert not any(t.is_inference() for t in tensors)
-    assert fast._qkv_order is not None and not fast._qkv_order.is_inference()
     model.train()
     logp, _ = fast.completion_logprobs(rollout)
     (logp * rollout.completion_mask).sum().backward()
