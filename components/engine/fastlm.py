@@ -254,6 +254,20 @@ class PrefixSharedLM:
         return module(x)
 
     def _qkv(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary):
+        """Rotated queries [B, H, L, d] and keys, values [B, Hkv, L, d] (views where the projection is fused)."""
+        parts = self._qkv_parts(layer, fused, h, rotary)
+        if len(parts) == 3:
+            return parts
+        qk, v = parts
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+
+    def _qkv_heads(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """`_qkv` as one tensor [B, H + 2 Hkv, L, d], for callers that split it by token and by head: views whose
+        backward is one cat, where slicing three tensors costs a zero-filled gradient per slice."""
+        return torch.cat(self._qkv_parts(layer, fused, h, rotary), dim=1)
+
+    def _qkv_parts(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary) -> list[torch.Tensor]:
+        """[rotated q|k, v] from the fused projection, else [q, k, v]; each [B, heads, L, d]."""
         attn = layer.self_attn
         b, length, _ = h.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -262,14 +276,13 @@ class PrefixSharedLM:
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
             weight, bias, paired = fused.qkv
             qkv = torch.nn.functional.linear(h, weight, bias)
-            qk = qkv[..., :(heads + kv_heads) * d]
+            qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], -1)
             if paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
                 pairs = torch.view_as_complex(qk.unflatten(-1, (heads + kv_heads, d // 2, 2))).transpose(1, 2)
                 qk = torch.view_as_real(pairs * rotary.turn).flatten(-2)
             else:
                 qk = _rope(qk.view(b, length, heads + kv_heads, d).transpose(1, 2), cos, sin)
-            v = qkv[..., (heads + kv_heads) * d:].view(b, length, kv_heads, d).transpose(1, 2)
-            return qk[:, :heads], qk[:, heads:], v
+            return [qk, v.view(b, length, kv_heads, d).transpose(1, 2)]
         if fused.qkv is not None:  # never paired: models with q/k norms rotate with cos/sin
             weight, bias, _ = fused.qkv
             q, k, v = torch.nn.functional.linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
@@ -280,7 +293,7 @@ class PrefixSharedLM:
         v = v.view(b, length, kv_heads, d).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises queries and keys per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        return [_rope(q, cos, sin), _rope(k, cos, sin), v]
 
     def _merge_heads(self, attn_out: torch.Tensor) -> torch.Tensor:
         """[B, H, L, d] -> [B, L, H * d]."""
@@ -443,16 +456,18 @@ class PrefixSharedLM:
         start = unique_mask.sum(-1)[rows]
         rotary = self._positions(x, torch.cat([prompts.positions.flatten(), start[fed_rows] + fed_cols])[None])
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:  # [1, h, S, d] -> [N, h, steps, d], zeros in the padding
-            flat = t[0].transpose(0, 1)
+        def unpack(t: torch.Tensor) -> torch.Tensor:  # [h, S, d] -> [N, h, steps, d], zeros in the padding
+            flat = t.transpose(0, 1)
             grid = flat.new_zeros(n * steps, *flat.shape[1:]).index_copy(0, place, flat)
             return grid.view(n, steps, *flat.shape[1:]).transpose(1, 2)
 
+        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
-            q, k, v = self._qkv(layer, fused, self._norm(layer.input_layernorm, x), rotary)  # [1, h, U*W + S, d]
+            heads = self._qkv_heads(layer, fused, self._norm(layer.input_layernorm, x), rotary)[0]  # [h, U*W + S, d]
+            prompt_part, packed = heads.split([u * w, heads.shape[1] - u * w], dim=1)
             prompt_attn, (kp, vp) = self._prompt_layer(
-                prompts, i, *(t[0, :, :u * w].unflatten(1, (u, w)).transpose(0, 1) for t in (q, k, v)))
-            q, k, v = (unpack(t[:, :, u * w:]) for t in (q, k, v))
+                prompts, i, *prompt_part.unflatten(1, (u, w)).transpose(0, 1).split(sizes, dim=1))
+            q, k, v = unpack(packed).split(sizes, dim=1)
             if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
                 keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
                 values = torch.cat([vp[:, None].expand(-1, group, -1, -1, -1), v.unflatten(0, (-1, group))], 3)
