@@ -13,7 +13,8 @@ general-purpose `generate` overhead.
 
 It calls the model's own submodules (projections, norms, MLP, rotary embedding), so the weights,
 gradients, optimizer state and LoRA adapters are the Hugging Face model's. Each forward or decoding
-run concatenates q|k|v and gate|up into fused matrices (gradients flow back through the cat), and
+run concatenates q|k|v into one matrix (gradients flow back through the cat; gate and up stay two
+matmuls, measured as fast as one plus its split, without the cat), and
 without a gradient (sampling, the reference) merges LoRA as W + s * B @ A (`fused_weights`).
 
 In float32/float64 the rotary embedding is one complex multiply instead of Hugging Face's
@@ -96,7 +97,7 @@ class LayerWeights:
 
     qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None  # fused q|k|v weight, bias, q|k rows paired
     o: Linear | None
-    gate_up: torch.Tensor | None  # fused gate|up weight (no bias)
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None  # gate and up weights (no bias), two matmuls
     down: Linear | None
 
 
@@ -219,12 +220,12 @@ class PrefixSharedLM:
                 and not hasattr(self.decoder.layers[0].self_attn, "q_norm"))
 
     def fused_weights(self, merge_lora: bool = False) -> list[LayerWeights]:
-        """Per layer, each projection as a plain matmul where possible, q|k|v and gate|up fused into one.
+        """Per layer, each projection as a plain matmul where possible, q|k|v fused into one.
 
         A projection that is not a plain `nn.Linear` is called as a module, except that with `merge_lora`
         (decoding and reference forwards: no gradient) a LoRA-wrapped one becomes one matmul with
         W + s * B @ A (or W alone while its adapters are disabled): 2 matmuls, a scale and an add fewer
-        per projection and decode step, and the q|k|v and gate|up fusions apply again. Built once per
+        per projection and decode step, and the q|k|v fusion applies again. Built once per
         forward or decoding run; gradients flow back through the cat. `_qkv` rotates paired rows as
         complex numbers and the others with cos/sin, so the rows' order and the rotation cannot disagree.
         """
@@ -243,7 +244,7 @@ class PrefixSharedLM:
             gate, up = plain_linear(mlp.gate_proj, merge_lora), plain_linear(mlp.up_proj, merge_lora)
             gate_up = None
             if gate is not None and up is not None and gate[1] is None and up[1] is None:
-                gate_up = torch.cat([gate[0], up[0]])
+                gate_up = (gate[0], up[0])
             fused.append(LayerWeights(qkv, plain_linear(attn.o_proj, merge_lora), gate_up,
                                       plain_linear(mlp.down_proj, merge_lora)))
         return fused
@@ -307,7 +308,7 @@ class PrefixSharedLM:
         h = self._norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if fused.gate_up is not None:
-            gate, up = linear(h, fused.gate_up).chunk(2, dim=-1)
+            gate, up = linear(h, fused.gate_up[0]), linear(h, fused.gate_up[1])
             hidden = mlp.act_fn(gate) * up
             return x + (mlp.down_proj(hidden) if fused.down is None else linear(hidden, *fused.down))
         return x + mlp(h)
