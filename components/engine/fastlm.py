@@ -520,11 +520,11 @@ class PrefixSharedLM:
         first = self.lm_head(last)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
         buffers = []
-        for k, v in caches:
-            n, heads, p_len, d = len(rows), k.shape[1], k.shape[2], k.shape[3]
-            kbuf, vbuf = (t.new_empty(n, heads, p_len + max_new_tokens, d) for t in (k, v))
-            kbuf[:, :, :p_len], vbuf[:, :, :p_len] = k.index_select(0, rows), v.index_select(0, rows)
-            buffers.append((kbuf, vbuf))
+        for k, v in caches:  # each prompt's cache copied to its G rows by broadcasting (no gathered copy first)
+            u, heads, p_len, d = k.shape
+            kbuf, vbuf = (t.new_empty(u, group_size, heads, p_len + max_new_tokens, d) for t in (k, v))
+            kbuf[:, :, :, :p_len], vbuf[:, :, :, :p_len] = k[:, None], v[:, None]
+            buffers.append((kbuf.flatten(0, 1), vbuf.flatten(0, 1)))
         keep = torch.cat([cache_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
                                                                device=prompt_ids.device)], dim=-1)
         bias = self._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
