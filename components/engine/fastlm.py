@@ -457,10 +457,13 @@ class PrefixSharedLM:
         start = unique_mask.sum(-1)[rows]
         rotary = self._positions(x, torch.cat([prompts.positions.flatten(), start[fed_rows] + fed_cols])[None])
 
+        # each slot of the padded [N, steps] grid: its packed token, or the zero row appended after them
+        source = torch.full((n * steps,), len(place), dtype=place.dtype, device=place.device)
+        source[place] = torch.arange(len(place), device=place.device)
+
         def unpack(t: torch.Tensor) -> torch.Tensor:  # [h, S, d] -> [N, h, steps, d], zeros in the padding
-            flat = t.transpose(0, 1)
-            grid = flat.new_zeros(n * steps, *flat.shape[1:]).index_copy(0, place, flat)
-            return grid.view(n, steps, *flat.shape[1:]).transpose(1, 2)
+            flat = torch.nn.functional.pad(t.transpose(0, 1), (0, 0, 0, 0, 0, 1))  # one pass writes the grid
+            return flat.index_select(0, source).view(n, steps, *flat.shape[1:]).transpose(1, 2)
 
         sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
