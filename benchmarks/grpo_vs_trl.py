@@ -536,20 +536,33 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- report
+def merged_rows(previous: dict[str, Any], fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`fresh` rows replace the previous report's rows of the same name; the others stay, with their own
+    commit and machine (older reports kept those once, for all rows). Ordered as ROWS."""
+    measured = {r["row"] for r in fresh}
+    kept = [{**r, "commit": r.get("commit", previous.get("commit", "?")),
+             "machine": r.get("machine", previous.get("machine", "?"))}
+            for r in previous.get("rows", []) if r["row"] not in measured]
+    order = list(ROWS)
+    return sorted(kept + fresh, key=lambda r: order.index(r["row"]) if r["row"] in order else len(order))
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and settings)", "",
-             f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}`", "",
+             f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}` "
+             "(with `--update`, rows it did not measure keep their own commit and machine, below)", "",
              "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
              "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | "
-             "ours - TRL (95% CI) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "ours - TRL (95% CI) | commit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         o, t, d = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
         lines.append(f"| {r['row']} | {r['parameters'] / 1e6:.2f}M | **{r['speedup_vs_trl']:.2f}x** | "
                      f"{min(r['per_round_ratios']):.2f} .. {max(r['per_round_ratios']):.2f} | "
                      f"{r['tokens_per_s_ratio']:.2f}x | {o['peak_rss_mb']:.0f} / {t['peak_rss_mb']:.0f} MB | "
                      f"{o['heldout_reward']:.3f}, {t['heldout_reward']:.3f} (n={r['heldout_n']}) | "
-                     f"{d['mean']:+.3f} ({d['ci95_low']:+.3f} .. {d['ci95_high']:+.3f}) |")
+                     f"{d['mean']:+.3f} ({d['ci95_low']:+.3f} .. {d['ci95_high']:+.3f}) | "
+                     f"{r.get('commit', report.get('commit', '?'))} |")
     lines.append("")
     for r in report["rows"]:
         o, t = r["engines"]["ours"], r["engines"]["trl"]
@@ -561,7 +574,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"of {r['round_steps']} steps; {s['prompts_per_step']} prompts x {s['group_size']} completions of at "
                   f"most {s['max_completion_length']} tokens, temperature {s['temperature']}, "
                   f"lr {s['learning_rate']:g}, beta {s['kl_beta']}, loss {s['loss_type']}, {lora}, "
-                  f"chat template: {s['chat_template']}.", "",
+                  f"chat template: {s['chat_template']}. Measured at {r.get('commit', report.get('commit', '?'))} on "
+                  f"{r.get('machine', report['machine'])}.", "",
                   f"**speedup_vs_trl: {r['speedup_vs_trl']:.2f}x** (rounds: "
                   f"{', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
                   "| | ours | TRL |", "|---|---|---|"]
@@ -649,6 +663,9 @@ def main() -> int:
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"), help="scratch folder (reused)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the rows of the existing report that this run does not measure (each row keeps "
+                             "the commit and machine it was measured on)")
     args = parser.parse_args()
     rows = [s.strip() for s in args.rows.split(",") if s.strip()]
     unknown = [r for r in rows if r not in ROWS]
@@ -678,7 +695,8 @@ def main() -> int:
     if torch.cuda.is_available():
         report["gpu"] = gpu_report()
     for name in rows:
-        report["rows"].append(compare_row(ROWS[name], args, work))
+        report["rows"].append({**compare_row(ROWS[name], args, work), "commit": report["commit"],
+                               "machine": report["machine"]})
     if args.pipeline_runs:
         from benchmarks.pipeline_overhead import measure_runs
 
@@ -688,6 +706,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "grpo_vs_trl.json", out / "grpo_vs_trl.md"
+    if args.update and json_path.exists():
+        report["rows"] = merged_rows(json.loads(json_path.read_text()), report["rows"])
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     md_path.write_text(markdown(report))
     print(markdown(report))

@@ -57,3 +57,16 @@ def test_settings_trl_would_compute_differently_are_refused(tmp_path):
     cfg = row_config(ROWS["tiny"], ["grpo.reference.mode=ema"])
     with pytest.raises(SystemExit, match="reference.mode"):
         trl_settings(cfg, 10, tmp_path)
+
+
+def test_update_replaces_measured_rows_and_keeps_the_others_with_their_commit():
+    from benchmarks.grpo_vs_trl import merged_rows
+
+    previous = {"commit": "old", "machine": "m1", "rows": [{"row": "smollm2-full", "x": 1}, {"row": "tiny", "x": 2},
+                                                            {"row": "smollm2-lora", "x": 3, "commit": "older"}]}
+    fresh = [{"row": "tiny", "x": 9, "commit": "new", "machine": "m2"}]
+    rows = merged_rows(previous, fresh)
+    assert [r["row"] for r in rows] == ["tiny", "smollm2-lora", "smollm2-full"]
+    assert rows[0] == fresh[0]
+    assert (rows[1]["x"], rows[1]["commit"], rows[1]["machine"]) == (3, "older", "m1")
+    assert (rows[2]["x"], rows[2]["commit"]) == (1, "old")
