@@ -39,7 +39,8 @@ from components.engine.rmsnorm import rms_norm
 from components.engine.rollout import Rollout, completion_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SOFTMAX_MIN_WIDTH = 16  # on CPU, softmax over fewer values than this is ~10x slower per row (2560 rows of 12: 181 us, of 16: 20 us)
+# On CPU, softmax over fewer values than this is ~10x slower per row (2560 rows of 12: 181 us, of 16: 20 us).
+SOFTMAX_MIN_WIDTH = 16
 SMALL_DECODE_KEYS = 16  # up to this many cached keys, decoding attention is a broadcast multiply-sum (measured)
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules above hold at any length)
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
@@ -66,7 +67,8 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paired_heads: t
     if paired_heads is None:
         return torch.cat([q, k, v])
     heads, kv_heads = paired_heads
-    return torch.cat([_paired_rows(q, heads), _paired_rows(k, kv_heads), v.unflatten(0, (kv_heads, -1, 2))]).flatten(0, 2)
+    paired = [_paired_rows(q, heads), _paired_rows(k, kv_heads), v.unflatten(0, (kv_heads, -1, 2))]
+    return torch.cat(paired).flatten(0, 2)
 
 
 class Rotary:
@@ -361,7 +363,7 @@ class PrefixSharedLM:
         """
         return self._encode(self._prompt_pass(prompt_ids, prompt_mask, weights), weights)
 
-    def _prompt_pass(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list) -> "_PromptPass":
+    def _prompt_pass(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, weights: list) -> _PromptPass:
         """What a layer loop over the prompts needs; a prefix all prompts share is encoded here, once."""
         shared = shared_prefix_length(prompt_ids, prompt_mask)
         prefix = None
@@ -375,7 +377,7 @@ class PrefixSharedLM:
             mask = (torch.arange(width, device=rest.device) >= width - rest[:, None]).to(prompt_mask.dtype)
         return self._prompt_pass_of(ids, mask, prefix)
 
-    def _prompt_pass_of(self, ids: torch.Tensor, mask: torch.Tensor, prefix: list | None) -> "_PromptPass":
+    def _prompt_pass_of(self, ids: torch.Tensor, mask: torch.Tensor, prefix: list | None) -> _PromptPass:
         length = ids.shape[1]
         done = 0 if prefix is None else prefix[0][0].shape[2]
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
@@ -387,7 +389,7 @@ class PrefixSharedLM:
         return _PromptPass(ids, self._bias(keep, dtype)[:, None, None],  # [U, 1, 1, P, done + P]
                            done + (mask.long().cumsum(-1) - 1).clamp(min=0), prefix, cache_mask)
 
-    def _prompt_layer(self, prompts: "_PromptPass", i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def _prompt_layer(self, prompts: _PromptPass, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Layer i's attention over the prompts: (output [U, P, H * d], the layer's (K, V) cache with the prefix)."""
         if prompts.prefix is not None:
             kp, vp = prompts.prefix[i]
@@ -395,7 +397,7 @@ class PrefixSharedLM:
             v = torch.cat([vp.expand(len(v), -1, -1, -1), v], dim=2)
         return self._merge_heads(self._attend(q, k, v, prompts.bias)), (k, v)
 
-    def _encode(self, prompts: "_PromptPass", weights: list):
+    def _encode(self, prompts: _PromptPass, weights: list):
         """`encode_prompts` for a prepared pass (prompt ids after the shared prefix, if any)."""
         x = self.decoder.embed_tokens(prompts.ids)
         rotary = self._positions(x, prompts.positions)
