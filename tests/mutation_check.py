@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/engine/test_objectives.py", "tests/engine/test_engine_variants.py", "tests/engine/test_engine_audit.py",
-         "tests/engine/test_fastlm.py", "tests/stages/test_sft.py"]
+         "tests/engine/test_fastlm.py", "tests/engine/test_rmsnorm.py", "tests/stages/test_sft.py"]
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -158,6 +158,15 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("defect 3: fastlm ignores attention dropout", "components/engine/fastlm.py",
      "if not full_attention(config, longest) or float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:",
      "if not full_attention(config, longest):"),
+    ("fastlm: short softmax rows padded with zeros, not -inf", "components/engine/fastlm.py",
+     'value=float("-inf"))', "value=0.0)"),
+    ("fastlm: the first token predicted from each prompt's first position", "components/engine/fastlm.py",
+     "torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]])", "torch.cat([x[0, 0:u * w:w], x[0, u * w:]])"),
+    ("fastlm: packed tokens unpacked into the wrong slots", "components/engine/fastlm.py",
+     "source[place] = torch.arange(len(place), device=place.device)",
+     "source[place] = torch.arange(len(place), device=place.device).flip(0)"),
+    ("rmsnorm: backward without the normalisation's own term", "components/engine/rmsnorm.py",
+     "grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)).mul_(rstd)", "grad_x = g.mul(rstd)"),
 ]
 
 
