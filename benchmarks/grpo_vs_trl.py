@@ -549,8 +549,8 @@ def merged_rows(previous: dict[str, Any], fresh: list[dict[str, Any]]) -> list[d
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and settings)", "",
-             f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}` "
-             "(with `--update`, rows it did not measure keep their own commit and machine, below)", "",
+             (f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}` "
+              "(with `--update`, rows it did not measure keep their own commit and machine, below)"), "",
              "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
              "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | "
              "ours - TRL (95% CI) | commit |",
