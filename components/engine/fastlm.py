@@ -451,9 +451,8 @@ class PrefixSharedLM:
         # norms and MLPs run once over all of them; only attention treats the two parts apart.
         u, w = prompts.ids.shape
         x = self.decoder.embed_tokens(torch.cat([prompts.ids.flatten(), completion_ids[fed_rows, fed_cols]]))[None]
-        cache_mask = prompts.cache_mask
         causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
-        keep = torch.cat([cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
+        keep = torch.cat([prompts.cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
                           causal[None].expand(n, -1, -1)], dim=-1)
         bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
         start = unique_mask.sum(-1)[rows]
