@@ -346,10 +346,11 @@ class PrefixSharedLM:
         if length == 1 and keys.shape[2] <= SMALL_DECODE_KEYS:
             # One query over a very short cache: a broadcast multiply-sum beats tiny batched matmuls.
             qg, keys, values = q.view(b, kv, rep, 1, d), keys.unsqueeze(2), values.unsqueeze(2)
-            probs = self._softmax((qg * keys).sum(-1).unsqueeze(-2) * self.scaling + bias)
+            probs = self._softmax(torch.add(bias, (qg * keys).sum(-1).unsqueeze(-2), alpha=self.scaling))
             return (probs.transpose(-1, -2) * values).sum(-2, keepdim=True).flatten(1, 2)
         scores = (q.reshape(b, kv, rep * length, d) @ keys.transpose(-1, -2)).view(b, kv, rep, length, -1)
-        probs = self._softmax(scores * self.scaling + bias).view(b, kv, rep * length, -1)
+        # bias + scaling * scores in one operator: the same values as scaling then adding (the mask is 0 or finfo.min)
+        probs = self._softmax(torch.add(bias, scores, alpha=self.scaling)).view(b, kv, rep * length, -1)
         return (probs @ values).view(b, heads, length, d)
 
     # ----------------------------------------------------------------------------------------- prompt
