@@ -165,6 +165,10 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("fastlm: packed tokens unpacked into the wrong slots", "components/engine/fastlm.py",
      "source[place] = torch.arange(len(place), device=place.device)",
      "source[place] = torch.arange(len(place), device=place.device).flip(0)"),
+    ("fastlm: attention scores not scaled by 1/sqrt(d)", "components/engine/fastlm.py",
+     "torch.add(bias, scores, alpha=self.scaling)", "torch.add(bias, scores)"),
+    ("fastlm: decoding's attention scores not scaled by 1/sqrt(d)", "components/engine/fastlm.py",
+     "(qg * keys).sum(-1).unsqueeze(-2), alpha=self.scaling)", "(qg * keys).sum(-1).unsqueeze(-2))"),
     ("rmsnorm: backward without the normalisation's own term", "components/engine/rmsnorm.py",
      "grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)).mul_(rstd)", "grad_x = g.mul(rstd)"),
 ]
