@@ -30,7 +30,7 @@ products, the attention and the outputs are unchanged; only the cached keys are 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -42,6 +42,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # On CPU, softmax over fewer values than this is ~10x slower per row (2560 rows of 12: 181 us, of 16: 20 us).
 SOFTMAX_MIN_WIDTH = 16
 SMALL_DECODE_KEYS = 16  # up to this many cached keys, decoding attention is a broadcast multiply-sum (measured)
+# Group rows (`_attention_rows`) while the attention multiply-adds they add per layer stay under this: on 2 cores
+# they were 12% faster on the tiny default (1.3M added), break even near 12M and lose beyond (40M: 7-11% slower).
+GROUP_ROWS_EXTRA_WORK = 4_000_000
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules above hold at any length)
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
@@ -146,6 +149,15 @@ def shared_prefix_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
     return int(differs.int().argmax()) if bool(differs.any()) else span
 
 
+def group_rows_extra_work(prompts: int, width: int, length: int, rows: int, steps: int, head_width: int) -> int:
+    """Attention multiply-adds per layer (query and value side each) that rows of `length` slots per prompt
+    (its `width` positions and its group's tokens) cost beyond a row per prompt plus a row per completion
+    (`rows` of `steps` tokens over width + steps keys); `head_width` is query heads x head dim."""
+    group_scores = prompts * length * length
+    completion_scores = prompts * width * width + rows * steps * (width + steps)
+    return (group_scores - completion_scores) * head_width
+
+
 def full_attention(config: Any, max_length: int) -> bool:
     """Does every layer attend to every earlier token of a `max_length`-token row?
 
@@ -177,6 +189,8 @@ class PrefixSharedLM:
         # Rotate q|k as complex pairs (see the module docstring); switched off by `for_model` if the
         # model's rotary embedding is not the standard one that this reordering reproduces.
         self.complex_rotary = True
+        # How the training and reference forwards arrange attention (`_attention_rows`); the self-check runs both.
+        self.attention_rows: Literal["auto", "group", "completion"] = "auto"
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
@@ -208,7 +222,7 @@ class PrefixSharedLM:
         """An instance over another model of this architecture (the frozen reference), with the settings
         this instance's self-check chose, so both rotate queries and keys the same way."""
         twin = type(self)(model)
-        twin.complex_rotary = self.complex_rotary
+        twin.complex_rotary, twin.attention_rows = self.complex_rotary, self.attention_rows
         return twin
 
     # ----------------------------------------------------------------------------------------- pieces
@@ -425,51 +439,121 @@ class PrefixSharedLM:
 
         Returns (first [N, D]: each row's prompt end, predicting token 0; packed [S, D]: fed token j of
         row r, for each (r, j) in `fed`, predicting token j + 1; fed = (rows, columns)). Only tokens
-        that predict a scored token (completion_mask 1 at j + 1) are fed; attention sees them padded
-        per row, where causality keeps real tokens from attending to the padding.
+        that predict a scored token (completion_mask 1 at j + 1) are fed. Projections, norms and MLPs run
+        once over one token list (the U x W prompt positions, then the S packed completion tokens); only
+        attention arranges them in rows, one of two ways (`_attention_rows`).
 
-        GRPO rollouts keep each group's rows together, so runs of equal prompts are the groups. When
-        every run has the same length G, each prompt's cache reaches its G rows by broadcasting (its
-        gradient is a sum over G); otherwise rows gather it with an index (a scatter-add backward).
+        GRPO rollouts keep each group's rows together, so runs of equal prompts are the groups.
         """
         # Equal ids with another mask are another prompt (a real token can equal the pad id).
         keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
         unique_keyed, rows, counts = torch.unique_consecutive(keyed, dim=0, return_inverse=True, return_counts=True)
         width = prompt_ids.shape[1]
         unique, unique_mask = unique_keyed[:, :width], unique_keyed[:, width:].to(prompt_mask.dtype)
-        group = len(rows) // max(len(unique), 1)
-        even = bool((counts == group).all())
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
         prompts = self._prompt_pass(unique, unique_mask, weights)
-        n, steps = completion_ids.shape[0], completion_ids.shape[1] - 1  # the last token predicts nothing we score
+        steps = completion_ids.shape[1] - 1  # the last token predicts nothing we score
         fed = completion_mask[:, 1:].bool().nonzero(as_tuple=True)
         if steps == 0 or len(fed[0]) == 0:
             last = self._encode(prompts, weights)[0]
             return last.index_select(0, rows), last.new_zeros(0, last.shape[-1]), fed
         fed_rows, fed_cols = fed
-        place = fed_rows * steps + fed_cols  # each packed token's slot in the padded [N, steps] grid
-        # One token list: the U x W prompt positions, then the S packed completion tokens. Projections,
-        # norms and MLPs run once over all of them; only attention treats the two parts apart.
         u, w = prompts.ids.shape
         x = self.decoder.embed_tokens(torch.cat([prompts.ids.flatten(), completion_ids[fed_rows, fed_cols]]))[None]
-        causal = torch.ones(steps, steps, dtype=torch.bool, device=x.device).tril()
-        keep = torch.cat([prompts.cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
-                          causal[None].expand(n, -1, -1)], dim=-1)
-        bias = self._bias(keep, x.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
         start = unique_mask.sum(-1)[rows]
         rotary = self._positions(x, torch.cat([prompts.positions.flatten(), start[fed_rows] + fed_cols])[None])
+        attend = self._attention_rows(prompts, rows, counts, fed_rows, fed_cols, steps)
+        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
+            heads = self._qkv_heads(layer, fused, self._norm(layer.input_layernorm, x), rotary)[0]  # [h, U*W + S, d]
+            x = self._finish_layer(layer, fused, x, attend(i, heads)[None])
+        # each prompt's last position (predicting token 0), then the packed tokens, through the final norm at once
+        hidden = self._norm(self.decoder.norm, torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]]))
+        return hidden[:u].index_select(0, rows), hidden[u:], fed
 
+    def _attention_rows(self, prompts: _PromptPass, rows: torch.Tensor, counts: torch.Tensor, fed_rows: torch.Tensor,
+                        fed_cols: torch.Tensor, steps: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Layer i's attention over the token list: `attend(i, heads [H + 2 Hkv, U*W + S, d])` -> [U*W + S, H * d].
+
+        Group rows (`_group_rows`): one row per prompt holding its tokens and all its group's completion
+        tokens; about 40% fewer operators per layer, but each row's scores are a square over prompt + G
+        completions. Completion rows (`_completion_rows`): one row per completion over its prompt's cache;
+        the least attention work. `attention_rows` "auto" takes group rows while the scores they add stay
+        under `GROUP_ROWS_EXTRA_WORK` multiply-adds a layer (never with a shared prefix).
+        """
+        u, w = prompts.ids.shape
+        per_group = torch.bincount(rows[fed_rows], minlength=u)  # packed tokens of each prompt's group
+        length = w + int(per_group.max())
+        extra = group_rows_extra_work(u, w, length, len(rows), steps, self.num_heads * self.head_dim)
+        if prompts.prefix is None and (self.attention_rows == "group"
+                                       or self.attention_rows == "auto" and extra <= GROUP_ROWS_EXTRA_WORK):
+            return self._group_rows(prompts, rows, per_group, length, fed_rows, fed_cols)
+        return self._completion_rows(prompts, rows, counts, fed_rows, fed_cols, steps)
+
+    def _group_rows(self, prompts: _PromptPass, rows: torch.Tensor, per_group: torch.Tensor, length: int,
+                    fed_rows: torch.Tensor, fed_cols: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Attention in one row of `length` slots per prompt: its W positions, then its group's packed tokens.
+
+        A key is visible to a query when it comes no later (`order`: prompt position, or W + completion
+        column) and is either a real prompt token or a token of the same completion (`owner`). One gather
+        puts the token list into the [U, length] grid (empty slots read an appended zero row), one gather
+        takes the outputs back.
+        """
+        u, w = prompts.ids.shape
+        device = rows.device
+        group_of = rows[fed_rows]
+        within = torch.arange(len(fed_rows), device=device) - (per_group.cumsum(0) - per_group)[group_of]
+        prompt_slots = (torch.arange(u, device=device)[:, None] * length + torch.arange(w, device=device)).flatten()
+        slot = torch.cat([prompt_slots, group_of * length + w + within])  # each listed token's place in the grid
+        source = torch.full((u * length,), len(slot), dtype=slot.dtype, device=device)
+        source[slot] = torch.arange(len(slot), device=device)
+        real = prompts.cache_mask.bool()
+        owner = torch.full((u, length), -2, dtype=torch.long, device=device)  # -2: an empty slot
+        owner[:, :w] = torch.where(real, -1, -3)  # -1: a real prompt token, -3: left padding
+        owner.view(-1)[slot[u * w:]] = fed_rows
+        order = torch.full((u, length), length + w, dtype=torch.long, device=device)
+        order[:, :w] = torch.arange(w, device=device)
+        order.view(-1)[slot[u * w:]] = w + fed_cols
+        shared = torch.zeros(u, length, dtype=torch.bool, device=device)
+        shared[:, :w] = real
+        keep = (order[:, None, :] <= order[:, :, None]) & (shared[:, None, :] | (owner[:, None, :] == owner[:, :, None]))
+        bias = self._bias(keep, self.decoder.embed_tokens.weight.dtype)[:, None, None]  # [U, 1, 1, L, L]
+        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+
+        def attend(_i: int, heads: torch.Tensor) -> torch.Tensor:
+            flat = torch.nn.functional.pad(heads.transpose(0, 1), (0, 0, 0, 0, 0, 1))  # [T + 1, h, d]
+            q, k, v = flat.index_select(0, source).view(u, length, *flat.shape[1:]).transpose(1, 2).split(sizes, 1)
+            return self._merge_heads(self._attend(q, k, v, bias)).flatten(0, 1).index_select(0, slot)
+
+        return attend
+
+    def _completion_rows(self, prompts: _PromptPass, rows: torch.Tensor, counts: torch.Tensor, fed_rows: torch.Tensor,
+                         fed_cols: torch.Tensor, steps: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """Attention with the prompts as rows of their own and one row per completion over its prompt's cache.
+
+        Completion tokens are padded per row ([N, steps]), where causality keeps real tokens from
+        attending to the padding. When every group has the same size G, each prompt's cache reaches its G
+        rows by broadcasting (its gradient is a sum over G); otherwise rows gather it with an index (a
+        scatter-add backward).
+        """
+        u, w = prompts.ids.shape
+        n, device = len(rows), rows.device
+        group = n // max(u, 1)
+        even = bool((counts == group).all())
+        place = fed_rows * steps + fed_cols  # each packed token's slot in the padded [N, steps] grid
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
+        keep = torch.cat([prompts.cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
+                          causal[None].expand(n, -1, -1)], dim=-1)
+        bias = self._bias(keep, self.decoder.embed_tokens.weight.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
         # each slot of the padded [N, steps] grid: its packed token, or the zero row appended after them
-        source = torch.full((n * steps,), len(place), dtype=place.dtype, device=place.device)
-        source[place] = torch.arange(len(place), device=place.device)
+        source = torch.full((n * steps,), len(place), dtype=place.dtype, device=device)
+        source[place] = torch.arange(len(place), device=device)
+        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
         def unpack(t: torch.Tensor) -> torch.Tensor:  # [h, S, d] -> [N, h, steps, d], zeros in the padding
             flat = torch.nn.functional.pad(t.transpose(0, 1), (0, 0, 0, 0, 0, 1))  # one pass writes the grid
             return flat.index_select(0, source).view(n, steps, *flat.shape[1:]).transpose(1, 2)
 
-        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
-        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
-            heads = self._qkv_heads(layer, fused, self._norm(layer.input_layernorm, x), rotary)[0]  # [h, U*W + S, d]
+        def attend(i: int, heads: torch.Tensor) -> torch.Tensor:
             prompt_part, packed = heads.split([u * w, heads.shape[1] - u * w], dim=1)
             prompt_attn, (kp, vp) = self._prompt_layer(
                 prompts, i, *prompt_part.unflatten(1, (u, w)).transpose(0, 1).split(sizes, dim=1))
@@ -482,11 +566,9 @@ class PrefixSharedLM:
                 keys = torch.cat([kp.index_select(0, rows), k], dim=2)
                 values = torch.cat([vp.index_select(0, rows), v], dim=2)
             attn = self._merge_heads(self._attend(q, keys, values, bias))  # [N, steps, H * d]
-            attn = torch.cat([prompt_attn.flatten(0, 1), attn.flatten(0, 1).index_select(0, place)])
-            x = self._finish_layer(layer, fused, x, attn[None])
-        # each prompt's last position (predicting token 0), then the packed tokens, through the final norm at once
-        hidden = self._norm(self.decoder.norm, torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]]))
-        return hidden[:u].index_select(0, rows), hidden[u:], fed
+            return torch.cat([prompt_attn.flatten(0, 1), attn.flatten(0, 1).index_select(0, place)])
+
+        return attend
 
     def completion_logprobs(self, rollout: Any, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -546,19 +628,26 @@ class PrefixSharedLM:
         Rows 3 and 4 repeat row 0's prompt ids side by side, row 4 with another mask (a padded token made
         real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
         so the packed forward is checked against padding too. When prompts this long can share a prefix
-        worth encoding once, a second batch whose prompts share their first tokens checks that path. The
-        entropies depend on every logit.
+        worth encoding once, a second batch whose prompts share their first tokens checks that path. Both
+        attention layouts (`_attention_rows`) are checked, whichever "auto" would take. The entropies depend
+        on every logit.
         """
         batches = [self._check_batch(vocab_size, prompt_length, completion_length, shared_head=0)]
         if prompt_length - 3 >= SHARED_PREFIX_MIN:
             head = max(SHARED_PREFIX_MIN, (prompt_length - 2) // 2)
             batches.append(self._check_batch(vocab_size, prompt_length, completion_length, shared_head=head))
-        was_training = self.model.training
+        was_training, chosen = self.model.training, self.attention_rows
         self.model.eval()
+
+        def agrees(batch: tuple, attention_rows: str) -> bool:
+            self.attention_rows = attention_rows
+            return self._agrees_with_hugging_face(*batch)
+
         try:
-            return all(self._agrees_with_hugging_face(*batch) for batch in batches)
+            return all(agrees(batch, rows) for batch in batches for rows in ("group", "completion"))
         finally:
             self.model.train(was_training)
+            self.attention_rows = chosen
 
     def _check_batch(self, vocab_size: int, prompt_length: int, completion_length: int, shared_head: int):
         device = next(self.model.parameters()).device

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from components.engine.fastlm import PrefixSharedLM
+from components.engine.fastlm import PrefixSharedLM, group_rows_extra_work
 from components.engine.rollout import Rollout, completion_logprobs, sample_groups
 
 VOCAB = 24
@@ -100,20 +100,49 @@ def _assert_same_logprobs_and_grads(rollout: Rollout, fast, reference) -> None:
         assert torch.allclose(fast_grads[name], grad, atol=1e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("attention_rows", ["group", "completion"])
 @pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
 @pytest.mark.parametrize("complex_rotary", [True, False], ids=["complex-rotary", "plain-rotary"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary, groups):
+def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary, groups, attention_rows):
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model)
     assert fast is not None, f"{arch}: the self-check refused a supported architecture"
     # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3 never does.
     assert fast._rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
     fast.complex_rotary = complex_rotary
+    fast.attention_rows = attention_rows
     rollout = _rollout(groups)
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
     _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
+
+
+def test_group_rows_extra_work_by_hand():
+    # 2 prompts of 3 positions, rows of 7 slots: 2 * 49 = 98 scores; 2 * 9 prompt scores + 4 completions x 2
+    # tokens over 3 + 2 keys = 58; 40 more, each over 8 query-head dims
+    assert group_rows_extra_work(prompts=2, width=3, length=7, rows=4, steps=2, head_width=8) == 320
+
+
+def test_auto_takes_group_rows_only_while_they_add_little_attention_work(monkeypatch):
+    from components.engine import fastlm
+
+    model = _llama()
+    fast = PrefixSharedLM.for_model(model)
+    taken = []
+    group_rows = fastlm.PrefixSharedLM._group_rows
+    monkeypatch.setattr(fastlm.PrefixSharedLM, "_group_rows", lambda *a: taken.append(True) or group_rows(*a))
+    rollout = _rollout()  # prompt 1's three rows feed 4 + 4 + 4 tokens: rows of 6 + 12 slots
+    # 3 * 18 * 18 - (3 * 6 * 6 + 6 completions x 4 tokens over 6 + 4 keys) = 624 scores more, x 4 heads x 16 dims
+    extra = 624 * 64
+    with torch.no_grad():
+        monkeypatch.setattr(fastlm, "GROUP_ROWS_EXTRA_WORK", extra)
+        expected = fast.completion_logprobs(rollout)[0]
+        assert taken, "at the limit: group rows"
+        monkeypatch.setattr(fastlm, "GROUP_ROWS_EXTRA_WORK", extra - 1)
+        taken.clear()
+        assert torch.allclose(fast.completion_logprobs(rollout)[0], expected, atol=1e-5)
+        assert not taken, "over the limit: completion rows"
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
