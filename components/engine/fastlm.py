@@ -513,10 +513,8 @@ class PrefixSharedLM:
         order = torch.full((u, length), length + w, dtype=torch.long, device=device)
         order[:, :w] = torch.arange(w, device=device)
         order.view(-1)[slot[u * w:]] = w + fed_cols
-        shared = torch.zeros(u, length, dtype=torch.bool, device=device)
-        shared[:, :w] = real
         same_owner = owner[:, None, :] == owner[:, :, None]
-        keep = (order[:, None, :] <= order[:, :, None]) & (shared[:, None, :] | same_owner)
+        keep = (order[:, None, :] <= order[:, :, None]) & ((owner[:, None, :] == -1) | same_owner)
         bias = self._bias(keep, self.decoder.embed_tokens.weight.dtype)[:, None, None]  # [U, 1, 1, L, L]
         sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
