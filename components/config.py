@@ -256,6 +256,10 @@ class GRPOConfig:
     """Encode each prompt once per group in sampling, reference and policy forwards (components/engine/fastlm.py).
     Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back.
     Not used with several processes or per-group sampling (those need the wrapped, N-independent forward)."""
+    onednn_matmul: bool = True
+    """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
+    (components/engine/matmul.py): about twice MKL's speed on AMD processors with AVX-512, little change on Intel's.
+    Rounding differs from PyTorch's own products; false keeps those."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from components.engine.logprobs import token_logprobs
+from components.engine.matmul import linear as matmul_linear
 from components.engine.rmsnorm import rms_norm
 from components.engine.rollout import Rollout, completion_logprobs
 
@@ -191,10 +192,12 @@ class PrefixSharedLM:
         self.complex_rotary = True
         # How the training and reference forwards arrange attention (`_attention_rows`); the self-check runs both.
         self.attention_rows: Literal["auto", "group", "completion"] = "auto"
+        # Large float32 products on the CPU go to oneDNN's kernels (`engine/matmul.py`); False: PyTorch's own.
+        self.onednn_matmul = True
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
-                  completion_length: int | None = None) -> "PrefixSharedLM | None":
+                  completion_length: int | None = None, onednn_matmul: bool = True) -> "PrefixSharedLM | None":
         """A checked instance, or None when the architecture is unsupported or disagrees with Hugging Face.
 
         `max_length` is the longest row (prompt + completion tokens) it will see; the self-check runs
@@ -213,6 +216,7 @@ class PrefixSharedLM:
         completion = max(2, min(completion_length or 4, longest - 2))
         prompt = max(2, min(longest, MAX_CHECK_LENGTH) - completion)
         fast = cls(model)
+        fast.onednn_matmul = onednn_matmul
         if fast.matches_reference_forward(vocab_size or config.vocab_size, prompt, completion):
             return fast
         fast.complex_rotary = False  # e.g. a rotary variant whose halves differ: the plain rotation
@@ -223,6 +227,7 @@ class PrefixSharedLM:
         this instance's self-check chose, so both rotate queries and keys the same way."""
         twin = type(self)(model)
         twin.complex_rotary, twin.attention_rows = self.complex_rotary, self.attention_rows
+        twin.onednn_matmul = self.onednn_matmul
         return twin
 
     # ----------------------------------------------------------------------------------------- pieces
@@ -292,7 +297,7 @@ class PrefixSharedLM:
         if fused.qkv is not None and not hasattr(attn, "q_norm"):
             # One matmul for q|k|v and one rotation for q|k together: fewer small ops per layer.
             weight, bias, paired = fused.qkv
-            qkv = torch.nn.functional.linear(h, weight, bias)
+            qkv = self._linear(h, weight, bias)
             qk, v = qkv.split([(heads + kv_heads) * d, kv_heads * d], -1)
             if paired:  # rows paired by `fused_weights`: rotate (x_i, x_i+d/2) as one complex number
                 pairs = torch.view_as_complex(qk.unflatten(-1, (heads + kv_heads, d // 2, 2))).transpose(1, 2)
@@ -302,7 +307,7 @@ class PrefixSharedLM:
             return [qk, v.view(b, length, kv_heads, d).transpose(1, 2)]
         if fused.qkv is not None:  # never paired: models with q/k norms rotate with cos/sin
             weight, bias, _ = fused.qkv
-            q, k, v = torch.nn.functional.linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
+            q, k, v = self._linear(h, weight, bias).split([heads * d, kv_heads * d, kv_heads * d], -1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q = q.view(b, length, heads, d).transpose(1, 2)
@@ -312,6 +317,9 @@ class PrefixSharedLM:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return [_rope(q, cos, sin), _rope(k, cos, sin), v]
 
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return matmul_linear(x, weight, bias, onednn=self.onednn_matmul)
+
     def _merge_heads(self, attn_out: torch.Tensor) -> torch.Tensor:
         """[B, H, L, d] -> [B, L, H * d]."""
         b, _, length, _ = attn_out.shape
@@ -319,14 +327,13 @@ class PrefixSharedLM:
 
     def _finish_layer(self, layer: Any, fused: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged)."""
-        linear = torch.nn.functional.linear
-        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else linear(attn_out, *fused.o))
+        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else self._linear(attn_out, *fused.o))
         h = self._norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if fused.gate_up is not None:
-            gate, up = linear(h, fused.gate_up[0]), linear(h, fused.gate_up[1])
+            gate, up = self._linear(h, fused.gate_up[0]), self._linear(h, fused.gate_up[1])
             hidden = mlp.act_fn(gate) * up
-            return x + (mlp.down_proj(hidden) if fused.down is None else linear(hidden, *fused.down))
+            return x + (mlp.down_proj(hidden) if fused.down is None else self._linear(hidden, *fused.down))
         return x + mlp(h)
 
     @staticmethod
@@ -427,10 +434,16 @@ class PrefixSharedLM:
     def _logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Vocabulary logits / temperature; a bias-free head takes the division on the (much smaller) hidden state."""
         if temperature == 1.0:
-            return self.lm_head(hidden)
+            return self.head(hidden)
         if type(self.lm_head) is torch.nn.Linear and self.lm_head.bias is None:
-            return self.lm_head(hidden / temperature)
-        return self.lm_head(hidden) / temperature
+            return self.head(hidden / temperature)
+        return self.head(hidden) / temperature
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary head: `linear` (oneDNN on the CPU) for a plain `nn.Linear`, else the module itself."""
+        if type(self.lm_head) is torch.nn.Linear:
+            return self._linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head(hidden)
 
     # ------------------------------------------------------------------------------------- completion
     def _completion_states(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -603,7 +616,7 @@ class PrefixSharedLM:
         """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
         weights = self.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
         last, caches, cache_mask = self.encode_prompts(prompt_ids, prompt_mask, weights)
-        first = self.lm_head(last)
+        first = self.head(last)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
         buffers = []
         for k, v in caches:  # each prompt's cache copied to its G rows by broadcasting (no gathered copy first)
@@ -715,5 +728,5 @@ class _Decoder:
             attn = lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias)
             x = lm._finish_layer(layer, fused, x, lm._merge_heads(attn))
         self.offset += 1
-        self.logits = lm.lm_head(lm._norm(lm.decoder.norm, x[:, 0, :]))
+        self.logits = lm.head(lm._norm(lm.decoder.norm, x[:, 0, :]))
         return self.logits

@@ -95,7 +95,8 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
     if g.prefix_sharing:
         max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
-        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length)
+        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length,
+                                                 g.onednn_matmul)
         if policy.fast is None:
             print(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full "
                   "attention, no attention dropout and log-probs that match Hugging Face's; using the plain forward")

@@ -1,0 +1,88 @@
+"""`linear`: F.linear on oneDNN's kernels for large float32 products on the CPU, with a two-product backward.
+
+PyTorch sends float32 matrix products on the CPU to MKL's sgemm, which picks its kernels by CPU vendor:
+on AMD processors with AVX-512 (Zen 4, Zen 5) it runs its AVX2 code. oneDNN, also inside PyTorch
+(`torch.ops.mkldnn._linear_pointwise`), picks by instruction set. Measured alone on a 2-core AMD EPYC
+(Zen 5), float32, 2 threads, rows x in x out: 1024 x 1024 x 1024 203 -> 452 GFLOP/s; SmolLM2's
+128 x 576 x 1536 1085 -> 486 us; the tiny default's 414 x 128 x 384 196 -> 375 GFLOP/s; the backward's
+products (grad . W and grad^T . x, read as strided views) alike. Each oneDNN call costs about 12 us more,
+so small products lose (break-even near 1.5M multiply-adds alone), and inside the tiny default's decode
+loop its 4-6M products lost too (a rollout 9.09 -> 9.52 ms): `ONEDNN_MIN_WORK` sends only products of
+8M multiply-adds or more. Both sum in float32; only the order of the sums, so the rounding, differs.
+On Intel processors MKL already runs AVX-512 kernels, so expect little gain there.
+
+oneDNN compiles a kernel per shape the first time it meets it (0.3-0.6 ms) and caches it. Row counts
+change every step (packed tokens, finished rows), so rows are padded up to a few sizes per power of two
+(`padded_rows`): without that, 855 shapes in 300 tiny-default steps cost 1.2 ms a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ONEDNN_MIN_WORK = 1 << 23  # multiply-adds (rows x in x out) from which a product goes to oneDNN
+ONEDNN_ROW_STEP = 16  # rows are padded up to a multiple of this, or of 1/16 of their power of two if larger
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a product of `rows` rows runs at (at most 1/16 more from 256 rows, 15 more below), so that a run
+    meets a few dozen shapes, each compiled once, instead of one per row count."""
+    step = max(ONEDNN_ROW_STEP, 1 << max(rows.bit_length() - 5, 0))
+    return -(-rows // step) * step
+
+
+def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
+    return rows if len(rows) == count else torch.nn.functional.pad(rows, (0, 0, 0, count - len(rows)))
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] . weight [out, in]^T (+ bias) on oneDNN; strided views are read as they are."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b; dx = dy W, dW = dy^T x, db = sum of dy: each product one oneDNN call at the padded rows
+    (zero rows add nothing to dW)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        padded = _pad(flat, padded_rows(len(flat)))
+        ctx.save_for_backward(padded, weight)
+        ctx.has_bias, ctx.shape = bias is not None, x.shape
+        return _product(padded, weight, bias)[:len(flat)].view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_padded = _pad(rows, len(padded))
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(grad_padded, weight.t())[:len(rows)].view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _product(grad_padded.t(), padded.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does `linear` send this product to oneDNN: at least `ONEDNN_MIN_WORK` multiply-adds, float32 on the CPU?
+    (Cheapest test first: most calls of a small model's decode step fail it.)"""
+    return (ONEDNN and x.numel() // max(x.shape[-1], 1) * weight.numel() >= ONEDNN_MIN_WORK and weight.dim() == 2
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           onednn: bool = True) -> torch.Tensor:
+    """`torch.nn.functional.linear(x, weight, bias)`; with `onednn`, on oneDNN where `takes_onednn` says so."""
+    if not (onednn and takes_onednn(x, weight)):
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    out = _product(_pad(flat, padded_rows(len(flat))), weight, bias)[:len(flat)]
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,104 @@
+"""components/engine/matmul.py: oneDNN products and their backward, by hand and against F.linear, and the
+prompt-once forward running on them."""
+
+import pytest
+import torch
+
+from components.engine import matmul
+from components.engine.matmul import linear, padded_rows, takes_onednn
+
+needs_onednn = pytest.mark.skipif(not matmul.ONEDNN, reason="this PyTorch build has no oneDNN")
+
+
+@pytest.fixture
+def every_product_on_onednn(monkeypatch):
+    """Send every float32 CPU product to oneDNN and count the calls."""
+    calls = []
+    product = matmul._product
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return product(*args)
+
+    monkeypatch.setattr(matmul, "ONEDNN_MIN_WORK", 0)
+    monkeypatch.setattr(matmul, "_product", counted)
+    return calls
+
+
+def test_padded_rows_by_hand():
+    assert [padded_rows(r) for r in (1, 16, 17, 97, 128, 129, 255, 256, 257, 418, 512, 513, 1100)] == \
+        [16, 16, 32, 112, 128, 144, 256, 256, 272, 432, 512, 544, 1152]
+
+
+@needs_onednn
+def test_only_float32_cpu_products_of_enough_work_take_onednn():
+    weight = torch.zeros(128, 64)
+    rows = matmul.ONEDNN_MIN_WORK // (128 * 64)
+    assert takes_onednn(torch.zeros(rows, 64), weight)
+    assert takes_onednn(torch.zeros(1, rows, 64), weight)
+    assert not takes_onednn(torch.zeros(rows - 1, 64), weight)
+    assert not takes_onednn(torch.zeros(rows, 64, dtype=torch.float64), weight.double())
+
+
+@needs_onednn
+def test_values_and_gradients_by_hand(every_product_on_onednn):
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], requires_grad=True)
+    bias = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    y = linear(x, weight, bias)
+    assert type(y.grad_fn).__name__ == "_LinearBackward"
+    assert torch.equal(y, torch.tensor([[1.5, 1.0, 5.0], [3.5, 3.0, 9.0], [5.5, 5.0, 13.0]]))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 2), 2.0))  # each row: sum of W's rows
+    assert torch.equal(weight.grad, torch.tensor([[9.0, 12.0]] * 3))  # each output: sum of x's rows
+    assert torch.equal(bias.grad, torch.full((3,), 3.0))
+    assert len(every_product_on_onednn) == 3  # forward, dx, dW
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(3, 37, 64), (256, 64), (1, 5, 64)])
+def test_padded_products_match_f_linear_with_and_without_a_gradient(every_product_on_onednn, shape):
+    gen = torch.Generator().manual_seed(0)
+    x0, w0, b0 = torch.randn(shape, generator=gen), torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    upstream = torch.randn(*shape[:-1], 48, generator=gen)
+    results = []
+    for product in (linear, torch.nn.functional.linear):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        y = product(x, w, b)
+        (y * upstream).sum().backward()
+        results.append((y.detach(), x.grad, w.grad, b.grad))
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x0, w0, b0), torch.nn.functional.linear(x0, w0, b0), rtol=1e-5, atol=1e-5)
+    assert every_product_on_onednn and all(rows[0] % 16 == 0 for rows in every_product_on_onednn)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
+def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on_onednn, arch):
+    from components.engine.fastlm import PrefixSharedLM
+    from components.engine.rollout import completion_logprobs
+    from tests.engine.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
+
+    model = ARCHITECTURES[arch]()
+    fast = PrefixSharedLM.for_model(model)
+    assert fast is not None and fast.onednn_matmul
+    rollout = _rollout()
+    ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
+    every_product_on_onednn.clear()
+    fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
+    assert len(every_product_on_onednn) >= 3 * 2 * len(model.model.layers)  # q|k|v, o, MLP: forward and backward
+    _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
+
+
+@needs_onednn
+def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
+    from components.engine.fastlm import PrefixSharedLM
+    from tests.engine.test_fastlm import ARCHITECTURES, _logprobs_and_grads, _rollout
+
+    model = ARCHITECTURES["llama"]()
+    fast = PrefixSharedLM.for_model(model, onednn_matmul=False)
+    assert fast is not None and not fast.for_same_architecture(ARCHITECTURES["llama"]()).onednn_matmul
+    _logprobs_and_grads(model, _rollout(), fast.completion_logprobs)
+    assert every_product_on_onednn == []
