@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/engine/test_objectives.py", "tests/engine/test_engine_variants.py", "tests/engine/test_engine_audit.py",
-         "tests/engine/test_fastlm.py", "tests/engine/test_rmsnorm.py", "tests/stages/test_sft.py"]
+         "tests/engine/test_fastlm.py", "tests/engine/test_matmul.py", "tests/engine/test_rmsnorm.py",
+         "tests/stages/test_sft.py"]
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -176,6 +177,12 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "torch.add(bias, scores, alpha=self.scaling)", "torch.add(bias, scores)"),
     ("fastlm: decoding's attention scores not scaled by 1/sqrt(d)", "components/engine/fastlm.py",
      "(qg * keys).sum(-1).unsqueeze(-2), alpha=self.scaling)", "(qg * keys).sum(-1).unsqueeze(-2))"),
+    ("matmul: oneDNN's weight gradient a mean over rows, not a sum", "components/engine/matmul.py",
+     "grad_weight = _product(grad_padded.t(), padded.t())", "grad_weight = _product(grad_padded.t(), padded.t()) / len(rows)"),
+    ("matmul: padded rows kept in the output", "components/engine/matmul.py",
+     "return _product(padded, weight, bias)[:len(flat)].view(", "return _product(padded, weight, bias)[-len(flat):].view("),
+    ("matmul: rows not padded to a few shapes", "components/engine/matmul.py",
+     "    return -(-rows // step) * step", "    return rows"),
     ("rmsnorm: backward without the normalisation's own term", "components/engine/rmsnorm.py",
      "grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)).mul_(rstd)", "grad_x = g.mul(rstd)"),
 ]
