@@ -440,10 +440,12 @@ class PrefixSharedLM:
         return self.head(hidden) / temperature
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The vocabulary head: `linear` (oneDNN on the CPU) for a plain `nn.Linear`, else the module itself."""
-        if type(self.lm_head) is torch.nn.Linear:
-            return self._linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head(hidden)
+        """The vocabulary head: `linear` (oneDNN for large products) for a plain `nn.Linear` without hooks, else
+        the module itself (so forward hooks on it still run)."""
+        head = self.lm_head
+        if type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
+            return self._linear(hidden, head.weight, head.bias)
+        return head(hidden)
 
     # ------------------------------------------------------------------------------------- completion
     def _completion_states(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
