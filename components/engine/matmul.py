@@ -41,17 +41,24 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _padded_product(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., in] . weight^T (+ bias) run at `padded_rows`: (the output [..., out], the padded rows [R, in])."""
+    flat = x.reshape(-1, x.shape[-1])
+    padded = _pad(flat, padded_rows(len(flat)))
+    return _product(padded, weight, bias)[:len(flat)].view(*x.shape[:-1], weight.shape[0]), padded
+
+
 class _Linear(torch.autograd.Function):
     """y = x W^T + b; dx = dy W, dW = dy^T x, db = sum of dy: each product one oneDNN call at the padded rows
     (zero rows add nothing to dW)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        padded = _pad(flat, padded_rows(len(flat)))
+        out, padded = _padded_product(x, weight, bias)
         ctx.save_for_backward(padded, weight)
         ctx.has_bias, ctx.shape = bias is not None, x.shape
-        return _product(padded, weight, bias)[:len(flat)].view(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -83,6 +90,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    out = _product(_pad(flat, padded_rows(len(flat))), weight, bias)[:len(flat)]
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _padded_product(x, weight, bias)[0]
