@@ -344,6 +344,12 @@ class TrackingConfig:
 
     experiment: str = "grpo-pipeline"
     """Experiment holding the pipeline's runs."""
+    metrics_flush_s: float = 5.0
+    """Seconds between writes of GRPO's pending metric points to MLflow (one point per `grpo.metrics_every`
+    steps either way). Most of a write's cost is per write: on SQLite about 3.5 ms plus 0.045 ms a metric,
+    so ten points in one write cost 1.9 ms each instead of 5. Pending points are written when the stage
+    ends, fails or is stopped; a killed process (SIGKILL) loses at most these seconds of them. 0 writes
+    each point at once."""
 
 
 @dataclass
@@ -639,6 +645,7 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(ops.retry_delay_s >= 0, "operations.retry_delay_s", "must be >= 0")
     _require(bool(ops.deployment.strip()), "operations.deployment", "must not be empty")
     _require(cfg.reports.samples_every >= 0, "reports.samples_every", "must be >= 0")
+    _require(cfg.tracking.metrics_flush_s >= 0, "tracking.metrics_flush_s", "must be >= 0")
     _require(cfg.reports.samples_rows >= 1, "reports.samples_rows", "must be >= 1")
     _require(s.batch_size >= 1, "sft.batch_size", "must be >= 1")
     _require(s.learning_rate > 0, "sft.learning_rate", "must be > 0")

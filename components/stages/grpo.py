@@ -108,7 +108,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     with tracking_run(ctx.is_main, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": start_step})
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
-        log = StepLog(run, g, start_step, history, ctx.is_main, cfg.monitors.not_learning)
+        log = StepLog(run, g, start_step, history, ctx.is_main, cfg.monitors.not_learning,
+                      cfg.tracking.metrics_flush_s)
         for step in range(start_step, g.steps):
             set_progress(f"at step {step + 1} of {g.steps}; " + (f"the last checkpoint is step {last_checkpoint}"
                                                                  if last_checkpoint else "no checkpoint yet"))

@@ -1,5 +1,6 @@
 """GRPO's per-step record: the step history (plots/grpo_steps.csv, metrics/grpo.json), one MLflow point
-per `grpo.metrics_every` steps, and a progress line with rate and ETA every `grpo.log_every` steps."""
+per `grpo.metrics_every` steps (written to the store together at most every `tracking.metrics_flush_s`
+seconds), and a progress line with rate and ETA every `grpo.log_every` steps."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ class StepLog:
     """
 
     def __init__(self, run, g: GRPOConfig, start_step: int, history: list[dict[str, Any]], is_main: bool,
-                 not_learning_cfg: NotLearningConfig | None = None):
+                 not_learning_cfg: NotLearningConfig | None = None, flush_s: float = 0.0):
         self.run, self.g, self.start_step, self.history, self.is_main = run, g, start_step, history, is_main
+        self.flush_s = flush_s
         self.not_learning_cfg = not_learning_cfg
         self.window: list[dict[str, float]] = []
-        self.started = time.perf_counter()
+        self.started = self.flushed = time.perf_counter()
         self.warning: str | None = None
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
@@ -59,8 +61,11 @@ class StepLog:
         heldout = {k: v for k, v in metrics.items() if k.startswith("heldout/")}  # MLflow: with its LoggedModel
         self.window.append({k: v for k, v in metrics.items() if k not in heldout})
         if step % self.g.metrics_every == 0:
-            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=step)
+            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=step, flush=False)
             self.window = []
+            if time.perf_counter() - self.flushed >= self.flush_s:
+                self.run.flush()  # one write for all pending points: most of a write's cost is per write
+                self.flushed = time.perf_counter()
         if self.is_main and (step % self.g.log_every == 0 or step == self.g.steps):
             rate = (step - self.start_step) / (time.perf_counter() - self.started)
             eta = (self.g.steps - step) / rate if rate > 0 else float("inf")
@@ -78,10 +83,12 @@ class StepLog:
             print(line, flush=True)
 
     def flush(self) -> None:
-        """The last, partial window (also when the last steps were skipped)."""
+        """The last, partial window (also when the last steps were skipped), and every point still pending."""
         if self.window:
-            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=self.history[-1]["step"])
+            self.run.log_metrics(mlflow_metric_names(window_mean(self.window)), step=self.history[-1]["step"],
+                                 flush=False)
             self.window = []
+        self.run.flush()
 
 
 def write_step_outputs(history: list[dict[str, Any]], paths: Paths, extra: dict[str, Any] | None = None
