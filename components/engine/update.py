@@ -67,6 +67,16 @@ def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
     return [r for r in rows if r // group_size in set(groups)]
 
 
+def _every_row(rows: list[int], n: int) -> bool:
+    return len(rows) == n and rows == list(range(n))
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], or t itself when `rows` are all of its rows in order (the usual single minibatch): indexing
+    with a list copies, about 15 us a tensor on the tiny default."""
+    return t if _every_row(rows, len(t)) else t[rows]
+
+
 def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
                    ref_logp: torch.Tensor | None, g: GRPOConfig, ctx: DistContext = DistContext(),
                    scorable: torch.Tensor | None = None, loss: GRPOLoss | None = None) -> UpdateStats:
@@ -114,8 +124,8 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
     for iteration in range(g.num_iterations):
         for chunk in chunks:
             rows = [r for k in chunk for r in minibatches[k]]
-            n_tokens = float(mask[rows].sum())
-            n_seq = float(len(rows)) if scorable is None else float(scorable[rows].sum())
+            n_tokens = float(_rows(mask, rows).sum())
+            n_seq = float(len(rows)) if scorable is None else float(_rows(scorable, rows).sum())
             # bnpo: each rank's share of each minibatch is a mean of its own; DDP then averages over ranks
             share = 1.0 / (len(chunk) * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0
             optimizer.zero_grad(set_to_none=True)
@@ -128,12 +138,14 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                         logp, _ = completion_logprobs(module, rollout.select(minibatches[k][:1]), g.temperature)
                         (torch.nan_to_num(logp).sum() * 0.0).backward()
                     continue
-                sub, sub_mask = rollout.select(mb), mask[mb]
+                sub = rollout if _every_row(mb, n) else rollout.select(mb)
+                sub_mask = _rows(mask, mb)
                 with no_sync(module, skip=ctx.active and not last):
                     t0 = time.perf_counter()
                     logp, entropy = policy.logprobs(sub, g.temperature, with_entropy=iteration == 0, module=module)
-                    out = loss_fn(logp, old_logp[mb] if old_logp is not None else logp.detach(), advantages[mb],
-                                  sub_mask, ref_logp=None if ref_logp is None else ref_logp[mb], num_sequences=n_seq,
+                    out = loss_fn(logp, _rows(old_logp, mb) if old_logp is not None else logp.detach(),
+                                  _rows(advantages, mb), sub_mask,
+                                  ref_logp=None if ref_logp is None else _rows(ref_logp, mb), num_sequences=n_seq,
                                   num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
                     part = out.loss * share
                     t1 = time.perf_counter()
