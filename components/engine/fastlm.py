@@ -150,6 +150,28 @@ def shared_prefix_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
     return int(differs.int().argmax()) if bool(differs.any()) else span
 
 
+def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows with the same prompt (ids and mask) and the same scored completion tokens have the same log-probs.
+    Returns (first: the first row of each distinct one, in row order, so groups stay together; inverse: each
+    row's index into `first`), or None when no row repeats another."""
+    n = len(prompt_ids)
+    if n < 2:
+        return None
+    scored = torch.where(completion_mask.bool(), completion_ids, -1)  # tokens past the mask never count
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype), scored.to(prompt_ids.dtype)], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    distinct = int(inverse.max()) + 1
+    if distinct == n:
+        return None
+    rows = torch.arange(n, device=key.device)
+    first = torch.full((distinct,), n, device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    order = first.argsort()  # torch.unique sorts by value; back to row order
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(distinct, device=key.device)
+    return first[order], rank[inverse]
+
+
 def group_rows_extra_work(prompts: int, width: int, length: int, rows: int, steps: int, head_width: int) -> int:
     """Attention multiply-adds per layer (query and value side each) that rows of `length` slots per prompt
     (its `width` positions and its group's tokens) cost beyond a row per prompt plus a row per completion
@@ -194,6 +216,9 @@ class PrefixSharedLM:
         self.attention_rows: Literal["auto", "group", "completion"] = "auto"
         # Large float32 products on the CPU go to oneDNN's kernels (`engine/matmul.py`); False: PyTorch's own.
         self.onednn_matmul = True
+        # Log-probs of a row that repeats an earlier row's prompt and completion are computed once (`distinct_rows`).
+        self.distinct_rows = True
+        self._dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
@@ -227,7 +252,7 @@ class PrefixSharedLM:
         this instance's self-check chose, so both rotate queries and keys the same way."""
         twin = type(self)(model)
         twin.complex_rotary, twin.attention_rows = self.complex_rotary, self.attention_rows
-        twin.onednn_matmul = self.onednn_matmul
+        twin.onednn_matmul, twin.distinct_rows = self.onednn_matmul, self.distinct_rows
         return twin
 
     # ----------------------------------------------------------------------------------------- pieces
@@ -594,6 +619,24 @@ class PrefixSharedLM:
     def token_logprobs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, temperature: float = 1.0,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        distinct = distinct_rows(prompt_ids, prompt_mask, completion_ids, completion_mask) \
+            if self.distinct_rows and not self._dropout_active() else None
+        if distinct is None:
+            return self._token_logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                                        with_entropy)
+        first, inverse = distinct
+        logp, entropy = self._token_logprobs(*(t.index_select(0, first) for t in (prompt_ids, prompt_mask,
+                                                                                   completion_ids, completion_mask)),
+                                             temperature, with_entropy)
+        return logp.index_select(0, inverse), None if entropy is None else entropy.index_select(0, inverse)
+
+    def _dropout_active(self) -> bool:
+        """Dropout in train mode (LoRA's) would draw other masks for repeated rows: they are then computed apart."""
+        return self.model.training and any(m.p > 0 and m.training for m in self._dropouts)
+
+    def _token_logprobs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                        completion_mask: torch.Tensor, temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         first, packed, (fed_rows, fed_cols) = self._completion_states(prompt_ids, prompt_mask, completion_ids,
                                                                       completion_mask)
         n, width = completion_ids.shape

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from components.engine.fastlm import PrefixSharedLM, group_rows_extra_work
+from components.engine.fastlm import PrefixSharedLM, distinct_rows, group_rows_extra_work
 from components.engine.rollout import Rollout, completion_logprobs, sample_groups
 
 VOCAB = 24
@@ -116,6 +116,58 @@ def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rot
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
     _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
+
+
+def test_distinct_rows_by_hand():
+    prompts = torch.tensor([[0, 5, 6], [0, 5, 6], [0, 5, 6], [7, 5, 6], [0, 5, 6], [0, 5, 6]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]])
+    completions = torch.tensor([[8, 3, 0], [8, 3, 9], [8, 9, 3], [8, 3, 0], [8, 3, 0], [8, 3, 0]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    first, inverse = distinct_rows(prompts, prompt_mask, completions, completion_mask)
+    # row 1 repeats row 0 (its token past the mask does not count), row 5 repeats row 0; row 2 has another
+    # completion, row 3 another prompt, row 4 the same ids as row 0 with another prompt mask
+    assert first.tolist() == [0, 2, 3, 4]
+    assert inverse.tolist() == [0, 0, 1, 2, 3, 0]
+    assert distinct_rows(prompts[2:5], prompt_mask[2:5], completions[2:5], completion_mask[2:5]) is None
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa"])
+def test_repeated_rows_are_computed_once_with_the_same_logprobs_and_gradients(monkeypatch, arch):
+    model = ARCHITECTURES[arch]()
+    fast = PrefixSharedLM.for_model(model)
+    base = _rollout((0, 0, 1, 1, 2, 2))
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 4])  # groups 0, 1, 2 with repeated completions
+    rollout = Rollout(*(t[rows] for t in (base.prompt_ids, base.prompt_mask, base.completion_ids,
+                                          base.completion_mask, base.truncated)))
+    seen = []
+    states = fast._completion_states
+    monkeypatch.setattr(fast, "_completion_states", lambda *a: seen.append(len(a[0])) or states(*a))
+    ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
+    fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
+    assert seen == [6]  # 10 rows, 6 distinct
+    _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
+    assert torch.equal(fast_logp[0], fast_logp[1]) and torch.equal(fast_logp[3], fast_logp[5])
+    fast.distinct_rows = False
+    assert torch.allclose(fast.completion_logprobs(rollout, 0.7)[0], fast_logp, atol=1e-6)
+    assert seen == [6, 10]
+
+
+def test_repeated_rows_are_computed_apart_while_dropout_is_active(monkeypatch):
+    """Each row draws its own dropout masks in train mode (LoRA's dropout), so none can stand for another."""
+    from components.config import LoRAConfig
+    from components.engine.policy import attach_lora
+
+    model = attach_lora(_llama(), LoRAConfig(enabled=True, rank=4, dropout=0.5, target_modules=["q_proj"]))
+    fast = PrefixSharedLM.for_model(model)
+    rollout = _rollout((0, 0, 1, 1, 2, 2)).select([0, 0, 1, 2])
+    seen = []
+    states = fast._completion_states
+    monkeypatch.setattr(fast, "_completion_states", lambda *a: seen.append(len(a[0])) or states(*a))
+    model.train()
+    fast.completion_logprobs(rollout)
+    model.eval()
+    fast.completion_logprobs(rollout)
+    assert seen == [4, 3]
 
 
 def test_group_rows_extra_work_by_hand():
