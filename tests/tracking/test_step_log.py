@@ -42,10 +42,9 @@ def test_a_zero_interval_writes_each_point_at_once(mlflow_store):
 
 def test_pending_points_are_written_when_the_stage_fails(mlflow_store):
     g = GRPOConfig(steps=6, metrics_every=2, log_every=100)
-    with pytest.raises(RuntimeError, match="reward server down"):
-        with stage_run("step-log", "grpo") as run:
-            log = StepLog(run, g, 0, [], is_main=True, flush_s=3600.0)
-            _record(log, range(1, 5))
-            raise RuntimeError("reward server down")
+    with pytest.raises(RuntimeError, match="reward server down"), stage_run("step-log", "grpo") as run:
+        log = StepLog(run, g, 0, [], is_main=True, flush_s=3600.0)
+        _record(log, range(1, 5))
+        raise RuntimeError("reward server down")
     assert _points(mlflow_store, run.run_id) == [(2, 1.5), (4, 3.5)]
     assert MlflowClient(mlflow_store).get_run(run.run_id).info.status == "FAILED"
