@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +69,14 @@ def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
 
 
 def _every_row(rows: list[int], n: int) -> bool:
+    """Whether `rows` are all n rows in order (the usual single minibatch): then tensors are used as they are,
+    since indexing with a list copies (about 15 us a tensor on the tiny default)."""
     return len(rows) == n and rows == list(range(n))
 
 
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows], or t itself when `rows` are all of its rows in order (the usual single minibatch): indexing
-    with a list copies, about 15 us a tensor on the tiny default."""
-    return t if _every_row(rows, len(t)) else t[rows]
+def _row_picker(rows: list[int], n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """t -> t[rows], decided once for all of a minibatch's tensors of n rows."""
+    return (lambda t: t) if _every_row(rows, n) else (lambda t: t[rows])
 
 
 def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torch.Tensor, mask: torch.Tensor,
@@ -124,8 +126,9 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
     for iteration in range(g.num_iterations):
         for chunk in chunks:
             rows = [r for k in chunk for r in minibatches[k]]
-            n_tokens = float(_rows(mask, rows).sum())
-            n_seq = float(len(rows)) if scorable is None else float(_rows(scorable, rows).sum())
+            take = _row_picker(rows, n)
+            n_tokens = float(take(mask).sum())
+            n_seq = float(len(rows)) if scorable is None else float(take(scorable).sum())
             # bnpo: each rank's share of each minibatch is a mean of its own; DDP then averages over ranks
             share = 1.0 / (len(chunk) * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0
             optimizer.zero_grad(set_to_none=True)
@@ -139,13 +142,14 @@ def policy_updates(policy: Policy, optimizer, rollout: Rollout, advantages: torc
                         (torch.nan_to_num(logp).sum() * 0.0).backward()
                     continue
                 sub = rollout if _every_row(mb, n) else rollout.select(mb)
-                sub_mask = _rows(mask, mb)
+                take = _row_picker(mb, n)
+                sub_mask = take(mask)
                 with no_sync(module, skip=ctx.active and not last):
                     t0 = time.perf_counter()
                     logp, entropy = policy.logprobs(sub, g.temperature, with_entropy=iteration == 0, module=module)
-                    out = loss_fn(logp, _rows(old_logp, mb) if old_logp is not None else logp.detach(),
-                                  _rows(advantages, mb), sub_mask,
-                                  ref_logp=None if ref_logp is None else _rows(ref_logp, mb), num_sequences=n_seq,
+                    out = loss_fn(logp, take(old_logp) if old_logp is not None else logp.detach(),
+                                  take(advantages), sub_mask,
+                                  ref_logp=None if ref_logp is None else take(ref_logp), num_sequences=n_seq,
                                   num_tokens=float(sub_mask.sum()) if g.loss_type == "bnpo" else n_tokens)
                     part = out.loss * share
                     t1 = time.perf_counter()
