@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from components.engine.logprobs import token_logprobs
+from components.engine.logprobs import head_token_logprobs
 from components.engine.matmul import linear as matmul_linear
 from components.engine.rmsnorm import rms_norm
 from components.engine.rollout import Rollout, completion_logprobs
@@ -46,6 +47,7 @@ SMALL_DECODE_KEYS = 16  # up to this many cached keys, decoding attention is a b
 # Group rows (`_attention_rows`) while the attention multiply-adds they add per layer stay under this: on 2 cores
 # they were 12% faster on the tiny default (1.3M added), break even near 12M and lose beyond (40M: 7-11% slower).
 GROUP_ROWS_EXTRA_WORK = 4_000_000
+DECODE_CACHE_BLOCK = 32  # decoding caches start with room for this many completion tokens and double when full
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules above hold at any length)
 CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
@@ -218,6 +220,9 @@ class PrefixSharedLM:
         self.onednn_matmul = True
         # Log-probs of a row that repeats an earlier row's prompt and completion are computed once (`distinct_rows`).
         self.distinct_rows = True
+        # Training forwards keep only each decoder layer's input and recompute the layer in backward (`grpo.
+        # gradient_checkpointing`): activation memory of one layer instead of all of them, for one more forward.
+        self.gradient_checkpointing = False
         self._dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
 
     @classmethod
@@ -253,6 +258,7 @@ class PrefixSharedLM:
         twin = type(self)(model)
         twin.complex_rotary, twin.attention_rows = self.complex_rotary, self.attention_rows
         twin.onednn_matmul, twin.distinct_rows = self.onednn_matmul, self.distinct_rows
+        twin.gradient_checkpointing = self.gradient_checkpointing
         return twin
 
     # ----------------------------------------------------------------------------------------- pieces
@@ -503,9 +509,15 @@ class PrefixSharedLM:
         start = unique_mask.sum(-1)[rows]
         rotary = self._positions(x, torch.cat([prompts.positions.flatten(), start[fed_rows] + fed_cols])[None])
         attend = self._attention_rows(prompts, rows, counts, fed_rows, fed_cols, steps)
-        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
+
+        def decoder_layer(x: torch.Tensor, i: int, layer: Any, fused: LayerWeights) -> torch.Tensor:
             heads = self._qkv_heads(layer, fused, self._norm(layer.input_layernorm, x), rotary)[0]  # [h, U*W + S, d]
-            x = self._finish_layer(layer, fused, x, attend(i, heads)[None])
+            return self._finish_layer(layer, fused, x, attend(i, heads)[None])
+
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        for i, (layer, fused) in enumerate(zip(self.decoder.layers, weights)):
+            x = (checkpoint(decoder_layer, x, i, layer, fused, use_reentrant=False) if recompute
+                 else decoder_layer(x, i, layer, fused))
         # each prompt's last position (predicting token 0), then the packed tokens, through the final norm at once
         hidden = self._norm(self.decoder.norm, torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]]))
         return hidden[:u].index_select(0, rows), hidden[u:], fed
@@ -640,11 +652,13 @@ class PrefixSharedLM:
         first, packed, (fed_rows, fed_cols) = self._completion_states(prompt_ids, prompt_mask, completion_ids,
                                                                       completion_mask)
         n, width = completion_ids.shape
-        scored = [token_logprobs(self._logits(first, temperature), completion_ids[:, 0], with_entropy)]
+        logits = lambda hidden: self._logits(hidden, temperature)  # noqa: E731 - computed chunk by chunk
+        vocab = self.lm_head.weight.shape[0]
+        scored = [head_token_logprobs(logits, first, completion_ids[:, 0], vocab, with_entropy)]
         slots = [torch.arange(n, device=completion_ids.device) * width]
         if len(fed_rows):
-            scored.append(token_logprobs(self._logits(packed, temperature), completion_ids[fed_rows, fed_cols + 1],
-                                         with_entropy))
+            scored.append(head_token_logprobs(logits, packed, completion_ids[fed_rows, fed_cols + 1], vocab,
+                                              with_entropy))
             slots.append(fed_rows * width + fed_cols + 1)
         place = torch.cat(slots)
 
@@ -664,9 +678,10 @@ class PrefixSharedLM:
         first = self.head(last)
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
         buffers = []
+        room = min(max_new_tokens, DECODE_CACHE_BLOCK)  # the cache grows as tokens are decoded (`_Decoder.feed`)
         for k, v in caches:  # each prompt's cache copied to its G rows by broadcasting (no gathered copy first)
             u, heads, p_len, d = k.shape
-            kbuf, vbuf = (t.new_empty(u, group_size, heads, p_len + max_new_tokens, d) for t in (k, v))
+            kbuf, vbuf = (t.new_empty(u, group_size, heads, p_len + room, d) for t in (k, v))
             kbuf[:, :, :, :p_len], vbuf[:, :, :, :p_len] = k[:, None], v[:, None]
             buffers.append((kbuf.flatten(0, 1), vbuf.flatten(0, 1)))
         keep = torch.cat([cache_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
@@ -675,7 +690,8 @@ class PrefixSharedLM:
         start = prompt_mask.sum(-1)[rows]
         positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
         rope = self._positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
-        return _Decoder(self, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows))
+        return _Decoder(self, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
+                        cache_mask.shape[1] + max_new_tokens)
 
     # ------------------------------------------------------------------------------------------ check
     @torch.no_grad()
@@ -749,9 +765,24 @@ class _Decoder:
     """Incremental decoding state for `PrefixSharedLM.start_decoding`: one token per row per `feed`."""
 
     def __init__(self, lm: PrefixSharedLM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
-                 rope: Rotary, first_logits: torch.Tensor):
+                 rope: Rotary, first_logits: torch.Tensor, max_length: int):
         self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
-        self.rope, self.logits, self.offset = rope, first_logits, 0
+        self.rope, self.logits, self.offset, self.max_length = rope, first_logits, 0, max_length
+
+    def _reserve(self, end: int) -> None:
+        """Room in the caches for `end` positions: the completion part doubles (at least `DECODE_CACHE_BLOCK`
+        more) when full, so the caches hold about what was decoded rather than `max_new_tokens` from the start."""
+        capacity = self.buffers[0][0].shape[2]
+        if end <= capacity:
+            return
+        grown = min(self.max_length, max(end, capacity + max(DECODE_CACHE_BLOCK, capacity - self.prompt_len)))
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty(*t.shape[:2], grown, t.shape[3])
+            out[:, :, :capacity] = t
+            return out
+
+        self.buffers = [(widen(k), widen(v)) for k, v in self.buffers]
 
     def keep(self, rows: torch.Tensor) -> None:
         """Decode only `rows` from now on (indices into the rows held now): finished rows cost nothing more.
@@ -764,6 +795,7 @@ class _Decoder:
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row held; return the logits [rows, V] for the next one."""
         lm, end = self.lm, self.prompt_len + self.offset + 1
+        self._reserve(end)
         x = lm.decoder.embed_tokens(tokens[:, None])
         rotary = self.rope.at(self.offset)
         bias = self.bias[..., :end]

@@ -12,6 +12,8 @@ against 63 ms for multiply-then-sum.)
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -47,3 +49,52 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         flat = flat.float()
     logp, entropy = _TokenLogProbs.apply(flat, tokens.reshape(-1), with_entropy)
     return logp.view(shape), (entropy.view(shape) if with_entropy else None)
+
+
+# Logits of all completion tokens at once are kept while they take at most this much memory; beyond it they are
+# computed `LOGITS_CHUNK_BYTES` at a time (forward, and again in backward), so memory stops growing with
+# tokens x vocabulary. SmolLM2 (49,152 tokens): 1,365 rows at once, chunks of 341 rows.
+LOGITS_BUDGET_BYTES = 256 * 2**20
+LOGITS_CHUNK_BYTES = 64 * 2**20
+
+
+def logit_chunk_rows(rows: int, vocab_size: int) -> int:
+    """Rows of [rows, vocab] float32 logits computed at once: all of them within the budget, else a chunk's worth."""
+    if rows * vocab_size * 4 <= LOGITS_BUDGET_BYTES:
+        return max(rows, 1)
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tokens: torch.Tensor,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logp, entropy = token_logprobs(head(hidden), tokens, with_entropy)
+    return logp, (entropy if with_entropy else logp.new_empty(0))
+
+
+def head_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tokens: torch.Tensor,
+                        vocab_size: int, with_entropy: bool = False,
+                        chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs(head(hidden), tokens)` for hidden states [R, D] and tokens [R], without logits for all R rows.
+
+    The loss needs one log-prob per token, not the vocabulary: rows go through `head` (the vocabulary head, any
+    temperature folded in) `chunk_rows` at a time (default `logit_chunk_rows`). With a gradient each chunk is
+    recomputed in backward (`torch.utils.checkpoint`), so only the hidden states are kept: the idea of Liger's
+    fused linear cross-entropy, in plain PyTorch, for any head module (tied, biased, hooked). Within the budget
+    it is exactly `token_logprobs(head(hidden), tokens)`.
+    """
+    rows = hidden.shape[0]
+    size = chunk_rows or logit_chunk_rows(rows, vocab_size)
+    if rows <= size:
+        return token_logprobs(head(hidden), tokens, with_entropy)
+    from torch.utils.checkpoint import checkpoint
+
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(
+        p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+    parts = []
+    for h, t in zip(hidden.split(size), tokens.split(size)):
+        if recompute:
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, with_entropy, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t, with_entropy))
+    logp = torch.cat([lp for lp, _ in parts])
+    return logp, (torch.cat([e for _, e in parts]) if with_entropy else None)

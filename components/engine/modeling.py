@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -173,3 +175,33 @@ def count_parameters(model) -> int:
 def base_model_source(cfg: PipelineConfig) -> str:
     """What the `model` stage starts from, for logs: the tiny default or the user's directory."""
     return cfg.model.name_or_path or "tiny-llama (built offline from params)"
+
+
+def checkpointable_layers(model: Any) -> list[Any]:
+    """The Hugging Face decoder layers that can recompute themselves in backward (`GradientCheckpointingLayer`)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # older or newer transformers without it: no checkpointing on the plain path
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@contextmanager
+def layer_checkpointing(model: Any, enabled: bool) -> Iterator[None]:
+    """Forwards inside keep each decoder layer's input only and recompute the layer in backward.
+
+    Only inside: Hugging Face drops the KV cache of a checkpointing layer in train mode, which would break
+    cached sampling, so it is switched on around the training forward alone (the backward replays the saved
+    function, whatever the flag is by then). Outside a gradient it does nothing.
+    """
+    layers = checkpointable_layers(model) if enabled and torch.is_grad_enabled() else []
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in layers:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.gradient_checkpointing  # back to the class default (off)

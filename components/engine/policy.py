@@ -15,7 +15,7 @@ import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
 from components.engine.fastlm import PrefixSharedLM
-from components.engine.modeling import load_policy_model, load_tokenizer
+from components.engine.modeling import layer_checkpointing, load_policy_model, load_tokenizer
 from components.engine.prompting import PromptFormatter
 from components.engine.rollout import Rollout, completion_logprobs
 
@@ -45,6 +45,7 @@ class Policy:
     fast: PrefixSharedLM | None = None  # prompt-once forwards over `model` (None: plain Hugging Face forward)
     fast_reference: PrefixSharedLM | None = None
     trainer: Any | None = None  # the module gradient forwards go through (DDP wrapper); default `model`
+    gradient_checkpointing: bool = False  # training forwards recompute each decoder layer in backward
 
     @property
     def train_module(self):
@@ -58,7 +59,8 @@ class Policy:
         """
         if self.fast is not None:
             return self.fast.completion_logprobs(rollout, temperature, with_entropy)
-        return completion_logprobs(self.model if module is None else module, rollout, temperature, with_entropy)
+        with layer_checkpointing(self.model, self.gradient_checkpointing):
+            return completion_logprobs(self.model if module is None else module, rollout, temperature, with_entropy)
 
     def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
         """Once per rollout under inference_mode; cloned outside it so the loss can use the result."""
@@ -92,7 +94,8 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     elif with_reference:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
+    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer),
+                    gradient_checkpointing=g.gradient_checkpointing)
     if g.prefix_sharing:
         max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
         policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length,
@@ -100,8 +103,10 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
         if policy.fast is None:
             print(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full "
                   "attention, no attention dropout and log-probs that match Hugging Face's; using the plain forward")
-        elif reference is not None:
-            policy.fast_reference = policy.fast.for_same_architecture(reference)
+        else:
+            policy.fast.gradient_checkpointing = g.gradient_checkpointing
+            if reference is not None:
+                policy.fast_reference = policy.fast.for_same_architecture(reference)
     return policy
 
 

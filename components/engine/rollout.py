@@ -9,11 +9,11 @@ left-padded and position ids follow the attention mask, so the log-probs recompu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from components.engine.logprobs import token_logprobs
+from components.engine.logprobs import head_token_logprobs, token_logprobs
 
 
 @dataclass
@@ -215,18 +215,51 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                    truncated=torch.cat([r.truncated for r in parts]))
 
 
+def decoder_and_head(model) -> tuple[Any, Any] | None:
+    """(the decoder stack, the vocabulary head) of a Hugging Face causal LM (or a peft model over one) whose logits
+    are exactly `head(decoder(...).last_hidden_state)`; None for wrappers (DDP, FSDP2), whose forward must be the
+    wrapper's, and for models that post-process their logits (soft-capping, logit scales)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, torch.nn.parallel.DistributedDataParallel) or hasattr(base, "reshard"):
+        return None
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
+    decoder, head = (get_decoder() if get_decoder else None), (get_head() if get_head else None)
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
 def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature),
-    and with `with_entropy` the entropy [N, T] of each next-token distribution (no gradient)."""
+    and with `with_entropy` the entropy [N, T] of each next-token distribution (no gradient).
+
+    Where the model allows it (`decoder_and_head`) only the completion positions go through the vocabulary
+    head, in chunks (`head_token_logprobs`); otherwise the model's own forward gives every position's logits."""
     attention = rollout.attention_mask
-    out = model(input_ids=rollout.input_ids, attention_mask=attention, position_ids=positions_from_mask(attention),
-                use_cache=False)
+    inputs = dict(input_ids=rollout.input_ids, attention_mask=attention, position_ids=positions_from_mask(attention),
+                  use_cache=False)
     prompt_len, comp_len = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    logits = out.logits[:, prompt_len - 1: prompt_len - 1 + comp_len, :].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, rollout.completion_ids, with_entropy)
+    parts = decoder_and_head(model)
+    if parts is None:
+        logits = model(**inputs).logits[:, prompt_len - 1: prompt_len - 1 + comp_len, :].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return token_logprobs(logits, rollout.completion_ids, with_entropy)
+    decoder, head = parts
+    hidden = decoder(**inputs).last_hidden_state[:, prompt_len - 1: prompt_len - 1 + comp_len, :]
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        out = head(h).float()
+        return out / temperature if temperature != 1.0 else out
+
+    n = rollout.completion_ids.shape[0]
+    logp, entropy = head_token_logprobs(logits, hidden.reshape(n * comp_len, -1), rollout.completion_ids.reshape(-1),
+                                        head.weight.shape[0], with_entropy)
+    return logp.view(n, comp_len), (entropy.view(n, comp_len) if with_entropy else None)
 
 
 def decode_completions(tokenizer, rollout: Rollout) -> list[str]:

@@ -501,3 +501,81 @@ def test_short_softmax_rows_padded_for_speed_give_torch_softmax_and_its_gradient
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
+def test_chunked_head_and_checkpointed_layers_match_the_hugging_face_forward(monkeypatch, arch):
+    """The long-completion memory levers (vocabulary head in chunks of 2 rows, each decoder layer recomputed in
+    backward) on both paths: the same log-probs and gradients as the plain Hugging Face forward without them."""
+    from components.engine import logprobs
+    from components.engine.modeling import checkpointable_layers, layer_checkpointing
+
+    model = ARCHITECTURES[arch]().train()
+    rollout = _rollout()
+    reference = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET_BYTES", 4 * VOCAB)  # more than one row: chunks
+    monkeypatch.setattr(logprobs, "LOGITS_CHUNK_BYTES", 4 * VOCAB * 2)
+    fast = PrefixSharedLM.for_model(model)
+    fast.gradient_checkpointing = True
+    _assert_same_logprobs_and_grads(rollout, _logprobs_and_grads(model, rollout, fast.completion_logprobs), reference)
+    assert len(checkpointable_layers(model)) == len(model.model.layers)
+
+    def plain(r, t):
+        with layer_checkpointing(model, True):
+            return completion_logprobs(model, r, t)
+
+    _assert_same_logprobs_and_grads(rollout, _logprobs_and_grads(model, rollout, plain), reference)
+    assert not model.model.layers[0].gradient_checkpointing, "switched off again after the forward"
+
+
+def _saved_numel(forward) -> int:
+    """Elements autograd keeps for backward while `forward()` runs."""
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        forward()
+    return sum(sizes)
+
+
+def test_checkpointing_keeps_about_one_layers_activations_on_both_paths():
+    """With gradient checkpointing the tensors kept for backward shrink to the layers' inputs (a tenth here)."""
+    from components.engine.modeling import layer_checkpointing
+
+    model = _llama().train()
+    rollout = _rollout()
+    fast = PrefixSharedLM.for_model(model)
+
+    def fast_forward(checkpointing: bool):
+        fast.gradient_checkpointing = checkpointing
+        return lambda: fast.completion_logprobs(rollout)
+
+    def plain_forward(checkpointing: bool):
+        def run():
+            with layer_checkpointing(model, checkpointing):
+                completion_logprobs(model, rollout)
+        return run
+
+    for forward in (fast_forward, plain_forward):
+        assert _saved_numel(forward(True)) < _saved_numel(forward(False)) / 3, forward.__name__
+
+
+def test_the_decoding_cache_grows_as_tokens_are_decoded(monkeypatch):
+    """The decoder's KV cache starts with room for a block of tokens and grows when full; the tokens sampled are
+    those of the plain path, and the cache never holds more than twice what was decoded (plus the block)."""
+    from components.engine import fastlm
+
+    monkeypatch.setattr(fastlm, "DECODE_CACHE_BLOCK", 2)
+    model = _llama()
+    fast = PrefixSharedLM.for_model(model)
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (prompts != 0).long()
+    decoder = fast.start_decoding(prompts, mask, group_size=2, max_new_tokens=9)
+    capacities = []
+    for t in range(8):
+        decoder.feed(torch.full((4,), 13 + t))
+        capacities.append(decoder.buffers[0][0].shape[2] - prompts.shape[1])
+    assert capacities == [2, 2, 4, 4, 8, 8, 8, 8]
+    tokenizer = _StubTokenizer(prompts, mask)
+    plain = sample_groups(model, tokenizer, ["a", "b"], 3, 12, generator=torch.Generator().manual_seed(5))
+    quick = sample_groups(model, tokenizer, ["a", "b"], 3, 12, generator=torch.Generator().manual_seed(5), fast=fast)
+    assert plain.completion_ids.shape[1] > 4, "the rollout should outgrow the first blocks"
+    assert torch.equal(plain.completion_ids, quick.completion_ids)

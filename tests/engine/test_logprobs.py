@@ -52,3 +52,69 @@ def test_backward_matches_autograd_of_log_softmax_and_gradcheck():
 def test_half_precision_logits_are_scored_in_float32():
     logp, _ = token_logprobs(LOGITS.to(torch.bfloat16), torch.tensor([2]))
     assert logp.dtype == torch.float32
+
+
+def test_logit_chunk_rows_by_hand(monkeypatch):
+    from components.engine import logprobs
+
+    # SmolLM2's 49,152-token vocabulary: 1,365 rows fit the 256 MiB budget at once, chunks hold 341 rows.
+    assert logprobs.logit_chunk_rows(1365, 49152) == 1365
+    assert logprobs.logit_chunk_rows(1366, 49152) == 341
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET_BYTES", 4 * 11 * 9)
+    monkeypatch.setattr(logprobs, "LOGITS_CHUNK_BYTES", 4 * 11 * 3)
+    assert logprobs.logit_chunk_rows(9, 11) == 9 and logprobs.logit_chunk_rows(10, 11) == 3
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_head_logprobs_in_chunks_equal_one_pass_in_values_and_gradients(bias):
+    """Chunked head (recomputed in backward) against the whole [rows, vocab] logits: log-probs, entropies and the
+    gradients of hidden states, weight and bias."""
+    from components.engine.logprobs import head_token_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(6, 11, bias=bias, dtype=torch.float64)
+    hidden = torch.randn(10, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 11, (10,), generator=gen)
+    upstream = torch.randn(10, generator=gen, dtype=torch.float64)
+
+    def run(chunk_rows):
+        head.zero_grad()
+        hidden.grad = None
+        logp, entropy = head_token_logprobs(lambda h: head(h) / 0.7, hidden, tokens, 11, True, chunk_rows)
+        (logp * upstream).sum().backward()
+        grads = [hidden.grad.clone(), head.weight.grad.clone()] + ([head.bias.grad.clone()] if bias else [])
+        return logp.detach(), entropy, grads
+
+    whole, chunked = run(None), run(3)  # 10 rows: chunks of 3, 3, 3, 1
+    reference = torch.log_softmax(head(hidden) / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(whole[0], reference) and torch.allclose(chunked[0], reference)
+    assert torch.allclose(chunked[1], whole[1])
+    for a, b in zip(chunked[2], whole[2]):
+        assert torch.allclose(a, b, atol=1e-12)
+    with torch.no_grad():  # no gradient: plain chunks, same values
+        assert torch.allclose(head_token_logprobs(head, hidden, tokens, 11, chunk_rows=4)[0],
+                              torch.log_softmax(head(hidden), -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
+def test_chunked_backward_never_holds_logits_for_all_rows():
+    """The memory claim itself: autograd keeps no tensor of [rows, vocab] between forward and backward."""
+    from components.engine.logprobs import head_token_logprobs
+
+    head = torch.nn.Linear(8, 500, bias=False)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    tokens = torch.randint(0, 500, (64,))
+    sizes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = head_token_logprobs(head, hidden, tokens, 500, chunk_rows=16)
+    assert sum(sizes) < 64 * 500 / 4, "logits or log-softmax of the chunks were kept for backward"
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head_token_logprobs(head, hidden, tokens, 500, chunk_rows=64)
+    assert sum(sizes) >= 64 * 500, "one pass keeps the log-softmax (the test would not notice a regression)"
+    logp.sum().backward()
+    assert hidden.grad is not None and head.weight.grad is not None
