@@ -201,11 +201,9 @@ def worker_config(spec: dict[str, Any]):
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
     from components.data.paths import Paths
-    from components.engine.host_memory import keep_freed_memory
     from components.engine.modeling import load_tokenizer
     from components.stages.grpo import train_grpo
 
-    keep_freed_memory()  # what the grpo stage's process sets (components/stages/grpo.py main)
     cfg = worker_config(spec)
     root = Path(spec["root"])
     mine = grpo_run_dir(root, f"ours-{spec['row']}")

@@ -41,10 +41,8 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
 
     from benchmarks.grpo_vs_trl import BENCH_OVERRIDES, ROWS, grpo_run_dir, prepare_start, row_config
     from components.data.paths import Paths
-    from components.engine.host_memory import keep_freed_memory
     from components.stages.grpo import train_grpo
 
-    keep_freed_memory()  # what the grpo stage's process sets (components/stages/grpo.py main)
     row = ROWS[row_name]
     work = ROOT / "benchmarks" / ".work"
     root = prepare_start(row, work, threads)

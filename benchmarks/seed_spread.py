@@ -68,14 +68,12 @@ def one_run(seed: int, work: Path, overrides: list[str]) -> dict[str, Any]:
 
     from components.config import load_config
     from components.data.paths import Paths
-    from components.engine.host_memory import keep_freed_memory
     from components.stages.evaluate import evaluate
     from components.stages.grpo import train_grpo
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
-    keep_freed_memory()  # what the grpo stage's process sets (components/stages/grpo.py main)
     cfg = load_config(ROOT / "params.yaml", [*overrides, f"seed={seed}"])
     paths = Paths(root=work)
     started = time.perf_counter()

@@ -18,6 +18,9 @@ QUIET_DEFAULTS = {
     "GX_ANALYTICS_ENABLED": "false",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # Read by glibc when a process starts, so it reaches the stage processes: large allocations on transparent
+    # huge pages where the kernel offers them (components/engine/host_memory.py).
+    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
 }
 
 

@@ -24,11 +24,12 @@ from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.distributed import DistContext, barrier, init, launch, needs_launch, shutdown, wrap_ddp
 from components.engine.heldout import HeldoutProbe
-from components.engine.host_memory import keep_freed_memory
+from components.engine.host_memory import configure_allocator
+from components.engine.memory_estimate import GiB, ModelShape, estimate_step_memory, knobs
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
 from components.engine.monitors import Monitors
 from components.engine.objectives import build_loss
-from components.engine.policy import Policy, build_policy, update_reference
+from components.engine.policy import Policy, build_policy, longest_row, update_reference
 from components.engine.rewards import RewardError, RewardModel
 from components.engine.sampling import Batch, PromptSchedule, collect_batch, collect_batch_sharded, reward_specs
 from components.engine.train_state import optimizer_and_resume, save_final_model, save_training_state
@@ -82,6 +83,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else ctx.device, records,
                           with_reference=loss.uses_reference)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
+    _fit_memory(cfg, policy, records, say)
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     rollout_gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 1)
@@ -251,6 +253,23 @@ def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[S
                           f"{ctx.world} processes with distributed.strategy fsdp2 (lockstep sampling)")
 
 
+def _fit_memory(cfg: PipelineConfig, policy: Policy, records: list[dict[str, Any]], say) -> None:
+    """Estimate the step's memory before the first step: pick the allocator setting from it, and warn, with the
+    knobs that lower it, when it exceeds the memory this machine has free."""
+    import psutil
+
+    g = cfg.grpo
+    prompt_tokens = longest_row(policy.tokenizer, policy.format_prompt, records[:256], 0)
+    memory = estimate_step_memory(ModelShape.of(policy.model), g, prompt_tokens, policy.reference is not None,
+                                  bytes_per_value=next(policy.model.parameters()).element_size())
+    configure_allocator(memory.largest_activation)
+    available = psutil.virtual_memory().available
+    if memory.peak > available:
+        say(f"grpo: warning: a step at max_completion_length {g.max_completion_length} needs an estimated "
+            f"{memory.text()}, more than the {available / GiB:.1f} GB this machine has free; lower it with "
+            f"{knobs(g)}", flush=True)
+
+
 def _checkpoint_to_resume(paths: Paths, run_hash: str, ctx: DistContext) -> Path | None:
     """Drop checkpoints trained from other inputs (rank 0), then the newest one of this run, if any."""
     if ctx.is_main:
@@ -306,9 +325,6 @@ def _count_bad_steps(stats: UpdateStats, step: int, bad_steps: int, paths: Paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Process-wide, so set here in the stage's own process rather than inside the library call: no page
-    # faults for each step's vocabulary-sized tensors (components/engine/host_memory.py).
-    keep_freed_memory()
     return stage_main("GRPO training.", train_grpo, argv)
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,10 +40,61 @@ def test_freed_memory_is_reused_without_page_faults():
     assert kept < 1_000, f"{kept} page faults: the freed 200 MB was not reused"
 
 
-def test_the_grpo_stage_process_keeps_freed_memory(monkeypatch, tmp_path):
+BOUNDED_CHILD = """
+import psutil, sys, torch
+sys.path.insert(0, {root!r})
+from components.engine.host_memory import configure_allocator
+mode = configure_allocator({largest})
+kept = [torch.ones(2_000) for _ in range(10)]  # small live blocks between the large ones, as a layer's outputs
+blocks = []
+for i in range(40):  # 40 x 20 MB, each freed after the next one is made, with a small live block between
+    blocks.append(torch.ones(5_000_000 + i * 1_000))
+    kept.append(torch.ones(2_000))
+    if len(blocks) > 1:
+        del blocks[0]
+del blocks
+print(mode, psutil.Process().memory_info().rss // 2**20)
+"""
+
+
+def _rss_after_churn(largest: int) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", BOUNDED_CHILD.format(root=str(ROOT), largest=largest)], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the setting is glibc's (Linux)")
+def test_large_activations_are_returned_to_the_system_small_ones_kept():
+    """Steps whose activations stay small keep freed memory (no page faults); steps with large ones get
+    `bounded`, where 800 MB of 20 MB blocks freed one after another leaves no 20 MB block resident."""
+    from components.engine.host_memory import KEEP_BELOW
+
+    keep_mode, _ = _rss_after_churn(KEEP_BELOW - 1)
+    bounded_mode, bounded_rss = _rss_after_churn(KEEP_BELOW)
+    assert (keep_mode, bounded_mode) == ("keep", "bounded")
+    baseline = int(subprocess.run([sys.executable, "-c", "import psutil, torch; "
+                                   "print(psutil.Process().memory_info().rss // 2**20)"],
+                                  check=True, capture_output=True, text=True).stdout)
+    assert bounded_rss < baseline + 30, f"{bounded_rss} MB resident against {baseline} MB after importing torch"
+
+
+def test_the_grpo_stage_chooses_the_allocator_from_its_memory_estimate(monkeypatch):
+    """The stage estimates the step before training and passes the largest activation to configure_allocator."""
+    from types import SimpleNamespace
+
+    from components.config import PipelineConfig
     from components.stages import grpo
 
-    calls = []
-    monkeypatch.setattr(grpo, "keep_freed_memory", lambda: calls.append(True))
-    assert grpo.main(["--params", str(tmp_path / "missing.yaml")]) == 1  # stops at the params; the setting came first
-    assert calls == [True]
+    seen = []
+    monkeypatch.setattr(grpo, "configure_allocator", lambda largest: seen.append(largest) or "keep")
+    monkeypatch.setattr(grpo, "longest_row", lambda *args: 40)
+    monkeypatch.setattr(grpo.ModelShape, "of", staticmethod(lambda model: grpo.ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+        parameters=134_515_008, trainable=134_515_008)))
+    cfg = PipelineConfig()
+    cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_completion_length = 8, 8, 256
+    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None)
+    said = []
+    grpo._fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
+    # 64 rows x 256 tokens + 8 prompts x 40 tokens = 16,704 tokens x 1,536 intermediate x 4 bytes
+    assert seen == [16_704 * 1536 * 4]
