@@ -11,7 +11,7 @@ has to hold. A watchdog stops a process that passes `--cap-gb` (the machine has 
 alternating per length, so "before" and "after" come from one sitting on one machine.
 
     python benchmarks/long_completions.py                                  # after only, about 25 minutes
-    python benchmarks/long_completions.py --before 8cd25d5 --lengths 32,96,128,256
+    python benchmarks/long_completions.py --before 8cd25d5 --lengths 32,96,128,256,512 --steps 1 --update
     python benchmarks/long_completions.py --lengths 96 --modes lora --variants plain
 
 Writes benchmarks/results/long_completions.{json,md}. Not a test: it reports figures, it does not assert them.
@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--modes", default="lora,full")
     parser.add_argument("--variants", default="checkpointing", help=f"after-engine settings, of {list(VARIANTS)}")
     parser.add_argument("--before", default=None, help="also measure this commit's engine (a git worktree)")
+    parser.add_argument("--before-lengths", default="32,96,128,256", help="the lengths measured with --before")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cap-gb", type=float, default=20.0)
@@ -218,6 +219,8 @@ def main() -> None:
     for length in [int(x) for x in args.lengths.split(",")]:
         for mode in args.modes.split(","):
             for engine, tree in engines:
+                if tree != ROOT and str(length) not in args.before_lengths.split(","):
+                    continue
                 variants = args.variants.split(",") if tree == ROOT else ["plain"]
                 for variant in variants:
                     overrides = [f"grpo.max_completion_length={length}", *MODES[mode],

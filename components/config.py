@@ -218,6 +218,9 @@ class GRPOConfig:
     """Sampling temperature for rollouts."""
     top_p: float = 1.0
     """Nucleus sampling threshold for rollouts."""
+    top_k: int = 0
+    """Sample rollouts from the k most likely tokens only (0 = all); applied before top_p, as Hugging Face does.
+    The log-probs the loss uses stay those of the full distribution at `temperature` (TRL's choice too)."""
     learning_rate: float = 5e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -315,6 +318,10 @@ class EvaluateConfig:
     (tokens) and `eos_rate` (share of completions that end with EOS within `max_new_tokens`)."""
     pass_k_temperature: float = 1.0
     """Sampling temperature of the pass@k completions."""
+    pass_k_top_p: float = 1.0
+    """Nucleus threshold of the pass@k completions."""
+    pass_k_top_k: int = 0
+    """Top-k of the pass@k completions (0 = all tokens)."""
     pass_k_samples: int = 0
     """Completions sampled per prompt for pass@k (0 = k); more lowers the estimator's variance."""
     correct_at: float = 1.0
@@ -684,6 +691,7 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(g.max_completion_length >= 1, "grpo.max_completion_length", "must be >= 1")
     _require(g.temperature > 0, "grpo.temperature", "must be > 0")
     _require(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
+    _require(g.top_k >= 0, "grpo.top_k", "must be >= 0 (0 = all tokens)")
     _require(g.learning_rate > 0, "grpo.learning_rate", "must be > 0")
     _require(g.warmup_steps >= 0, "grpo.warmup_steps", "must be >= 0")
     _require(0 <= g.min_lr_ratio <= 1, "grpo.min_lr_ratio", "must be in [0, 1]")
@@ -746,6 +754,8 @@ def _validate_evaluation(cfg: PipelineConfig) -> None:
     _require(e.pass_k_samples == 0 or e.pass_k_samples >= max(ks, default=1), "evaluate.pass_k_samples",
              f"must be 0 (= k) or >= the largest k ({max(ks, default=1)})")
     _require(e.pass_k_temperature > 0, "evaluate.pass_k_temperature", "must be > 0")
+    _require(0 < e.pass_k_top_p <= 1, "evaluate.pass_k_top_p", "must be in (0, 1]")
+    _require(e.pass_k_top_k >= 0, "evaluate.pass_k_top_k", "must be >= 0 (0 = all tokens)")
     _require(e.every >= 0, "evaluate.every", "must be >= 0 (0 = no evaluation during training)")
     _require(e.during_training_n >= 1, "evaluate.during_training_n", "must be >= 1")
     greedy = set(FIXED_METRICS) | {n for n in e.metrics if not PASS_AT_K.fullmatch(n)}

@@ -65,6 +65,14 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mask tokens whose logit is below the k-th largest (ties with it stay, as in Hugging Face's TopKLogitsWarper)."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of `probs` [N, V] (rows need not sum to 1), by inverting the cumulative distribution.
 
@@ -81,7 +89,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
 
 
 def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
-                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                   generator: torch.Generator | None = None, fast=None,
                   stop_together: Callable[[bool], bool] | None = None) -> Rollout:
     """Sample `group_size` completions for each prompt (greedy decoding when `greedy`).
@@ -96,7 +104,7 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
     decoding stops at EOS only when all ranks are done.
     """
     args = (model, tokenizer, prompts, group_size, max_new_tokens)
-    options = dict(temperature=temperature, top_p=top_p, greedy=greedy, generator=generator, fast=fast,
+    options = dict(temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy, generator=generator, fast=fast,
                    stop_together=stop_together)
     if fast is None:
         with torch.no_grad():
@@ -107,7 +115,7 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
 
 
 def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
-                   temperature: float, top_p: float, greedy: bool, generator: torch.Generator | None, fast,
+                   temperature: float, top_p: float, top_k: int, greedy: bool, generator: torch.Generator | None, fast,
                    stop_together: Callable[[bool], bool] | None) -> Rollout:
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -137,6 +145,8 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
             next_tok = scores.argmax(-1)
         else:
             scaled = scores.float() / temperature
+            if top_k > 0:  # top-k, then top-p over what is left (Hugging Face's order)
+                scaled = _filter_top_k(scaled, top_k)
             if top_p < 1.0:
                 scaled = _filter_top_p(scaled, top_p)
             next_tok = sample_from(torch.softmax(scaled, -1), generator)

@@ -83,7 +83,7 @@ def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfi
     prompts = [r["prompt"] for r in records]
     rollout = sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(r) for r in records], g.group_size,
                             g.max_completion_length,
-                            temperature=g.temperature, top_p=g.top_p, generator=generator, fast=policy.fast)
+                            temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, generator=generator, fast=policy.fast)
     completions = decode_completions(policy.tokenizer, rollout)
     columns = reward_columns(records, g.group_size)
     columns["completion_token_lengths"] = rollout.completion_mask.sum(-1).tolist()
@@ -183,7 +183,7 @@ def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[in
             p, rec = (positions[k], recs[k]) if k < len(positions) else (0, records[indices[0]])  # or a throwaway
             gen = torch.Generator(device=device).manual_seed(group_seed(seed, step, attempt, p))
             part = sample_groups(policy.model, policy.tokenizer, [policy.format_prompt(rec)], g.group_size,
-                                 g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+                                 g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                  generator=gen, stop_together=stop_together)
             if k < len(positions):
                 parts.append(_trim(part) if ctx.lockstep else part)

@@ -70,7 +70,8 @@ class Completions:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, batch_size: int, *,
-             greedy: bool = True, temperature: float = 1.0, generator: torch.Generator | None = None) -> Completions:
+             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             generator: torch.Generator | None = None) -> Completions:
     """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode."""
     was_training = model.training
     model.eval()
@@ -80,7 +81,8 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
     try:
         for start in range(0, len(prompts), batch_size):
             rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], n, max_new_tokens,
-                                    greedy=greedy, temperature=temperature, generator=generator)
+                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    generator=generator)
             texts += decode_completions(tokenizer, rollout)
             lengths += rollout.completion_mask.sum(-1).tolist()
             ended += (~rollout.truncated).tolist()
@@ -123,7 +125,8 @@ class TaskMetrics:
             n = e.pass_k_samples or max(ks)
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
             sampled = generate(model, tokenizer, prompts, n, e.max_new_tokens, max(1, e.batch_size // n),
-                               greedy=False, temperature=e.pass_k_temperature, generator=generator)
+                               greedy=False, temperature=e.pass_k_temperature, top_p=e.pass_k_top_p,
+                               top_k=e.pass_k_top_k, generator=generator)
             scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts, reward_columns(records, n)).total
             correct = [sum(s >= e.correct_at for s in scores[i * n:(i + 1) * n]) for i in range(len(prompts))]
             for k in ks:

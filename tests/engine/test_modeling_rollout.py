@@ -147,3 +147,45 @@ def test_sample_from_a_uniform_rounding_up_to_the_total_takes_the_last_possible_
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))
     assert sample_from(probs).tolist() == [1]  # not the zero-probability tail
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (1, 1.0), (5, 0.6), (0, 0.6), (12, 1.0)])
+def test_top_k_and_top_p_keep_the_tokens_hugging_face_keeps(top_k, top_p):
+    """The sampler's filters against transformers' TopKLogitsWarper then TopPLogitsWarper (its order), ties included."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from components.engine.rollout import _filter_top_k, _filter_top_p
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 12, generator=gen)
+    logits[0, 3] = logits[0, 7] = logits[0].max() + 1.0  # a tie at the top
+    ours = _filter_top_k(logits, top_k)
+    theirs = logits.clone()
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1.0:
+        ours, theirs = _filter_top_p(ours, top_p), TopPLogitsWarper(top_p)(None, theirs)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    kept = (~torch.isinf(ours)).sum(-1)
+    assert (kept <= max(top_k, 2) if top_k else kept < 12).all() and (kept >= 1).all()
+
+
+def test_top_k_sampling_draws_what_hugging_face_sampling_draws(tiny):
+    """20,000 first tokens sampled with top-k 3 at temperature 0.8: the same frequencies as multinomial draws from
+    Hugging Face's warped distribution, and never a token outside the top 3."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+    tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
+    rollout = sample_groups(model, tok, ["12+3="], 20_000, 1, temperature=0.8, top_k=3,
+                            generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids = tok(["12+3="], return_tensors="pt", add_special_tokens=False).input_ids
+        logits = model(input_ids=ids).logits[:, -1, :]
+    warped = TopKLogitsWarper(3)(ids, TemperatureLogitsWarper(0.8)(ids, logits))
+    probs = torch.softmax(warped, -1)[0]
+    hf = torch.multinomial(probs, 20_000, replacement=True, generator=torch.Generator().manual_seed(1))
+    vocab = probs.shape[0]
+    ours = torch.bincount(rollout.completion_ids[:, 0], minlength=vocab).float() / 20_000
+    theirs = torch.bincount(hf, minlength=vocab).float() / 20_000
+    assert set(rollout.completion_ids[:, 0].unique().tolist()) <= set(torch.topk(logits[0], 3).indices.tolist())
+    assert torch.allclose(ours, probs, atol=0.015) and torch.allclose(ours, theirs, atol=0.02)
