@@ -39,8 +39,9 @@ sys.path.insert(0, os.environ.get("BENCH_TREE", str(ROOT)) if "--worker" in sys.
 SMOLLM2 = "configs/examples/smollm2_addition.yaml"
 MODES = {"lora": [], "full": ["grpo.lora.enabled=false", "grpo.learning_rate=0.00001"]}
 # Engine settings measured "after": the chunked vocabulary head is always on; checkpointing is a config key.
-VARIANTS = {"plain": [], "checkpointing": ["grpo.gradient_checkpointing=true"],
-            "checkpointing+mb16": ["grpo.gradient_checkpointing=true", "grpo.minibatch_size=16"]}
+VARIANTS = {"auto": [], "never": ["grpo.gradient_checkpointing=never"],
+            "always": ["grpo.gradient_checkpointing=always"],
+            "always+mb16": ["grpo.gradient_checkpointing=always", "grpo.minibatch_size=16"]}
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -58,21 +59,20 @@ class _NoEos:
         return self._tokenizer(*args, **kwargs)
 
 
-def allocator_as_the_stage_sets_it(policy: Any, g: Any, records: list, with_reference: bool) -> dict[str, Any]:
-    """The grpo stage's allocator choice from its memory estimate (engines without one kept freed memory)."""
+def memory_as_the_stage_fits_it(cfg: Any, policy: Any, records: list) -> dict[str, Any]:
+    """What the grpo stage decides from its memory estimate before the first step (checkpointing under `auto`, the
+    allocator); engines without an estimate kept freed memory."""
     try:
-        from components.engine.host_memory import configure_allocator
-        from components.engine.memory_estimate import GiB, ModelShape, estimate_step_memory
+        from components.stages.grpo import fit_memory
     except ImportError:
         from components.engine.host_memory import keep_freed_memory
 
         keep_freed_memory()
-        return {"allocator": "keep"}
-    from components.engine.policy import longest_row
+        return {}
+    from components.engine.memory_estimate import GiB
 
-    prompt_tokens = longest_row(policy.tokenizer, policy.format_prompt, records, 0)
-    memory = estimate_step_memory(ModelShape.of(policy.model), g, prompt_tokens, policy.reference is not None)
-    return {"allocator": configure_allocator(memory.largest_activation), "estimate_gb": memory.peak / GiB}
+    memory = fit_memory(cfg, policy, records, say=lambda *args, **kwargs: None)
+    return {"estimate_gb": memory.peak / GiB, "checkpointing": policy.gradient_checkpointing}
 
 
 def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[
     policy = build_policy(cfg, resolve_model_dir(paths.sft_model), torch.device("cpu"), records,
                           with_reference=loss.uses_reference)
     optimizer = make_optimizer(policy.model, g, torch.device("cpu"))
-    estimate = allocator_as_the_stage_sets_it(policy, g, records, loss.uses_reference)
+    estimate = memory_as_the_stage_fits_it(cfg, policy, records)
     built_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     prompts = [policy.format_prompt(r) for r in records]
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -176,16 +176,17 @@ def worktree(commit: str) -> Path:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| engine | mode | variant | completion tokens | peak RSS | estimate | allocator | generation | update "
-             "| completion tokens/s |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| engine | mode | checkpointing | completion tokens | peak RSS | estimate | generation | update "
+             "| completion tokens/s |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         peak = f"{r['peak_rss_gb']:.2f} GB" if r.get("peak_rss_gb") else (
             f"> {r['over_cap_gb']:.0f} GB (stopped)" if r.get("over_cap_gb") else f"failed: {r.get('error')}")
         secs = (lambda k: f"{r[k]:.1f} s" if k in r else "-")
         rate = f"{r['completion_tokens_per_s']:.0f}" if "completion_tokens_per_s" in r else "-"
         estimate = f"{r['estimate_gb']:.1f} GB" if r.get("estimate_gb") else "-"
-        lines.append(f"| {r['engine']} | {r['mode']} | {r['variant']} | {r['length']} | {peak} | {estimate} | "
-                     f"{r.get('allocator', '-')} | {secs('generation_s')} | {secs('update_s')} | {rate} |")
+        setting = r["variant"] + (f" (on)" if r.get("checkpointing") else " (off)" if "checkpointing" in r else "")
+        lines.append(f"| {r['engine']} | {r['mode']} | {setting} | {r['length']} | {peak} | {estimate} | "
+                     f"{secs('generation_s')} | {secs('update_s')} | {rate} |")
     return "\n".join(lines)
 
 
@@ -193,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="32,128,256,512")
     parser.add_argument("--modes", default="lora,full")
-    parser.add_argument("--variants", default="checkpointing", help=f"after-engine settings, of {list(VARIANTS)}")
+    parser.add_argument("--variants", default="auto", help=f"gradient checkpointing settings, of {list(VARIANTS)}")
     parser.add_argument("--before", default=None, help="also measure this commit's engine (a git worktree)")
     parser.add_argument("--before-lengths", default="32,96,128,256", help="the lengths measured with --before")
     parser.add_argument("--steps", type=int, default=2)
@@ -221,7 +222,7 @@ def main() -> None:
             for engine, tree in engines:
                 if tree != ROOT and str(length) not in args.before_lengths.split(","):
                     continue
-                variants = args.variants.split(",") if tree == ROOT else ["plain"]
+                variants = args.variants.split(",") if tree == ROOT else ["-"]
                 for variant in variants:
                     overrides = [f"grpo.max_completion_length={length}", *MODES[mode],
                                  *(VARIANTS[variant] if tree == ROOT else [])]

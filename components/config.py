@@ -251,10 +251,11 @@ class GRPOConfig:
     """Passes over each rollout (mu); old log-probs are cached at rollout time."""
     minibatch_size: int = 0
     """Completions per forward/backward (0 = the whole batch); a multiple of group_size."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Literal["auto", "always", "never"] = "auto"
     """Training forwards keep each decoder layer's input only and recompute the layer in backward (prefix-shared
-    and plain Hugging Face forwards): activation memory of about one layer instead of all, for about a third more
-    policy compute. For long completions; sampling and the reference forward are unaffected."""
+    and plain Hugging Face forwards): activation memory of about one layer instead of all, for one more forward
+    of the policy (docs/performance.md, long completions). `auto`: on when the grpo stage estimates that a step
+    without it needs more than half the memory free at its start; the values are the same either way."""
     gradient_accumulation_steps: int = 0
     """Minibatches accumulated per optimizer step (0 = all of them: one step per pass)."""
     mask_truncated_completions: bool = False

@@ -85,7 +85,7 @@ def estimate_step_memory(shape: ModelShape, g: GRPOConfig, prompt_tokens: int, r
     tokens = rows_per_forward * length + prompts_per_forward * prompt_tokens
     per_token_layer = (ACTIVATION_WIDTHS[0] * shape.hidden + ACTIVATION_WIDTHS[1] * shape.intermediate) * b
     attention_layer = rows_per_forward * shape.heads * length * (prompt_tokens + length) * b
-    if g.gradient_checkpointing:
+    if g.gradient_checkpointing == "always":
         activations = shape.layers * tokens * shape.hidden * b + tokens * per_token_layer + 3 * attention_layer
     else:
         activations = shape.layers * (tokens * per_token_layer + attention_layer)
@@ -99,8 +99,8 @@ def estimate_step_memory(shape: ModelShape, g: GRPOConfig, prompt_tokens: int, r
 def knobs(g: GRPOConfig) -> str:
     """The settings that lower a step's memory, from the cheapest in time."""
     hints = []
-    if not g.gradient_checkpointing:
-        hints.append("grpo.gradient_checkpointing=true")
+    if g.gradient_checkpointing != "always":
+        hints.append("grpo.gradient_checkpointing=always")
     rows = g.minibatch_size or g.prompts_per_step * g.group_size
     if rows > g.group_size:
         hints.append(f"grpo.minibatch_size={max(g.group_size, rows // 2 // g.group_size * g.group_size)}")

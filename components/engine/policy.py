@@ -47,6 +47,12 @@ class Policy:
     trainer: Any | None = None  # the module gradient forwards go through (DDP wrapper); default `model`
     gradient_checkpointing: bool = False  # training forwards recompute each decoder layer in backward
 
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Recompute each decoder layer in backward from now on (the prefix-shared and the plain forward alike)."""
+        self.gradient_checkpointing = enabled
+        if self.fast is not None:
+            self.fast.gradient_checkpointing = enabled
+
     @property
     def train_module(self):
         return self.model if self.trainer is None else self.trainer
@@ -94,8 +100,7 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     elif with_reference:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer),
-                    gradient_checkpointing=g.gradient_checkpointing)
+    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
     if g.prefix_sharing:
         max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
         policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length,
@@ -103,10 +108,9 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
         if policy.fast is None:
             print(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full "
                   "attention, no attention dropout and log-probs that match Hugging Face's; using the plain forward")
-        else:
-            policy.fast.gradient_checkpointing = g.gradient_checkpointing
-            if reference is not None:
-                policy.fast_reference = policy.fast.for_same_architecture(reference)
+        elif reference is not None:
+            policy.fast_reference = policy.fast.for_same_architecture(reference)
+    policy.set_gradient_checkpointing(g.gradient_checkpointing == "always")  # "auto": the stage decides
     return policy
 
 

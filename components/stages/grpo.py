@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -25,7 +26,7 @@ from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.distributed import DistContext, barrier, init, launch, needs_launch, shutdown, wrap_ddp
 from components.engine.heldout import HeldoutProbe
 from components.engine.host_memory import configure_allocator
-from components.engine.memory_estimate import GiB, ModelShape, estimate_step_memory, knobs
+from components.engine.memory_estimate import GiB, ModelShape, StepMemory, estimate_step_memory, knobs
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
 from components.engine.monitors import Monitors
 from components.engine.objectives import build_loss
@@ -83,7 +84,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else ctx.device, records,
                           with_reference=loss.uses_reference)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
-    _fit_memory(cfg, policy, records, say)
+    fit_memory(cfg, policy, records, say)
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     rollout_gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 1)
@@ -253,21 +254,34 @@ def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[S
                           f"{ctx.world} processes with distributed.strategy fsdp2 (lockstep sampling)")
 
 
-def _fit_memory(cfg: PipelineConfig, policy: Policy, records: list[dict[str, Any]], say) -> None:
-    """Estimate the step's memory before the first step: pick the allocator setting from it, and warn, with the
-    knobs that lower it, when it exceeds the memory this machine has free."""
+AUTO_CHECKPOINTING_SHARE = 0.5  # `gradient_checkpointing: auto` turns it on above this share of the free memory
+
+
+def fit_memory(cfg: PipelineConfig, policy: Policy, records: list[dict[str, Any]], say=print) -> StepMemory:
+    """Estimate the step's memory before the first step: turn gradient checkpointing on where `auto` says so, pick
+    the allocator setting, and warn, with the knobs that lower it, when it still exceeds the free memory."""
     import psutil
 
     g = cfg.grpo
+    shape = ModelShape.of(policy.model)
     prompt_tokens = longest_row(policy.tokenizer, policy.format_prompt, records[:256], 0)
-    memory = estimate_step_memory(ModelShape.of(policy.model), g, prompt_tokens, policy.reference is not None,
-                                  bytes_per_value=next(policy.model.parameters()).element_size())
-    configure_allocator(memory.largest_activation)
+    value_bytes = next(policy.model.parameters()).element_size()
     available = psutil.virtual_memory().available
+    memory = estimate_step_memory(shape, g, prompt_tokens, policy.reference is not None, value_bytes)
+    if g.gradient_checkpointing == "auto" and memory.peak > AUTO_CHECKPOINTING_SHARE * available:
+        policy.set_gradient_checkpointing(True)
+        say(f"grpo: gradient checkpointing on (grpo.gradient_checkpointing: auto): a step needs an estimated "
+            f"{memory.peak / GiB:.1f} GB without it, over half the {available / GiB:.1f} GB free", flush=True)
+    memory = estimate_step_memory(shape, replace(g, gradient_checkpointing="always" if policy.gradient_checkpointing
+                                                 else "never"), prompt_tokens, policy.reference is not None,
+                                  value_bytes)
+    configure_allocator(memory.largest_activation)
     if memory.peak > available:
         say(f"grpo: warning: a step at max_completion_length {g.max_completion_length} needs an estimated "
             f"{memory.text()}, more than the {available / GiB:.1f} GB this machine has free; lower it with "
-            f"{knobs(g)}", flush=True)
+            f"{knobs(replace(g, gradient_checkpointing='always' if policy.gradient_checkpointing else 'never'))}",
+            flush=True)
+    return memory
 
 
 def _checkpoint_to_resume(paths: Paths, run_hash: str, ctx: DistContext) -> Path | None:

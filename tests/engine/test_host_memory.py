@@ -93,8 +93,43 @@ def test_the_grpo_stage_chooses_the_allocator_from_its_memory_estimate(monkeypat
         parameters=134_515_008, trainable=134_515_008)))
     cfg = PipelineConfig()
     cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_completion_length = 8, 8, 256
-    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None)
+    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None,
+                             gradient_checkpointing=False, set_gradient_checkpointing=lambda on: None)
     said = []
-    grpo._fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
+    grpo.fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
     # 64 rows x 256 tokens + 8 prompts x 40 tokens = 16,704 tokens x 1,536 intermediate x 4 bytes
     assert seen == [16_704 * 1536 * 4]
+
+
+@pytest.mark.parametrize("free_gb, expected", [(64, False), (6, True), (2, True)])
+def test_auto_checkpointing_turns_on_when_a_step_would_not_fit_half_the_free_memory(monkeypatch, free_gb, expected):
+    """SmolLM2-135M LoRA, 64 completions of 256 tokens: an estimated 29 GB without checkpointing, 4.1 GB with it.
+    64 GB free: off; 6 GB: on, and it fits; 2 GB: on, and the warning names what else lowers it."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from components.config import PipelineConfig
+    from components.stages import grpo
+
+    monkeypatch.setattr(grpo, "configure_allocator", lambda largest: "keep")
+    monkeypatch.setattr(grpo, "longest_row", lambda *args: 40)
+    monkeypatch.setattr(grpo.ModelShape, "of", staticmethod(lambda model: grpo.ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+        parameters=134_515_008, trainable=4_884_480)))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=free_gb * 2**30))
+    cfg = PipelineConfig()
+    cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_completion_length = 8, 8, 256
+    state = {}
+    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None,
+                             gradient_checkpointing=False)
+    policy.set_gradient_checkpointing = lambda on: state.update(on=on) or setattr(policy, "gradient_checkpointing", on)
+    said = []
+    memory = grpo.fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
+    assert policy.gradient_checkpointing is expected and state.get("on", False) is expected
+    assert any("gradient checkpointing on" in line for line in said) is expected
+    warned = [line for line in said if "warning" in line]
+    assert bool(warned) is (free_gb == 2)
+    if warned:
+        assert "grpo.minibatch_size=32" in warned[0] and "max_completion_length" in warned[0]
+    assert 2.5 * 2**30 < memory.peak < (5 if expected else 40) * 2**30
