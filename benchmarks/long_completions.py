@@ -200,7 +200,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cap-gb", type=float, default=20.0)
-    parser.add_argument("--update", action="store_true", help="write benchmarks/results/long_completions.*")
+    parser.add_argument("--update", action="store_true", help="write benchmarks/results/NAME.{json,md}")
+    parser.add_argument("--name", default="long_completions", help="the results file's name")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)
@@ -239,12 +240,13 @@ def main() -> None:
     print(table(results))
     if args.update:
         out = ROOT / "benchmarks" / "results"
-        (out / "long_completions.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "long_completions.md").write_text(
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{args.name}.md").write_text(
             f"# Peak resident memory of a GRPO step against completion length\n\n"
             f"SmolLM2-135M-Instruct, 8 prompts x 8 completions, every completion at the length budget (EOS "
-            f"ignored), {args.steps} steps, peak RSS of the process. Machine: {report['machine']}. "
-            f"`python benchmarks/long_completions.py` at {commit}.\n\n{table(results)}\n")
+            f"ignored), {args.steps} step(s), peak RSS of the process; seconds are those of the last step. "
+            f"Machine: {report['machine']}.\n\n`python benchmarks/long_completions.py {' '.join(sys.argv[1:])}`"
+            f"\n\n{table(results)}\n")
 
 
 if __name__ == "__main__":
