@@ -153,8 +153,10 @@ def _rollout(tok, model, n_prompts=4, group=4):
                          generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed-micro-batches"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type):
+def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type, checkpointing):
+    """Micro-batches of 4 rows (each layer recomputed in backward, when checkpointed) give one pass's update."""
     import copy
 
     tok, base = tiny_model
@@ -166,7 +168,8 @@ def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type):
         g = GRPOConfig(group_size=4, prompts_per_step=4, minibatch_size=minibatch, kl_beta=0.0, loss_type=loss_type,
                        max_grad_norm=1e9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        stats = policy_updates(Policy(tok, model, None, False), opt, rollout, adv, rollout.completion_mask, None, g)
+        policy = Policy(tok, model, None, False, gradient_checkpointing=checkpointing and minibatch > 0)
+        stats = policy_updates(policy, opt, rollout, adv, rollout.completion_mask, None, g)
         results.append((stats.loss, [p.detach().clone() for p in model.parameters()]))
     assert abs(results[0][0]) > 1e-3 and results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], base.parameters())), "no update happened"
