@@ -3,6 +3,7 @@ takes no new pages (no page faults), where glibc's default maps and faults in fr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,10 @@ print(set_up, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(keep: bool) -> tuple[str, int]:
+    # 4 KiB pages, as glibc's default: the CLI's GLIBC_TUNABLES (huge pages) may be in this process's environment
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), keep=keep)], check=True,
-                         capture_output=True, text=True).stdout.split()
+                         capture_output=True, text=True, env=env).stdout.split()
     return out[0], int(out[1])
 
 
