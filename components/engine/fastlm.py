@@ -653,7 +653,7 @@ class PrefixSharedLM:
                                                                       completion_mask)
         n, width = completion_ids.shape
         logits = lambda hidden: self._logits(hidden, temperature)  # noqa: E731 - computed chunk by chunk
-        vocab = self.lm_head.weight.shape[0]
+        vocab = getattr(self.lm_head, "out_features", None) or self.decoder.embed_tokens.num_embeddings
         scored = [head_token_logprobs(logits, first, completion_ids[:, 0], vocab, with_entropy)]
         slots = [torch.arange(n, device=completion_ids.device) * width]
         if len(fed_rows):

@@ -268,7 +268,8 @@ def completion_logprobs(model, rollout: Rollout, temperature: float = 1.0,
 
     n = rollout.completion_ids.shape[0]
     logp, entropy = head_token_logprobs(logits, hidden.reshape(n * comp_len, -1), rollout.completion_ids.reshape(-1),
-                                        head.weight.shape[0], with_entropy)
+                                        getattr(head, "out_features", None) or decoder.get_input_embeddings().num_embeddings,
+                                        with_entropy)
     return logp.view(n, comp_len), (entropy.view(n, comp_len) if with_entropy else None)
 
 
