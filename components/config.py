@@ -28,8 +28,9 @@ class ConfigError(ValueError):
 class TaskConfig:
     """The embedded procedural task (used when no user data is given)."""
 
-    name: Literal["addition", "addition_question"] = "addition"
-    """Built-in task generator. `addition`: "37+45=" -> "82"; `addition_question`: "What is 37 + 45?" -> "82"."""
+    name: Literal["addition", "addition_question", "word_problems"] = "addition"
+    """Built-in task generator. `addition`: "37+45=" -> "82"; `addition_question`: "What is 37 + 45?" -> "82";
+    `word_problems`: two-step word problems ("Ana has 7 apples. Ana buys 5 more and then gives 3 away. ...") -> "9"."""
     min_operand: int = 0
     """Smallest operand (inclusive)."""
     max_operand: int = 99
@@ -124,6 +125,9 @@ class SFTConfig:
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    target_column: str = "answer"
+    """The column SFT learns to write after the prompt: `answer`, or worked solutions (e.g. `solution`, which the
+    `word_problems` task generates: the steps, then "The answer is N.") for a reasoning warm start."""
     stop_at_reward: float | None = None
     """Stop once the greedy mean reward (grpo.rewards) on `check_prompts` GRPO training prompts reaches
     this: a partial warm start that lands in the same band on any CPU and seed, leaving GRPO room.
@@ -630,7 +634,9 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(0 <= t.min_operand <= t.max_operand, "task.max_operand", "must be >= task.min_operand >= 0")
     for name in ("n_sft", "n_train", "n_heldout"):
         _require(getattr(t, name) >= 1, f"task.{name}", "must be >= 1")
-    span = (t.max_operand - t.min_operand + 1) ** 2
+    from components.data.tasks import distinct_problems  # tasks imports this module
+
+    span = distinct_problems(t)
     _require(t.n_sft + t.n_train + t.n_heldout <= span, "task.n_train",
              f"n_sft + n_train + n_heldout exceeds the {span} distinct problems of the operand range")
     tiny = cfg.model.tiny
@@ -730,7 +736,9 @@ def validate_config(cfg: PipelineConfig) -> None:
                  "process samples the same number of groups in lockstep")
     _require(bool(cfg.register.model_name.strip()), "register.model_name", "must not be empty")
     if cfg.model.name_or_path is None:
-        longest_prompt = len(("What is {a} + {a}?" if t.name == "addition_question" else "{a}+{a}=").format(a=t.max_operand))
+        from components.data.tasks import longest_prompt_chars  # tasks imports this module
+
+        longest_prompt = longest_prompt_chars(t)
         _require(longest_prompt + g.max_completion_length <= tiny.max_position_embeddings,
                  "grpo.max_completion_length",
                  f"prompt ({longest_prompt}) + completion ({g.max_completion_length}) tokens exceed "

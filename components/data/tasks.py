@@ -30,4 +30,90 @@ def addition_questions(task: TaskConfig, seed: int) -> dict[str, list[dict[str, 
     return addition_problems(task, seed, style="What is {a} + {b}?")
 
 
-TASKS = {"addition": addition_problems, "addition_question": addition_questions}
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jada", "Kofi", "Lena", "Mateo", "Nia",
+         "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara")
+ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "coins", "stamps", "books", "shells", "cards")
+# Two operations each, so the answer is not any number in the question: the model has to carry an intermediate
+# result. (question template, answer(a, b, c)); SOLUTIONS[k] works WORD_PROBLEMS[k] out for the SFT warm start.
+WORD_PROBLEMS: tuple[tuple[str, Any], ...] = (
+    ("{n} has {a} {i}. {n} buys {b} more and then gives {c} away. How many {i} does {n} have now?",
+     lambda a, b, c: a + b - c),
+    ("{n} had {a} {i}, lost {b} of them, and then found {c} more. How many {i} does {n} have now?",
+     lambda a, b, c: a - b + c),
+    ("{n} has {a} bags with {b} {i} in each bag, and {c} loose {i}. How many {i} does {n} have in all?",
+     lambda a, b, c: a * b + c),
+    ("{n} has {a} {i}, gets {b} more on Monday and {c} more on Tuesday. How many {i} does {n} have now?",
+     lambda a, b, c: a + b + c),
+)
+
+SOLUTIONS = (
+    "{n} starts with {a} {i}. After buying {b} more, {n} has {a} + {b} = {ab} {i}. After giving {c} away, {n} has "
+    "{ab} - {c} = {x} {i}. The answer is {x}.",
+    "{n} starts with {a} {i}. After losing {b}, {n} has {a} - {b} = {ab} {i}. After finding {c} more, {n} has "
+    "{ab} + {c} = {x} {i}. The answer is {x}.",
+    "Each bag has {b} {i}, so {a} bags hold {a} x {b} = {ab} {i}. With the {c} loose {i}, {n} has {ab} + {c} = {x} "
+    "{i}. The answer is {x}.",
+    "{n} starts with {a} {i}. After Monday, {n} has {a} + {b} = {ab} {i}. After Tuesday, {n} has {ab} + {c} = {x} "
+    "{i}. The answer is {x}.",
+)
+FIRST_STEP = (lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a + b)
+
+
+def _word_problem_operands(task: TaskConfig) -> list[tuple[int, int, int, int]]:
+    """Every (template, a, b, c) of the operand range with a non-negative answer; a product's factors in [2, 9]."""
+    lo, hi = max(task.min_operand, 1), task.max_operand
+    span, factors = range(lo, hi + 1), range(2, 10)
+    cases = []
+    for k, (template, answer_of) in enumerate(WORD_PROBLEMS):
+        firsts = factors if "bags" in template else span
+        for a in firsts:
+            for b in (factors if "bags" in template else span):
+                cases += [(k, a, b, c) for c in span if answer_of(a, b, c) >= 0 and (k != 1 or b <= a)]
+    return cases
+
+
+def word_problems(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Two-step arithmetic word problems ("Ana has 7 apples. Ana buys 5 more and then gives 3 away. ...") -> "9".
+
+    Splits are disjoint by the arithmetic (template and operands), not just by wording, so the held-out split
+    asks sums the policy never trained on. Operands lie in [max(min_operand, 1), max_operand]. SFT rows also
+    carry `solution`: the two steps worked out, ending "The answer is N." (scored by the last number).
+    """
+    rng = random.Random(seed)
+    cases = _word_problem_operands(task)
+    rng.shuffle(cases)
+    splits: dict[str, list[dict[str, Any]]] = {}
+    start = 0
+    for split, size in {"sft": task.n_sft, "train": task.n_train, "heldout": task.n_heldout}.items():
+        rows = []
+        for i, (k, a, b, c) in enumerate(cases[start: start + size]):
+            template, answer_of = WORD_PROBLEMS[k]
+            name, item = rng.choice(NAMES), rng.choice(ITEMS)
+            row = {"id": f"{split}-{i:06d}", "prompt": template.format(n=name, i=item, a=a, b=b, c=c),
+                   "answer": str(answer_of(a, b, c))}
+            if split == "sft":  # worked solutions, for `sft.target_column: solution`
+                row["solution"] = SOLUTIONS[k].format(n=name, i=item, a=a, b=b, c=c, ab=FIRST_STEP[k](a, b),
+                                                      x=row["answer"])
+            rows.append(row)
+        splits[split] = rows
+        start += size
+    return splits
+
+
+def distinct_problems(task: TaskConfig) -> int:
+    """How many different problems the task's operand range holds (the most n_sft + n_train + n_heldout can be)."""
+    if task.name == "word_problems":
+        return len(_word_problem_operands(task))
+    return (task.max_operand - task.min_operand + 1) ** 2
+
+
+def longest_prompt_chars(task: TaskConfig) -> int:
+    """The longest prompt the task can generate, in characters (= tokens for the tiny model's character vocabulary)."""
+    if task.name == "word_problems":
+        widest = str(max(task.max_operand, 9))
+        return max(len(t.format(n=max(NAMES, key=len), i=max(ITEMS, key=len), a=widest, b=widest, c=widest))
+                   for t, _ in WORD_PROBLEMS)
+    return len(("What is {a} + {a}?" if task.name == "addition_question" else "{a}+{a}=").format(a=task.max_operand))
+
+
+TASKS = {"addition": addition_problems, "addition_question": addition_questions, "word_problems": word_problems}

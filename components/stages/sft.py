@@ -42,13 +42,14 @@ from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
 
-def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"]
+def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"], target: str = "answer"
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask, and labels with prompt and padding set to -100."""
+    """Right-padded input ids, attention mask, and labels with prompt and padding set to -100.
+    `target`: the column learned after the prompt (+ EOS)."""
     rows, labels = [], []
     for r in records:
         prompt = tokenizer(format_prompt(r), add_special_tokens=False).input_ids
-        answer = tokenizer(str(r["answer"]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        answer = tokenizer(str(r[target]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(map(len, rows))
@@ -151,7 +152,8 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
 
         shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
-    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer)))
+    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer),
+                                                              s.target_column))
     n = ids.shape[0]
     steps_per_epoch = math.ceil(n / s.batch_size)
     total = steps_per_epoch * s.epochs

@@ -47,8 +47,9 @@ class Violation:
         return f"{self.file}: rule '{self.rule}' failed ({self.expectation}){where}"
 
 
-def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | None, formatter):
-    """The dataset as a DataFrame plus the derived columns the expectations check."""
+def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | None, formatter,
+           target: str = "answer"):
+    """The dataset as a DataFrame plus the derived columns the expectations check (`target`: what SFT writes)."""
     import pandas as pd
 
     df = pd.DataFrame.from_records(records)
@@ -58,8 +59,8 @@ def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | No
         df["_prompt_chars"] = prompts.map(lambda v: len(v.strip()) if isinstance(v, str) else 0)
         text = [formatter(r) if isinstance(r.get("prompt"), str) else "" for r in records]
         df["_prompt_tokens"] = [len(ids) for ids in tokenizer(list(text), add_special_tokens=False).input_ids]
-        if "answer" in df:
-            answers = df["answer"].map(lambda v: "" if v is None else str(v))
+        if target in df:
+            answers = df[target].map(lambda v: "" if v is None else str(v))
             df["_sft_tokens"] = [len(ids) + 1 for ids in  # + EOS
                                  tokenizer([p + a for p, a in zip(text, answers)], add_special_tokens=False).input_ids]
         if heldout_norm is not None:
@@ -68,12 +69,17 @@ def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | No
 
 
 def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int, max_total_tokens: int,
-           heldout_prompts: list[str] | None, heldout_norm: list[str] | None):
+           heldout_prompts: list[str] | None, heldout_norm: list[str] | None, sft_target: str = "answer"):
     """The expectations for one split; `meta.rule` is the human-readable rule name."""
     E = gx.expectations
     suite = gx.ExpectationSuite(name=name)
     for col in REQUIRED_COLUMNS:
         suite.add_expectation(E.ExpectColumnToExist(column=col, meta={"rule": f"required column '{col}'"}))
+    if split == "sft" and sft_target != "answer":
+        rule = f"sft.target_column '{sft_target}' present (SFT learns to write it)"
+        suite.add_expectation(E.ExpectColumnToExist(column=sft_target, meta={"rule": rule}))
+        if sft_target in columns:
+            suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column=sft_target, meta={"rule": rule}))
     if "id" in columns:
         suite.add_expectation(E.ExpectColumnValuesToNotBeNull(column="id", meta={"rule": "id present"}))
         suite.add_expectation(E.ExpectColumnValuesToBeUnique(column="id", meta={"rule": "unique ids"}))
@@ -88,10 +94,10 @@ def _suite(gx, name: str, columns: list[str], split: str, max_prompt_tokens: int
         suite.add_expectation(E.ExpectColumnValuesToBeBetween(
             column="_prompt_tokens", max_value=max_prompt_tokens,
             meta={"rule": f"prompt + completion within context ({max_prompt_tokens} prompt tokens max)"}))
-        if split == "sft" and "answer" in columns:
+        if split == "sft" and sft_target in columns:
             suite.add_expectation(E.ExpectColumnValuesToBeBetween(
                 column="_sft_tokens", max_value=max_total_tokens,
-                meta={"rule": f"prompt + answer within context ({max_total_tokens} tokens)"}))
+                meta={"rule": f"prompt + {sft_target} within context ({max_total_tokens} tokens)"}))
         if heldout_prompts is not None:
             suite.add_expectation(E.ExpectColumnValuesToNotBeInSet(
                 column="prompt", value_set=heldout_prompts, meta={"rule": "no prompt shared with held-out data"}))
@@ -187,7 +193,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
         if not sources.get(split, "").startswith("generated:"):
             file_label = f"{sources[split]} (prepared as {file_label})"
         digest = file_md5(split_path(paths.data, split))
-        if leak_check and digest in checked:
+        own_target = split == "sft" and cfg.sft.enabled and cfg.sft.target_column != "answer"
+        if leak_check and digest in checked and not own_target:
             same = checked[digest]
             report["files"][split] = {**report["files"][same], "file": file_label, "same_content_as": same}
             if same in docs:
@@ -204,7 +211,8 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
         checks: dict[str, dict[str, Any]] = {}
         offset = 0
         for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
-            df = _frame(chunk, tokenizer, set(heldout_norm) if leak_check else None, formatter)
+            sft_target = cfg.sft.target_column if split == "sft" and cfg.sft.enabled else "answer"
+            df = _frame(chunk, tokenizer, set(heldout_norm) if leak_check else None, formatter, sft_target)
             if "id" in df:  # duplicates across chunks; within a chunk GX's uniqueness check sees them
                 keys = [_id_key(i) for i in df["id"]]
                 df["_id_seen_earlier"] = [k in seen_ids for k in keys]
@@ -212,7 +220,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
             repeated.mark(df, offset)
             result = _run_suite(gx, split, df, lambda columns: _suite(
                 gx, f"{split}_suite", columns, split, context - budget, context,
-                heldout_prompts if leak_check else None, heldout_norm if leak_check else None))
+                heldout_prompts if leak_check else None, heldout_norm if leak_check else None, sft_target))
             if n == 0:
                 docs[split] = result
             for res in result.results:

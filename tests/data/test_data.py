@@ -6,7 +6,10 @@ import pytest
 
 from components.config import TaskConfig
 from components.data.records import DataError, file_md5, read_jsonl, write_jsonl
-from components.data.tasks import addition_problems
+import re
+
+from components.config import load_config
+from components.data.tasks import addition_problems, distinct_problems, longest_prompt_chars, word_problems
 
 
 def test_addition_splits_are_disjoint_deterministic_and_correct():
@@ -21,6 +24,46 @@ def test_addition_splits_are_disjoint_deterministic_and_correct():
     for row in a["train"]:
         x, y = row["prompt"].rstrip("=").split("+")
         assert int(row["answer"]) == int(x) + int(y)
+
+
+def _solve_word_problem(question: str) -> int:
+    """An independent reading of the four phrasings, to check the generator's answers."""
+    a, b, c = (int(x) for x in re.findall(r"\d+", question))
+    if "gives" in question:
+        return a + b - c
+    if "lost" in question:
+        return a - b + c
+    if "bags" in question:
+        return a * b + c
+    assert "Monday" in question
+    return a + b + c
+
+
+def test_word_problems_are_two_step_disjoint_by_arithmetic_and_answered_right():
+    task = TaskConfig(name="word_problems", min_operand=1, max_operand=9, n_sft=5, n_train=800, n_heldout=200)
+    a = word_problems(task, 3)
+    assert a == word_problems(task, 3) and a != word_problems(task, 4)
+    assert [len(a[s]) for s in ("sft", "train", "heldout")] == [5, 800, 200]
+    kinds = ("gives", "lost", "bags", "Monday")
+    numbers = {s: {tuple(re.findall(r"\d+", r["prompt"])) + tuple(k in r["prompt"] for k in kinds) for r in rows}
+               for s, rows in a.items()}  # operands + phrasing: the arithmetic, whatever the name and item
+    assert not (numbers["train"] & numbers["heldout"]) and not (numbers["sft"] & numbers["heldout"])
+    for row in a["train"] + a["heldout"]:
+        assert int(row["answer"]) == _solve_word_problem(row["prompt"]) >= 0
+    assert {_solve_word_problem(r["prompt"]) for r in a["train"]} - {int(x) for r in a["train"]
+                                                                    for x in re.findall(r"\d+", r["prompt"])}
+    assert len(a["train"][0]["prompt"]) <= longest_prompt_chars(task) == 111
+
+
+def test_word_problem_range_too_small_is_rejected_at_config_time(tmp_path):
+    tight = TaskConfig(name="word_problems", min_operand=1, max_operand=2)
+    # a + b - c: 8; a - b + c needs b <= a: 3 pairs x 2; bags: factors 2..9 squared x 2; a + b + c: 8
+    assert distinct_problems(tight) == 8 + 3 * 2 + 64 * 2 + 8 == 150
+    params = tmp_path / "params.yaml"
+    params.write_text("task: {name: word_problems, min_operand: 1, max_operand: 2, n_sft: 1, n_train: 200, "
+                      "n_heldout: 20}\n")
+    with pytest.raises(Exception, match=f"exceeds the {distinct_problems(tight)} distinct problems"):
+        load_config(params)
 
 
 def test_jsonl_roundtrip_and_md5(tmp_path):

@@ -29,12 +29,12 @@ def user_data(tmp_path):
     return tmp_path, good
 
 
-def run_validate(tmp_path, splits):
+def run_validate(tmp_path, splits, overrides=()):
     files = {}
     for split, records in splits.items():
         files[split] = tmp_path / f"user_{split}.jsonl"
         write_jsonl(files[split], records)
-    cfg = load_config(ROOT / "params.yaml", [f"data.{s}_path={p}" for s, p in files.items()])
+    cfg = load_config(ROOT / "params.yaml", [f"data.{s}_path={p}" for s, p in files.items()] + list(overrides))
     paths = Paths(root=tmp_path / "work")
     prepare(cfg, paths)
     build_base_model(cfg, paths)
@@ -82,6 +82,20 @@ def test_missing_column_null_answer_and_non_string_prompt(user_data):
     assert "user_sft.jsonl" in msg and "rule 'required column 'answer'' failed" in msg
     assert "rule 'answer present (the reward needs it)' failed" in msg and "ids [h0]" in msg
     assert "rule 'prompt is a string' failed" in msg and "ids [t0]" in msg
+
+
+def test_sft_target_column_must_be_present_and_fit_the_context(user_data):
+    tmp_path, good = user_data
+    good["sft"][0]["solution"] = "1 + 1 = 2. The answer is 2."  # 28 characters after a 4-character prompt: fits
+    good["sft"][1]["solution"] = "2 + 2 = 4. " * 3               # 37 + 4 > the tiny model's 32-token context
+    _, _, check = run_validate(tmp_path, good, ["sft.target_column=solution"])
+    with pytest.raises(StageFailed) as err:
+        check()
+    msg = str(err.value)
+    assert "rule 'sft.target_column 'solution' present (SFT learns to write it)' failed" in msg and "ids [s2]" in msg
+    assert "rule 'prompt + solution within context (32 tokens)' failed" in msg and "ids [s1]" in msg
+    good["sft"] = [r for r in good["sft"] if r["id"] == "s0"]
+    assert run_validate(tmp_path, good, ["sft.target_column=solution"])[2]() == []
 
 
 def test_prompt_longer_than_context_is_refused(user_data):
