@@ -1,12 +1,12 @@
-"""Report: the real-model example (SmolLM2-135M-Instruct + LoRA) over seeds, through the whole pipeline.
+"""Report: a real-model example (SmolLM2-135M-Instruct + LoRA) over seeds, through the whole pipeline.
 
 For each seed: a fresh clone of this commit (sharing this checkout's installed .venv), then
-`grpo-pipeline run --params configs/examples/smollm2_addition.yaml --set seed=S`, the same Prefect flow
-as `make run-smollm2`: prepare, GGUF conversion, validate, GRPO (40 steps of 8 prompts x 8 completions),
-held-out evaluation on 300 prompts, registration. The held-out split is drawn per seed, so the
-baseline differs between seeds. Writes benchmarks/results/smollm2_seeds.{json,md}; not a test.
+`grpo-pipeline run --params <example> --set seed=S`, the same Prefect flow as its `make` target: prepare,
+GGUF conversion, validate, (SFT,) GRPO, held-out evaluation, registration. The held-out split is drawn per
+seed, so the baseline differs between seeds. Writes benchmarks/results/<result>.{json,md}; not a test.
 
-    python benchmarks/smollm2_seeds.py                   # seeds 1234 1 2, about 5.5 minutes each on 2 cores
+    python benchmarks/smollm2_seeds.py                   # addition (make run-smollm2), seeds 1234 1 2, ~5 min each
+    python benchmarks/smollm2_seeds.py --example reasoning   # word problems at 128 tokens (make run-smollm2-reasoning)
     python benchmarks/smollm2_seeds.py --seeds 1234      # one run
 """
 
@@ -25,11 +25,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-EXAMPLE = "configs/examples/smollm2_addition.yaml"
+EXAMPLES = {"addition": ("configs/examples/smollm2_addition.yaml", "smollm2_seeds"),
+            "reasoning": ("configs/examples/smollm2_reasoning.yaml", "smollm2_reasoning_seeds")}
+"""--example: (params file, result file stem)."""
 DEFAULT_SEEDS = [1234, 1, 2]
 
 
-def one_seed(seed: int, work: Path) -> dict[str, Any]:
+def one_seed(example: str, seed: int, work: Path) -> dict[str, Any]:
     from benchmarks.pipeline_overhead import fresh_clone
 
     env = fresh_clone(work)
@@ -37,7 +39,7 @@ def one_seed(seed: int, work: Path) -> dict[str, Any]:
                MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                GX_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
-    proc = subprocess.run(["grpo-pipeline", "run", "--params", EXAMPLE, "--set", f"seed={seed}"], cwd=work, env=env,
+    proc = subprocess.run(["grpo-pipeline", "run", "--params", example, "--set", f"seed={seed}"], cwd=work, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - started
     log = work.parent / f"smollm2-seed-{seed}.log"
@@ -47,24 +49,27 @@ def one_seed(seed: int, work: Path) -> dict[str, Any]:
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
+    lengths = report.get("metrics", {}).get("completion_length", {})
     return {"seed": seed, "before": report["baseline"]["mean_reward"], "after": report["candidate"]["mean_reward"],
             "improvement": improvement["mean"], "ci95_low": improvement["ci95_low"],
             "ci95_high": improvement["ci95_high"], "n": report["n"], "grpo_steps": steps["steps"],
-            "wall_s": round(wall, 1)}
+            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1)}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rows = result["rows"]
-    lines = [f"# SmolLM2-135M-Instruct + LoRA, `{EXAMPLE}`, {len(rows)} seeds", "",
+    rows, example = result["rows"], result["example"]
+    lines = [f"# SmolLM2-135M-Instruct + LoRA, `{example}`, {len(rows)} seeds", "",
              f"`{result['command']}` at {result['commit']} on {result['machine']}, CPU only, 2 threads. Each row is "
-             f"one `grpo-pipeline run --params {EXAMPLE} --set seed=S` in a fresh clone (the whole pipeline: "
-             "prepare, GGUF conversion, validate, GRPO, evaluate on the held-out prompts, register). The held-out "
-             "split is drawn per seed, so the baseline differs between seeds.", "",
-             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | wall (s) |",
-             "|---|---|---|---|---|---|---|"]
+             f"one `grpo-pipeline run --params {example} --set seed=S` in a fresh clone (the whole pipeline: "
+             "prepare, GGUF conversion, validate, SFT when the example has it, GRPO, evaluate on the held-out "
+             "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
+             "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
+             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | wall (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        tokens = "-" if r.get("completion_tokens_after") is None else f"{r['completion_tokens_after']:.1f}"
         lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
-                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {r['wall_s']:.0f} |")
+                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | {r['wall_s']:.0f} |")
     s = result["summary"]
     lines += ["", "| | before | after | improvement | lowest CI low | wall (s) |", "|---|---|---|---|---|---|",
               f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
@@ -78,10 +83,12 @@ def spread(values: list[float], sign: str = "") -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--example", choices=sorted(EXAMPLES), default="addition")
     parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work" / "smollm2-seeds"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    example, stem = EXAMPLES[args.example]
     import torch
 
     from components.tracking.run_environment import cpu_model
@@ -89,13 +96,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for i, seed in enumerate(args.seeds, 1):
-        rows.append(one_seed(seed, Path(args.work) / "clone"))
+        rows.append(one_seed(example, seed, Path(args.work) / "clone"))
         r, elapsed = rows[-1], time.perf_counter() - started
         print(f"[{i}/{len(args.seeds)}] seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
               f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s | "
               f"ETA {elapsed / i * (len(args.seeds) - i) / 60:.0f} min", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = {"command": "python benchmarks/smollm2_seeds.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
+              "example": example,
               "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
                          f"Python {platform.python_version()}, torch {torch.__version__}",
               "rows": rows,
@@ -106,8 +114,8 @@ def main() -> int:
                                     f"({min(r['wall_s'] for r in rows):.0f} .. {max(r['wall_s'] for r in rows):.0f})"}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "smollm2_seeds.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "smollm2_seeds.md").write_text(markdown(result))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
