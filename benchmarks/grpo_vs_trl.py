@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SMOLLM2 = "configs/examples/smollm2_addition.yaml"
+REASONING = "configs/examples/smollm2_reasoning.yaml"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Row:
     rounds: int  # alternating rounds (the first warms both engines up)
     round_steps: int  # GRPO steps per engine per round
     summary: str
+    trl_memory: tuple[tuple[str, Any], ...] = ()  # GRPOConfig settings TRL needs to fit memory (stated in the report)
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -64,6 +66,11 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("smollm2-lora", "smollm2", SMOLLM2, (), 8, 5, "SmolLM2-135M-Instruct, chat template, LoRA rank 16"),
     Row("smollm2-full", "smollm2", SMOLLM2, ("grpo.lora.enabled=false", "grpo.learning_rate=0.00001"), 8, 5,
         "SmolLM2-135M-Instruct, chat template, full fine-tuning"),
+    # Answers that rarely repeat: up to 128 tokens of reasoning at temperature 1.0. Both engines recompute layers
+    # in backward (ours: grpo.gradient_checkpointing; TRL: its gradient_checkpointing), so both stay resident.
+    Row("smollm2-long", "smollm2-reasoning", REASONING, ("grpo.gradient_checkpointing=always",), 4, 2,
+        "SmolLM2-135M-Instruct from its SFT warm start, word problems in up to 128 tokens, LoRA rank 16",
+        (("gradient_checkpointing", True),)),
 )}
 ENGINES = ("ours", "trl")
 # Off the clock or not comparable: held-out evaluation happens between rounds (the controller asks for it),
@@ -191,6 +198,18 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     return evaluate
 
 
+def mean_prompt_tokens(cfg, root: Path, limit: int = 256) -> float:
+    """Tokens of a formatted training prompt (chat template included), the mean over the first `limit` prompts."""
+    from components.data.records import read_jsonl, split_path
+    from components.engine.modeling import load_tokenizer
+    from components.engine.prompting import PromptFormatter
+
+    tokenizer = load_tokenizer(root / "models" / "sft")
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
+    records = read_jsonl(split_path(root / "data" / "prepared", "train"))[:limit]
+    return statistics.mean(len(tokenizer(formatter(r), add_special_tokens=False).input_ids) for r in records)
+
+
 def worker_config(spec: dict[str, Any]):
     """The row's config with this run's seed, threads and step count (the same for both engines)."""
     steps = spec["steps"]
@@ -216,12 +235,13 @@ def run_ours(spec: dict[str, Any], channel: Channel) -> None:
             "tokens": metrics["completion_length"] * metrics["kept_completions"],
             "generation": metrics["time/generation"], "reward": metrics["time/reward"],
             "reference": metrics["time/reference"], "policy": metrics["time/policy"],
-            "reward_mean": metrics["reward_mean"]})
+            "reward_mean": metrics["reward_mean"], "distinct": metrics["distinct_completion_frac"],
+            "decode_steps": metrics["completion_length_max"]})
 
     train_grpo(cfg, Paths(root=mine), callbacks=[on_step])
 
 
-def trl_settings(cfg, steps: int, output_dir: Path) -> dict[str, Any]:
+def trl_settings(cfg, steps: int, output_dir: Path, memory: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
     """GRPOConfig keyword arguments that train as the pipeline's `cfg.grpo` does, refusing what TRL would
     compute differently (the comparison is only fair when both engines optimise the same objective)."""
     g = cfg.grpo
@@ -244,7 +264,7 @@ def trl_settings(cfg, steps: int, output_dir: Path) -> dict[str, Any]:
         max_grad_norm=g.max_grad_norm, weight_decay=g.weight_decay, num_iterations=g.num_iterations,
         use_bias_correction_kl=False,  # our KL term is plain k3, as in DeepSeekMath
         max_steps=steps, seed=cfg.seed, report_to="none", save_strategy="no", logging_steps=10,
-        disable_tqdm=True, dataloader_num_workers=0)
+        disable_tqdm=True, dataloader_num_workers=0) | dict(memory)
 
 
 def run_trl(spec: dict[str, Any], channel: Channel) -> None:
@@ -275,12 +295,15 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
                                   "raw_prompt": r["prompt"]} for r in records])
     rewards = RewardModel(cfg.grpo.rewards)
 
+    distinct: list[float] = []
+
     def task_reward(prompts, completions, raw_prompt, **columns):  # the same reward code our engine calls
+        distinct.append(len(set(zip(prompts, completions))) / max(1, len(completions)))
         return rewards(list(raw_prompt), list(completions), {k: list(v) for k, v in columns.items()
                                                              if isinstance(v, list)}).total
 
     task_reward.__name__ = cfg.grpo.rewards[0].name
-    args = GRPOConfig(**trl_settings(cfg, spec["steps"], root / "trl-out"))
+    args = GRPOConfig(**trl_settings(cfg, spec["steps"], root / "trl-out", ROWS[spec["row"]].trl_memory))
     peft_config = None
     if cfg.grpo.lora.enabled:
         from peft import LoraConfig
@@ -320,7 +343,9 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
             reward_mean = metrics["reward"][-1] if metrics.get("reward") else 0.0
             gate.on_step(state.global_step, trainer.model, {
                 "completions": float(args.per_device_train_batch_size),
-                "tokens": length * args.per_device_train_batch_size, **parts, "reward_mean": reward_mean})
+                "tokens": length * args.per_device_train_batch_size, **parts, "reward_mean": reward_mean,
+                "distinct": distinct[-1] if distinct else 1.0,
+                "decode_steps": metrics["completions/max_length"][-1] if metrics.get("completions/max_length") else 0.0})
             for key in timers:
                 timers[key] = 0.0
 
@@ -492,9 +517,24 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
         peak[engine] = max(peak[engine], w.expect("finished")["peak_rss_mb"])
         w.proc.wait(timeout=120)
 
+    import torch
+
+    from benchmarks.machine_ceiling import phase_utilisation
+    from components.engine.modeling import count_parameters, load_model
+
+    start_model = load_model(root / "models" / "sft", torch.device("cpu"))
+    params = count_parameters(start_model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in start_model.parameters())
+    del start_model
+    prompt_tokens = mean_prompt_tokens(cfg, root)
+
     def summary(engine: str) -> dict[str, Any]:
         rows = steps[engine]
         total = sum(s["seconds"] for s in rows)
+        trainable = 0 if cfg.grpo.lora.enabled else params
+        utilisation = phase_utilisation(params, trainable, weight_bytes,
+                                        [{**s, "prompt_tokens": prompt_tokens} for s in rows], args.ceiling) \
+            if args.ceiling else {}
         shares = {k: round(sum(s[k] for s in rows) / total, 3) for k in ("generation", "reward", "reference", "policy")}
         return {"completions_per_s": round(statistics.median(round_rates[engine]), 2),
                 "generated_tokens_per_s": round(sum(s["tokens"] for s in rows) / total, 1),
@@ -502,7 +542,10 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                 "step_seconds_p90": round(percentile([s["seconds"] for s in rows], 0.9), 4),
                 "time_share": shares, "peak_rss_mb": round(peak[engine], 1),
                 "heldout_reward": round(final_eval[engine]["mean"], 4), "heldout_curve": curve[engine],
-                "train_seconds": round(clock[engine], 1)}
+                "train_seconds": round(clock[engine], 1),
+                "distinct_completion_frac": round(statistics.mean(s.get("distinct", 1.0) for s in rows), 3),
+                "completion_tokens_mean": round(sum(s["tokens"] for s in rows) / sum(s["completions"] for s in rows), 1),
+                "utilisation": utilisation}
 
     result = {e: summary(e) for e in ENGINES}
     ratios = [o / t for o, t in zip(round_rates["ours"], round_rates["trl"])]
@@ -510,11 +553,6 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     diff = paired_bootstrap(np.array(final_eval["ours"]["rewards"]), np.array(final_eval["trl"]["rewards"]),
                             10_000, args.seed)
     n = len(final_eval["ours"]["rewards"])
-    import torch
-
-    from components.engine.modeling import count_parameters, load_model
-
-    params = count_parameters(load_model(root / "models" / "sft", torch.device("cpu")))
     g = cfg.grpo
     return {"row": row.name, "summary": row.summary, "parameters": params, "rounds": rounds,
             "round_steps": round_steps, "steps": spec["steps"], "completions_each": spec["steps"] * per_step,
@@ -522,7 +560,12 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                          "max_completion_length": g.max_completion_length, "temperature": g.temperature,
                          "learning_rate": g.learning_rate, "kl_beta": g.kl_beta, "loss_type": g.loss_type,
                          "lora": asdict(g.lora) if g.lora.enabled else None,
-                         "chat_template": cfg.prompt.chat_template},
+                         "chat_template": cfg.prompt.chat_template,
+                         "memory": {"ours": f"grpo.gradient_checkpointing={g.gradient_checkpointing}, "
+                                            f"grpo.minibatch_size={g.minibatch_size or 'whole batch'}",
+                                    "trl": ", ".join(f"{k}={v}" for k, v in
+                                                     {"gradient_checkpointing": False, **dict(row.trl_memory)}.items())},
+                         "prompt_tokens_mean": round(prompt_tokens, 1)},
             "heldout_warm_start": warm_start,
             "speedup_vs_trl": round(statistics.median(ratios), 3),
             "per_round_ratios": [round(x, 3) for x in ratios],
@@ -546,9 +589,15 @@ def merged_rows(previous: dict[str, Any], fresh: list[dict[str, Any]]) -> list[d
 
 
 def markdown(report: dict[str, Any]) -> str:
+    ceiling = report.get("ceiling")
     lines = [f"# GRPO: this engine vs TRL {report['trl_version']} (same model, data and settings)", "",
              (f"Machine: {report['machine']}; {report['threads']} torch threads; command: `{report['command']}` "
               "(with `--update`, rows it did not measure keep their own commit and machine, below)"), "",
+             *([f"This machine's ceiling, measured in the same run (benchmarks/machine_ceiling.py): float32 matmul "
+                f"{ceiling['matmul_gflops']} GFLOP/s, memory bandwidth {ceiling['bandwidth_gbs']} GB/s at "
+                f"{ceiling['threads']} threads. Each phase's share of it counts model FLOPs from the parameter count "
+                "(2N a token forward; the update 4N with LoRA, 6N full) over prompt + completion tokens of every row, "
+                "and decode bytes as the weights once a decode step.", ""] if ceiling else []),
              "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
              "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | "
              "ours - TRL (95% CI) | commit |",
@@ -586,6 +635,19 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {label} | {fmt.format(o[key])} | {fmt.format(t[key])} |")
         for part in ("generation", "reward", "reference", "policy"):
             lines.append(f"| share: {part} | {o['time_share'][part]:.0%} | {t['time_share'][part]:.0%} |")
+        if "distinct_completion_frac" in o:
+            lines.append(f"| distinct completions | {o['distinct_completion_frac']:.0%} | "
+                         f"{t['distinct_completion_frac']:.0%} |")
+            lines.append(f"| completion tokens (mean) | {o['completion_tokens_mean']:.1f} | "
+                         f"{t['completion_tokens_mean']:.1f} |")
+        for key, label in (("generation_flops_frac", "generation: share of the matmul ceiling"),
+                           ("generation_bandwidth_frac", "generation: share of the bandwidth ceiling (at least)"),
+                           ("policy_flops_frac", "policy update: share of the matmul ceiling"),
+                           ("reference_flops_frac", "reference: share of the matmul ceiling")):
+            if key in o.get("utilisation", {}) or key in t.get("utilisation", {}):
+                lines.append(f"| {label} | {o['utilisation'].get(key, 0):.0%} | {t['utilisation'].get(key, 0):.0%} |")
+        if s.get("memory"):
+            lines += ["", f"Memory settings: ours {s['memory']['ours']}; TRL {s['memory']['trl']}."]
         d = r["heldout_ours_minus_trl"]
         lines += ["", f"Both start from the same model (held-out {r['heldout_warm_start']:.3f}). Held-out ours - TRL "
                   f"after equal completions: {d['mean']:+.3f} (paired 95% CI {d['ci95_low']:+.3f} .. "
@@ -655,6 +717,9 @@ def main() -> int:
                         help="evaluate only at the end (the held-out curves and time-to-reward need every round)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--no-ceiling", dest="measure_ceiling", action="store_false",
+                        help="skip measuring this machine's matmul rate and memory bandwidth (and each phase's share "
+                             "of them)")
     parser.add_argument("--pipeline-runs", type=int, default=0,
                         help="also run `make run` this many times, one fresh clone each, for the default pipeline's "
                              "orchestration overhead (the median is reported)")
@@ -683,15 +748,24 @@ def main() -> int:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"  # set-up runs stay out of the user's store
     import torch
 
+    from components.tracking.run_environment import cpu_model
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report: dict[str, Any] = {
         "command": "python benchmarks/grpo_vs_trl.py " + " ".join(sys.argv[1:]), "trl_version": trl.__version__,
         "commit": commit.strip(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
                    f"Python {platform.python_version()}, torch {torch.__version__}",
         "threads": args.threads, "rows": []}
     if torch.cuda.is_available():
         report["gpu"] = gpu_report()
+    args.ceiling = None
+    if args.measure_ceiling:  # before any worker starts: nothing else runs while it measures
+        from benchmarks.machine_ceiling import ceiling
+
+        args.ceiling = report["ceiling"] = ceiling(args.threads)
+        print(f"this machine's ceiling at {args.threads} threads: float32 matmul {args.ceiling['matmul_gflops']} "
+              f"GFLOP/s, memory bandwidth {args.ceiling['bandwidth_gbs']} GB/s", flush=True)
     for name in rows:
         report["rows"].append({**compare_row(ROWS[name], args, work), "commit": report["commit"],
                                "machine": report["machine"]})

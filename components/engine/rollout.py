@@ -43,6 +43,14 @@ class Rollout:
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
 
+    def distinct_fraction(self) -> float:
+        """Distinct (prompt, completion) rows over all rows: 1.0 when no completion repeats another of its group.
+        Low values mean the groups collapsed onto a few answers (little left to compare, and cheap steps)."""
+        if not len(self):
+            return 0.0
+        rows = torch.cat([self.prompt_ids * self.prompt_mask, self.completion_ids * self.completion_mask], dim=1)
+        return torch.unique(rows, dim=0).shape[0] / len(self)
+
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)

@@ -17,11 +17,11 @@ from components.engine.monitors import not_learning
 # (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
 # optim/, reward/<name>/, rollout/, time/ (plots/grpo_steps.csv keeps the plain names).
 METRIC_GROUPS = {
-    "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length"),
+    "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length", "completion_length_max"),
     "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
               "clip_high_frac"),
-    "rollout": ("truncated_frac", "zero_std_group_frac", "all_fail_group_frac", "kept_completions", "sampled_completions",
-                "unscored_completions", "reward_failures"),
+    "rollout": ("truncated_frac", "distinct_completion_frac", "zero_std_group_frac", "all_fail_group_frac",
+                "kept_completions", "sampled_completions", "unscored_completions", "reward_failures"),
     "time": ("step_seconds", "completions_per_s"),
 }
 _GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}

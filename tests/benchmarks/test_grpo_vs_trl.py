@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from benchmarks.machine_ceiling import phase_utilisation
 from benchmarks.grpo_vs_trl import ROWS, noise_band, row_config, steady_rise, time_to_trl_reward, trl_settings
 
 
@@ -40,17 +41,21 @@ def test_time_to_reward_is_reported_only_when_both_curves_rise_and_ours_crosses_
     assert not never["reported"] and "never reached" in never["why_not"]
 
 
-@pytest.mark.parametrize("row", ["smollm2-lora", "smollm2-full", "tiny"])
+@pytest.mark.parametrize("row", ["smollm2-lora", "smollm2-full", "tiny", "smollm2-long"])
 def test_trl_is_configured_from_the_same_config(tmp_path, row):
     cfg = row_config(ROWS[row], ["grpo.steps=40"])
-    args = trl_settings(cfg, 40, tmp_path)
+    args = trl_settings(cfg, 40, tmp_path, ROWS[row].trl_memory)
     g = cfg.grpo
     assert args["per_device_train_batch_size"] == g.prompts_per_step * g.group_size
     assert (args["num_generations"], args["max_completion_length"], args["temperature"], args["learning_rate"],
             args["beta"], args["loss_type"], args["warmup_steps"]) == \
         (g.group_size, g.max_completion_length, g.temperature, g.learning_rate, g.kl_beta, g.loss_type, g.warmup_steps)
     assert args["lr_scheduler_kwargs"] == {"min_lr_rate": g.min_lr_ratio} and args["use_cpu"] and not args["bf16"]
-    assert cfg.grpo.lora.enabled == (row == "smollm2-lora")
+    assert cfg.grpo.lora.enabled == (row in ("smollm2-lora", "smollm2-long"))
+    # the long row: reasoning at length, both engines recomputing layers so that both stay resident
+    assert args["gradient_checkpointing"] == (row == "smollm2-long") == (cfg.grpo.gradient_checkpointing == "always")
+    if row == "smollm2-long":
+        assert (args["max_completion_length"], args["temperature"], args["top_k"]) == (128, 1.0, 0)
 
 
 def test_settings_trl_would_compute_differently_are_refused(tmp_path):
@@ -70,3 +75,18 @@ def test_update_replaces_measured_rows_and_keeps_the_others_with_their_commit():
     assert rows[0] == fresh[0]
     assert (rows[1]["x"], rows[1]["commit"], rows[1]["machine"]) == (3, "older", "m1")
     assert (rows[2]["x"], rows[2]["commit"]) == (1, "old")
+
+
+def test_phase_shares_of_the_ceiling_are_worked_out_from_the_parameter_count():
+    machine = {"matmul_gflops": 100.0, "bandwidth_gbs": 10.0}
+    # 2 steps of 10 completions, 50 completion tokens each step in all, 20-token prompts, 8 decode steps each
+    steps = [{"completions": 10, "tokens": 50.0, "decode_steps": 8.0, "generation": 2.0, "policy": 4.0,
+              "reference": 1.0} for _ in range(2)]
+    lora = phase_utilisation(1_000_000_000, 0, 4_000_000_000, [{**s, "prompt_tokens": 20.0} for s in steps], machine)
+    # generation: 2N x 100 tokens / 4 s = 50 GFLOP/s of 100; 16 decode steps x 4 GB / 4 s = 16 GB/s of 10
+    assert lora["generation_flops_frac"] == 0.5 and lora["generation_bandwidth_frac"] == 1.6
+    # rows' tokens: 100 completion + 2 x 10 x 20 prompt = 500; LoRA update 4N x 500 / 8 s = 250 GFLOP/s
+    assert lora["policy_flops_frac"] == 2.5 and lora["reference_flops_frac"] == 5.0  # 2N x 500 / 2 s = 500
+    full = phase_utilisation(1_000_000_000, 1_000_000_000, 4_000_000_000,
+                             [{**s, "prompt_tokens": 20.0} for s in steps], machine)
+    assert full["policy_flops_frac"] == 3.75 and full["gflops_by_phase"]["policy"] == 375.0  # 6N

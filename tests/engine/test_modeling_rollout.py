@@ -189,3 +189,16 @@ def test_top_k_sampling_draws_what_hugging_face_sampling_draws(tiny):
     theirs = torch.bincount(hf, minlength=vocab).float() / 20_000
     assert set(rollout.completion_ids[:, 0].unique().tolist()) <= set(torch.topk(logits[0], 3).indices.tolist())
     assert torch.allclose(ours, probs, atol=0.015) and torch.allclose(ours, theirs, atol=0.02)
+
+
+def test_distinct_fraction_counts_rows_that_differ_in_prompt_or_in_completion_up_to_eos():
+    from components.engine.rollout import Rollout
+
+    prompts = torch.tensor([[0, 5], [0, 5], [0, 5], [7, 6]])
+    prompt_mask = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 1]])
+    # rows 0 and 1 equal up to EOS (2) and differ only in padding after it; row 2 another answer; row 3 another prompt
+    completions = torch.tensor([[3, 2, 0], [3, 2, 9], [4, 2, 0], [3, 2, 0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    rollout = Rollout(prompts, prompt_mask, completions, mask, torch.zeros(4, dtype=torch.bool))
+    assert rollout.distinct_fraction() == 3 / 4
+    assert rollout.select([0, 2, 3]).distinct_fraction() == 1.0
