@@ -349,6 +349,10 @@ class RegisterConfig:
     """A challenger replaces the champion only if the CI lower bound of its improvement exceeds this."""
     gate_metric: str = "reward"
     """The held-out metric (one of `evaluate.metrics`, or `reward`) compared with the champion's."""
+    require_improvement: bool = True
+    """With no champion yet, the first version becomes champion only when it beats the model GRPO started from (the
+    baseline this run evaluated) on `gate_metric`: paired 95% CI low > 0. false: the first version is champion
+    whatever it measured."""
     merge_lora: bool = False
     """With LoRA, register the base with the adapter merged in (a full copy) instead of the adapter alone,
     which is linked to its base (registered once as `<model_name>-base`)."""

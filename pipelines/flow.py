@@ -361,9 +361,13 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
                    "improvement_mean": evaluation["improvement"]["mean"],
                    "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
                    "improvement_ci95_high": evaluation["improvement"]["ci95_high"]}
+        if registration.get("vs_champion"):  # beside the comparison with its start: the one with the champion
+            metrics.update({f"vs_champion_{k}": registration["vs_champion"][k] for k in ("mean", "ci95_low", "ci95_high")})
         tags = {**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
                    for split in SPLITS},
-                "model_version": registration["version"], "model_name": registration["model_name"]}
+                "model_version": registration["version"], "model_name": registration["model_name"],
+                "promotion.decision": "champion" if registration["promoted"] else "challenger",
+                "promotion.champion_version": str(registration.get("champion_version") or "none")}
         status = "FINISHED"
     except StageInterruptedError:
         status = "KILLED"

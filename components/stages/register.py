@@ -2,9 +2,11 @@
 
 Every new version gets alias `challenger`, and an RL model card as its description
 (tracking/model_card.py). It becomes `champion` only when no `block` monitor was breached during GRPO
-and there is no champion yet, or when on the same held-out set (same file hash) it beats the champion
-on `register.gate_metric`: mean paired improvement over the champion's own per-prompt values > 0 with
-the bootstrap CI lower bound above `register.min_ci_low`. Registration is keyed by the candidate's content hash, so re-running it
+and either there is no champion yet and it beats its own starting point (the baseline the evaluate stage
+measured: paired 95% CI low > 0 on `register.gate_metric`, unless `register.require_improvement: false`),
+or on the same held-out set (same file hash) it beats the champion on `register.gate_metric`: mean paired
+improvement over the champion's own per-prompt values > 0 with the bootstrap CI lower bound above
+`register.min_ci_low`. Registration is keyed by the candidate's content hash, so re-running it
 never creates a duplicate version.
 """
 
@@ -173,14 +175,50 @@ def compare_with_champion(predictions: list[dict[str, Any]], theirs: dict[str, d
     return out
 
 
+def versus_baseline(evaluation: dict[str, Any], gate: str) -> dict[str, float] | None:
+    """The paired improvement over the model GRPO started from on `gate`, as the evaluate stage measured it."""
+    row = (evaluation.get("metrics") or {}).get(gate)
+    if row is None and gate == "reward":
+        return evaluation.get("improvement")
+    return None if row is None else row["improvement"]
+
+
+def _ci_text(cmp: dict[str, float]) -> str:
+    return f"{cmp['mean']:+.4f} (95% CI {cmp['ci95_low']:+.4f} .. {cmp['ci95_high']:+.4f})"
+
+
+def first_champion(evaluation: dict[str, Any], cfg: PipelineConfig) -> tuple[bool, str]:
+    """With no champion yet: whether this version may take the alias, and the rule that decided."""
+    gate = cfg.register.gate_metric
+    cmp = versus_baseline(evaluation, gate)
+    start = "its starting point (" + ("the SFT warm start" if cfg.sft.enabled else "the base model") + ")"
+    if not cfg.register.require_improvement:
+        return True, "no champion yet (register.require_improvement: false: the first version is champion " + (
+            f"whatever it measured; against {start}: {_ci_text(cmp)})" if cmp else "whatever it measured)")
+    if cmp is None:
+        return False, (f"no champion yet, and no held-out {gate} against {start} to show it is better "
+                       "(register.require_improvement: false promotes it anyway)")
+    if cmp["ci95_low"] > 0:
+        return True, f"no champion yet; beats {start} on held-out {gate}: {_ci_text(cmp)}"
+    return False, (f"no better than {start} on held-out {gate}: {_ci_text(cmp)}, needs "
+                   "CI low > 0 to become the first champion (register.require_improvement: false promotes it anyway)")
+
+
 def decide(client, name: str, version: str, evaluation: dict[str, Any], predictions: list[dict[str, Any]],
            cfg: PipelineConfig, grpo: dict[str, Any] | None = None) -> dict[str, Any]:
     """Whether `version` should take the `champion` alias, and why.
 
     A `block` monitor breached during GRPO refuses it outright. Otherwise it becomes champion when there is
-    none, or when on the same held-out set its paired improvement over the champion on
-    `register.gate_metric` is > 0 with the CI's lower bound above `register.min_ci_low`.
+    none and it beats its own starting point (`first_champion`), or when on the same held-out set its paired
+    improvement over the champion on `register.gate_metric` is > 0 with the CI's lower bound above
+    `register.min_ci_low`. Either way the decision carries the comparison with the starting point.
     """
+    decision = _decide(client, name, version, evaluation, predictions, cfg, grpo)
+    return decision | {"vs_baseline": versus_baseline(evaluation, cfg.register.gate_metric)}
+
+
+def _decide(client, name: str, version: str, evaluation: dict[str, Any], predictions: list[dict[str, Any]],
+            cfg: PipelineConfig, grpo: dict[str, Any] | None = None) -> dict[str, Any]:
     gate = cfg.register.gate_metric
     blocked = blocking_breaches(grpo or {})
     refusal = ("monitor breached: " + "; ".join(
@@ -188,10 +226,14 @@ def decide(client, name: str, version: str, evaluation: dict[str, Any], predicti
         for b in blocked) + " -> not promoted") if blocked else None
     champion = _champion(client, name)
     if champion is None:
-        return {"promote": refusal is None, "reason": refusal or "no champion yet", "champion_version": None,
-                "gate_metric": gate}
+        allowed, why = first_champion(evaluation, cfg)
+        return {"promote": refusal is None and allowed, "reason": f"{refusal}; {why}" if refusal else why,
+                "champion_version": None, "gate_metric": gate,
+                "rule": "first version: must beat its starting point" if cfg.register.require_improvement
+                else "first version: no improvement required (register.require_improvement: false)"}
     if str(champion.version) == str(version):
-        return {"promote": True, "reason": "already champion", "champion_version": version, "gate_metric": gate}
+        return {"promote": True, "reason": "already champion", "champion_version": version, "gate_metric": gate,
+                "rule": "already champion"}
     base = {"champion_version": champion.version, "gate_metric": gate}
     if current_tags(champion.tags).get("eval.heldout_md5") != evaluation["heldout_md5"]:
         return base | {"promote": False, "reason": refusal or (
@@ -207,6 +249,7 @@ def decide(client, name: str, version: str, evaluation: dict[str, Any], predicti
         return base | {"promote": False, "vs_champion_metrics": versus, "reason": refusal or (
             f"champion v{champion.version} has no per-prompt held-out {gate} (register.gate_metric); not comparable")}
     cmp = versus[gate]
+    base = base | {"rule": f"must beat champion v{champion.version} (register.min_ci_low {cfg.register.min_ci_low})"}
     wins = cmp["mean"] > 0 and cmp["ci95_low"] > cfg.register.min_ci_low
     verdict = "beats" if wins else "does not beat"
     reason = (f"{verdict} champion v{champion.version} on held-out {gate}: improvement {cmp['mean']:+.4f} "
@@ -304,12 +347,28 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
     result = {"model_name": name, "version": str(version.version), "model_uri": uri, "promoted": decision["promote"],
               "reason": decision["reason"], "champion_version": None if decision.get("champion_version") is None else str(decision["champion_version"]),
               "champion_uri": f"models:/{name}@champion", "candidate_md5": candidate_md5,
-              "vs_champion": decision.get("vs_champion"), "gate_metric": cfg.register.gate_metric,
+              "vs_champion": decision.get("vs_champion"), "vs_baseline": decision.get("vs_baseline"),
+              "rule": decision.get("rule"), "gate_metric": cfg.register.gate_metric,
               "blocked_by": [b["signal"] for b in blocking_breaches(grpo)]}
     paths.metrics.mkdir(parents=True, exist_ok=True)
     (paths.metrics / "register.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"register: {uri} -> {'champion' if decision['promote'] else 'challenger'} ({decision['reason']})")
+    print(comparison_line(result))
     return result
+
+
+def comparison_line(result: dict[str, Any]) -> str:
+    """The two comparisons a promotion rests on, side by side: against the run's own start, against the champion."""
+    if result["vs_champion"]:
+        champion = f"{_ci_text(result['vs_champion'])} (v{result['champion_version']})"
+    elif result["champion_version"] is None:
+        champion = "none yet"
+    elif str(result["champion_version"]) == str(result["version"]):
+        champion = "this version is the champion"
+    else:
+        champion = f"v{result['champion_version']}, not comparable"
+    start = _ci_text(result["vs_baseline"]) if result.get("vs_baseline") else "not measured"
+    return f"register: held-out {result['gate_metric']}: vs its starting point {start}; vs the champion {champion}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,8 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
     verdict = "champion" if decision["promote"] else "challenger"
     head = [f"## Model card: {name} v{version}", "",
             f"**Decision: {verdict}.** {decision['reason']}.", ""]
+    if decision.get("rule"):
+        head += [f"Rule: {decision['rule']}.", ""]
 
     evidence = [f"### Held-out evaluation (n = {evaluation['n']}, held-out md5 `{evaluation['heldout_md5'][:12]}`)", "",
                 "| metric | before GRPO | this version | improvement (95% CI) | "

@@ -236,10 +236,18 @@ def compare_table(runs: list[RunSummary]) -> str:
     rows += [(f"param {k}", [r.params.get(k, "-") for r in runs]) for k in differing]
     rows.append(("held-out reward before", [fmt(r.metrics.get("baseline_mean_reward")) for r in runs]))
     rows.append(("held-out reward after", [fmt(r.metrics.get("candidate_mean_reward")) for r in runs]))
-    rows.append(("improvement (95% CI)", [
-        "-" if "improvement_mean" not in r.metrics else
-        f"{r.metrics['improvement_mean']:+.4f} ({r.metrics.get('improvement_ci95_low', float('nan')):+.4f} .. "
-        f"{r.metrics.get('improvement_ci95_high', float('nan')):+.4f})" for r in runs]))
+    def ci(r: RunSummary, prefix: str) -> str:
+        m = r.metrics
+        if f"{prefix}_mean" not in m:
+            return "-"
+        return (f"{m[f'{prefix}_mean']:+.4f} ({m.get(f'{prefix}_ci95_low', float('nan')):+.4f} .. "
+                f"{m.get(f'{prefix}_ci95_high', float('nan')):+.4f})")
+
+    rows.append(("vs its start (95% CI)", [ci(r, "improvement") for r in runs]))
+    rows.append(("vs champion (95% CI)", [
+        ci(r, "vs_champion") if "vs_champion_mean" in r.metrics else
+        "none yet" if r.tags.get("promotion.champion_version") == "none" else "-" for r in runs]))
+    rows.append(("promotion", [r.tags.get("promotion.decision", "-") for r in runs]))
     data_keys = sorted({k for r in runs for k in r.tags if k.startswith("data.") and k.endswith(".md5")})
     rows += [(k, [r.tags.get(k, "-")[:12] for r in runs]) for k in data_keys]
     rows.append(("model version", [r.tags.get("model_version", "-") for r in runs]))

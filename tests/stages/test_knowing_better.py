@@ -115,13 +115,15 @@ def test_a_hacked_reward_is_blocked_from_champion(tmp_path, mlflow_store, capsys
 
     from conftest import ROOT
 
-    # The champion: the warm start barely moved (one step at a tiny learning rate), no monitors.
-    cfg, paths = setup_stage_inputs(tmp_path, HACK + ["grpo.steps=1", "grpo.learning_rate=1e-9", "monitors.checks=[]"])
+    # The champion: the warm start barely moved (one step at a tiny learning rate), no monitors; no better than its
+    # start, so it is champion only because this registry opts out of the first-champion rule.
+    cfg, paths = setup_stage_inputs(tmp_path, HACK + ["grpo.steps=1", "grpo.learning_rate=1e-9", "monitors.checks=[]",
+                                                      "register.require_improvement=false"])
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     train_grpo(cfg, paths)
     evaluate(cfg, paths)
     first = register(cfg, paths)
-    assert first["promoted"] and first["version"] == "1"
+    assert first["promoted"] and first["version"] == "1" and "register.require_improvement: false" in first["reason"]
 
     hacked = load_config(ROOT / "params.yaml", HACK + ["grpo.steps=60", GATE])
     summary = train_grpo(hacked, paths)
@@ -145,3 +147,55 @@ def test_a_hacked_reward_is_blocked_from_champion(tmp_path, mlflow_store, capsys
     assert "completion_length_growth" in grpo_run.data.tags["monitor.completion_length_growth"]
     card = client.get_model_version(cfg.register.model_name, "2").description
     assert "**breached** at step" in card and "Decision: challenger" in card
+
+
+def test_the_first_champion_must_beat_the_model_it_started_from(tmp_path, mlflow_store, capsys):
+    """A first version that did not improve on its start stays challenger and leaves no champion; one that did is
+    champion; the card and the summary line say which rule decided and show both comparisons."""
+    import shutil
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from components.config import load_config
+    from components.stages.evaluate import evaluate
+    from components.stages.register import register
+
+    from conftest import ROOT
+
+    quiet = ["evaluate.every=0", "evaluate.metrics=[reward]", "evaluate.bootstrap_samples=500",
+             "reports.samples_every=0"]
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + quiet + ["grpo.steps=2", "grpo.learning_rate=1e-9"])
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    train_grpo(cfg, paths)
+    evaluate(cfg, paths)
+    capsys.readouterr()
+    flat = register(cfg, paths)
+    out = capsys.readouterr().out
+    client = MlflowClient(mlflow_store)
+    name = cfg.register.model_name
+    assert not flat["promoted"] and flat["champion_version"] is None and flat["vs_baseline"]["ci95_low"] <= 0
+    assert flat["reason"].startswith("no better than its starting point (the base model) on held-out reward: ")
+    assert "register.require_improvement: false promotes it anyway" in flat["reason"]
+    with pytest.raises(MlflowException):
+        client.get_model_version_by_alias(name, "champion")
+    assert client.get_model_version(name, "1").tags["promotion.decision"] == "challenger"
+    card = client.get_model_version(name, "1").description
+    assert "Decision: challenger.** no better than its starting point" in card
+    assert "Rule: first version: must beat its starting point." in card
+    assert "register: held-out reward: vs its starting point +0.0000 (95% CI" in out
+    assert "vs the champion none yet" in out
+
+    learned = load_config(ROOT / "params.yaml", LEARN + quiet + ["grpo.steps=30"])
+    train_grpo(learned, paths)
+    report = evaluate(learned, paths)
+    assert report["improvement"]["ci95_low"] > 0
+    second = register(learned, paths)
+    out = capsys.readouterr().out
+    assert second["promoted"] and second["version"] == "2" and second["vs_baseline"] == report["improvement"]
+    assert second["reason"].startswith("no champion yet; beats its starting point (the base model) on held-out reward: +")
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
+    assert "Rule: first version: must beat its starting point." in client.get_model_version(name, "2").description
+    imp = report["improvement"]
+    assert (f"vs its starting point {imp['mean']:+.4f} (95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f}); "
+            "vs the champion none yet") in out

@@ -40,14 +40,21 @@ def test_compare_table_lists_only_differing_params():
     runs = [RunSummary("a" * 32, "pipeline", "FINISHED", {"grpo.kl_beta": "0.04", "seed": "1"},
                        {"baseline_mean_reward": 0.5, "candidate_mean_reward": 0.625, "improvement_mean": 0.125,
                         "improvement_ci95_low": 0.05, "improvement_ci95_high": 0.2},
-                       {"data.heldout.md5": "f" * 32}, 61.25),
+                       {"data.heldout.md5": "f" * 32, "promotion.decision": "champion",
+                        "promotion.champion_version": "none"}, 61.25),
             RunSummary("b" * 32, "pipeline", "FINISHED", {"grpo.kl_beta": "0.08", "seed": "1"},
-                       {"candidate_mean_reward": 0.6}, {"data.heldout.md5": "f" * 32}, None)]
+                       {"candidate_mean_reward": 0.6, "vs_champion_mean": -0.025, "vs_champion_ci95_low": -0.07,
+                        "vs_champion_ci95_high": 0.02},
+                       {"data.heldout.md5": "f" * 32, "promotion.decision": "challenger",
+                        "promotion.champion_version": "1"}, None)]
     table = compare_table(runs)
     assert "param grpo.kl_beta" in table and "param seed" not in table
-    assert "0.6250" in table and "+0.1250 (+0.0500 .. +0.2000)" in table
-    assert "61.2s" in table or "61.3s" in table
     lines = {line.split("  ")[0].strip(): line for line in table.splitlines()}
+    assert "0.6250" in table and "+0.1250 (+0.0500 .. +0.2000)" in lines["vs its start (95% CI)"]
+    # the champion comparison beside the comparison with the run's own start
+    assert lines["vs champion (95% CI)"].split()[4:] == ["none", "yet", "-0.0250", "(-0.0700", "..", "+0.0200)"]
+    assert lines["promotion"].split()[1:] == ["champion", "challenger"]
+    assert "61.2s" in table or "61.3s" in table
     assert lines["data.heldout.md5"].count("ffffffffffff") == 2
 
 
