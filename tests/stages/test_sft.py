@@ -40,3 +40,20 @@ def test_sft_that_never_reaches_the_target_trains_every_epoch_and_says_so(tmp_pa
 def test_without_a_target_sft_trains_every_epoch(tmp_path, mlflow_store):
     summary = _train(tmp_path, "always_one", "null")
     assert summary["steps"] == 24 and "stopped_early" not in summary
+
+
+def test_sft_learns_the_target_column_after_the_prompt_and_nothing_else():
+    from components.stages.sft import encode_sft
+
+    class Chars:  # one id per character, EOS = 0, pad = 0
+        eos_token_id, pad_token_id = 0, 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return type("Encoded", (), {"input_ids": [ord(c) for c in text]})()
+
+    records = [{"prompt": "Q1 ", "answer": "7", "solution": "3+4=7"}, {"prompt": "Q22 ", "answer": "9", "solution": "9"}]
+    ids, mask, labels = encode_sft(Chars(), records, target="solution")
+    assert ids[0, :9].tolist() == [ord(c) for c in "Q1 3+4=7"] + [0] and mask.sum(1).tolist() == [9, 6]
+    assert labels[0].tolist() == [-100] * 3 + [ord(c) for c in "3+4=7"] + [0]  # the solution and EOS, no prompt
+    assert labels[1].tolist() == [-100] * 4 + [ord("9"), 0] + [-100] * 3       # padding ignored
+    assert encode_sft(Chars(), records)[2][0].tolist()[3:5] == [ord("7"), 0]  # default: the answer
