@@ -50,26 +50,29 @@ def one_seed(example: str, seed: int, work: Path) -> dict[str, Any]:
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
     lengths = report.get("metrics", {}).get("completion_length", {})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=work, capture_output=True, text=True).stdout
     return {"seed": seed, "before": report["baseline"]["mean_reward"], "after": report["candidate"]["mean_reward"],
             "improvement": improvement["mean"], "ci95_low": improvement["ci95_low"],
             "ci95_high": improvement["ci95_high"], "n": report["n"], "grpo_steps": steps["steps"],
-            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1)}
+            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1), "commit": commit.strip()}
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows, example = result["rows"], result["example"]
     lines = [f"# SmolLM2-135M-Instruct + LoRA, `{example}`, {len(rows)} seeds", "",
-             f"`{result['command']}` at {result['commit']} on {result['machine']}, CPU only, 2 threads. Each row is "
-             f"one `grpo-pipeline run --params {example} --set seed=S` in a fresh clone (the whole pipeline: "
+             f"`{result['command']}` (ended at {result['commit']}; each seed's clone in its row) on "
+             f"{result['machine']}, CPU only, 2 threads. Each row is one `grpo-pipeline run --params {example} --set seed=S` in a fresh clone (the whole pipeline: "
              "prepare, GGUF conversion, validate, SFT when the example has it, GRPO, evaluate on the held-out "
              "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
              "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
-             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | wall (s) "
+             "| commit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tokens = "-" if r.get("completion_tokens_after") is None else f"{r['completion_tokens_after']:.1f}"
         lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
-                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | {r['wall_s']:.0f} |")
+                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | {r['wall_s']:.0f} | "
+                     f"{r.get('commit', result['commit'])} |")
     s = result["summary"]
     lines += ["", "| | before | after | improvement | lowest CI low | wall (s) |", "|---|---|---|---|---|---|",
               f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
