@@ -61,7 +61,8 @@ def markdown(result: dict[str, Any]) -> str:
     rows, example = result["rows"], result["example"]
     lines = [f"# SmolLM2-135M-Instruct + LoRA, `{example}`, {len(rows)} seeds", "",
              f"`{result['command']}` (ended at {result['commit']}; each seed's clone in its row) on "
-             f"{result['machine']}, CPU only, 2 threads. Each row is one `grpo-pipeline run --params {example} --set seed=S` in a fresh clone (the whole pipeline: "
+             f"{result['machine']}, CPU only, 2 threads. Each row is one `grpo-pipeline run --params {example} "
+             "--set seed=S` in a fresh clone (the whole pipeline: "
              "prepare, GGUF conversion, validate, SFT when the example has it, GRPO, evaluate on the held-out "
              "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
              "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
