@@ -2,15 +2,18 @@
 
 A checkpoint is written under a temporary name and renamed when complete, so a kill or a full disk
 mid-write never leaves a corrupt "latest": the previous checkpoint survives intact. Each carries the
-hash of the inputs it was trained from; a checkpoint from other inputs is never resumed.
+hash of the inputs it was trained from; a checkpoint from other inputs is never resumed. Its meta.json,
+written last, also holds the sha256 of every other file: a checkpoint damaged afterwards (a disk error, a
+truncated copy) is skipped on resume, with one line saying why, for the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PREFIX = "step-"
 KEEP = 2
@@ -47,7 +50,8 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
         import torch  # here, not at module level: the stage CLI imports this module's error class
 
         torch.save({"optimizer": optimizer.state_dict(), **state}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash}) + "\n")
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "run_hash": run_hash, "files": files}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     except Exception as err:
@@ -64,23 +68,62 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
     return final
 
 
-def latest_checkpoint(root: Path, run_hash: str) -> Path | None:
-    """The newest complete checkpoint trained from the same inputs, if any."""
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _meta(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's meta.json, or None when it is missing or unreadable (a damaged checkpoint)."""
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def damage(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be trusted (a file missing or not matching its recorded sha256), or None.
+    Checkpoints written before checksums were recorded are trusted as they are."""
+    meta = _meta(path)
+    if meta is None:
+        return "its meta.json is missing or unreadable"
+    for name, digest in (meta.get("files") or {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != digest:
+            return f"{name} does not match its recorded sha256 (damaged or cut short)"
+    return None
+
+
+def latest_checkpoint(root: Path, run_hash: str, say: Callable[[str], Any] = print,
+                      remove_damaged: bool = False) -> Path | None:
+    """The newest intact checkpoint trained from the same inputs, if any; damaged ones are skipped, each said
+    (and removed with `remove_damaged`: the resumed run rewrites those steps, and a damaged newer checkpoint
+    left in place would push the fresh ones out of the `KEEP` newest)."""
     for path in reversed(_step_dirs(root)):
-        meta = path / "meta.json"
-        if meta.exists() and json.loads(meta.read_text()).get("run_hash") == run_hash:
+        meta = _meta(path)
+        if meta is not None and meta.get("run_hash") != run_hash:
+            continue
+        why = damage(path)
+        if why is None:
             return path
+        if remove_damaged:
+            shutil.rmtree(path, ignore_errors=True)
+        say(f"grpo: skipped checkpoint {path}: {why}" + ("; removed it" if remove_damaged else ""))
     return None
 
 
 def discard_foreign(root: Path, run_hash: str) -> list[Path]:
-    """Remove checkpoints (and stray temp dirs) trained from other inputs; they must never be resumed."""
+    """Remove checkpoints (and stray temp dirs) trained from other inputs; they must never be resumed. One whose
+    meta.json is unreadable is left for `latest_checkpoint` to report as damaged."""
     removed = []
     if not root.exists():
         return removed
     for path in root.iterdir():
-        meta = path / "meta.json"
-        foreign = not meta.exists() or json.loads(meta.read_text()).get("run_hash") != run_hash
+        meta = _meta(path)
+        unreadable = (path / "meta.json").exists() and meta is None
+        foreign = not unreadable and (meta is None or meta.get("run_hash") != run_hash)
         if path.is_dir() and foreign:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

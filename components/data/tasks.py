@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from components.config import TaskConfig
+from components.config import ConfigError, TaskConfig
 
 
 def addition_problems(task: TaskConfig, seed: int, style: str = "{a}+{b}=") -> dict[str, list[dict[str, Any]]]:
@@ -81,6 +81,10 @@ def word_problems(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]]
     """
     rng = random.Random(seed)
     cases = _word_problem_operands(task)
+    wanted = task.n_sft + task.n_train + task.n_heldout
+    if wanted > len(cases):
+        raise ConfigError(f"task.n_train: n_sft + n_train + n_heldout ({wanted}) exceeds the {len(cases)} distinct "
+                          f"word problems of operands {max(task.min_operand, 1)}..{task.max_operand}")
     rng.shuffle(cases)
     splits: dict[str, list[dict[str, Any]]] = {}
     start = 0
@@ -105,15 +109,6 @@ def distinct_problems(task: TaskConfig) -> int:
     if task.name == "word_problems":
         return len(_word_problem_operands(task))
     return (task.max_operand - task.min_operand + 1) ** 2
-
-
-def longest_prompt_chars(task: TaskConfig) -> int:
-    """The longest prompt the task can generate, in characters (= tokens for the tiny model's character vocabulary)."""
-    if task.name == "word_problems":
-        widest = str(max(task.max_operand, 9))
-        return max(len(t.format(n=max(NAMES, key=len), i=max(ITEMS, key=len), a=widest, b=widest, c=widest))
-                   for t, _ in WORD_PROBLEMS)
-    return len(("What is {a} + {a}?" if task.name == "addition_question" else "{a}+{a}=").format(a=task.max_operand))
 
 
 TASKS = {"addition": addition_problems, "addition_question": addition_questions, "word_problems": word_problems}

@@ -287,14 +287,21 @@ def fit_memory(cfg: PipelineConfig, policy: Policy, records: list[dict[str, Any]
 
 
 def _checkpoint_to_resume(paths: Paths, run_hash: str, ctx: DistContext) -> Path | None:
-    """Drop checkpoints trained from other inputs (rank 0), then the newest one of this run, if any."""
+    """Drop checkpoints trained from other inputs and damaged ones (rank 0, each said), then the newest intact
+    one of this run, if any."""
+    found = None
     if ctx.is_main:
         for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
             print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
         # A DVC output even when the run is shorter than checkpoint_every (or checkpointing is off).
         paths.grpo_checkpoints.mkdir(parents=True, exist_ok=True)
+        skipped: list[str] = []
+        found = latest_checkpoint(paths.grpo_checkpoints, run_hash, lambda line: (print(line), skipped.append(line)),
+                                  remove_damaged=True)
+        if found is None and skipped:
+            print("grpo: no intact checkpoint of this run is left: starting from step 0")
     barrier(ctx)
-    return latest_checkpoint(paths.grpo_checkpoints, run_hash)
+    return found if ctx.is_main else latest_checkpoint(paths.grpo_checkpoints, run_hash, lambda *_: None)
 
 
 def _distribute(policy: Policy, cfg: PipelineConfig, ctx: DistContext, say) -> bool:

@@ -8,8 +8,8 @@ from components.config import TaskConfig
 from components.data.records import DataError, file_md5, read_jsonl, write_jsonl
 import re
 
-from components.config import load_config
-from components.data.tasks import addition_problems, distinct_problems, longest_prompt_chars, word_problems
+from components.config import ConfigError
+from components.data.tasks import addition_problems, distinct_problems, word_problems
 
 
 def test_addition_splits_are_disjoint_deterministic_and_correct():
@@ -52,18 +52,16 @@ def test_word_problems_are_two_step_disjoint_by_arithmetic_and_answered_right():
         assert int(row["answer"]) == _solve_word_problem(row["prompt"]) >= 0
     assert {_solve_word_problem(r["prompt"]) for r in a["train"]} - {int(x) for r in a["train"]
                                                                     for x in re.findall(r"\d+", r["prompt"])}
-    assert len(a["train"][0]["prompt"]) <= longest_prompt_chars(task) == 111
 
 
-def test_word_problem_range_too_small_is_rejected_at_config_time(tmp_path):
-    tight = TaskConfig(name="word_problems", min_operand=1, max_operand=2)
+def test_word_problem_range_too_small_is_refused_naming_the_key():
+    tight = TaskConfig(name="word_problems", min_operand=1, max_operand=2, n_sft=1, n_train=200, n_heldout=20)
     # a + b - c: 8; a - b + c needs b <= a: 3 pairs x 2; bags: factors 2..9 squared x 2; a + b + c: 8
     assert distinct_problems(tight) == 8 + 3 * 2 + 64 * 2 + 8 == 150
-    params = tmp_path / "params.yaml"
-    params.write_text("task: {name: word_problems, min_operand: 1, max_operand: 2, n_sft: 1, n_train: 200, "
-                      "n_heldout: 20}\n")
-    with pytest.raises(Exception, match=f"exceeds the {distinct_problems(tight)} distinct problems"):
-        load_config(params)
+    with pytest.raises(ConfigError, match=r"task.n_train: n_sft \+ n_train \+ n_heldout \(221\) exceeds the 150"):
+        word_problems(tight, 0)
+    assert len(word_problems(TaskConfig(name="word_problems", min_operand=1, max_operand=2, n_sft=1, n_train=129,
+                                        n_heldout=20), 0)["train"]) == 129  # 150 exactly: every problem once
 
 
 def test_jsonl_roundtrip_and_md5(tmp_path):

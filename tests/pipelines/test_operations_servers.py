@@ -512,7 +512,7 @@ def test_mlflow_on_postgresql_registers_and_promotes(served, postgres, tmp_path)
         shutil.copytree(served["repos"]["A"], repo, symlinks=True)
         env = {"MLFLOW_TRACKING_URI": url}
         out = run([sys.executable, "-m", "components.stages.register"], repo, env=env).stdout
-        assert "register: models:/grpo-addition/1 -> champion (no champion yet; beats its starting point" in out
+        assert "register: models:/grpo-addition/1 -> champion (no champion yet (register.require_improvement" in out
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=url)

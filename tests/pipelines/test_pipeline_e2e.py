@@ -65,8 +65,9 @@ def test_run_prints_before_after_and_model_uri(completed):
     out = completed["output"]
     assert re.search(r"held-out mean reward before GRPO: \d\.\d{4}", out)
     assert re.search(r"held-out mean reward after GRPO:  \d\.\d{4}", out)
-    assert ("registered model: models:/grpo-addition/1 -> champion (no champion yet; beats its starting point "
-            "(the SFT warm start) on held-out reward: +") in out
+    assert ("registered model: models:/grpo-addition/1 -> champion (no champion yet (register.require_improvement: "
+            "false: the first version is champion whatever it measured; against its starting point (the SFT warm "
+            "start): ") in out
     assert ran_stages(out) == STAGES
     # DVC's lines once each (not again through Prefect's console handler), its git hint once per run
     assert all(out.count(f"Running stage '{stage}'") == 1 for stage in STAGES), out
@@ -154,9 +155,9 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
     assert {k for k in tags if "." not in k} == {"registration"}, sorted(tags)
     assert str(client.get_model_version_by_alias("grpo-addition", "challenger").version) == "1"
     # The version page leads with its model card: the decision, then the held-out metrics with CIs.
-    assert version.description.startswith("## Model card: grpo-addition v1\n\n**Decision: champion.** no champion yet; "
-                                          "beats its starting point (the SFT warm start) on held-out reward: +")
-    assert "Rule: first version: must beat its starting point." in version.description
+    assert version.description.startswith("## Model card: grpo-addition v1\n\n**Decision: champion.** no champion yet "
+                                          "(register.require_improvement: false")
+    assert "Rule: first version: no improvement required (register.require_improvement: false)." in version.description
     assert "| reward (gate) | " in version.description
     assert f" | {float(tags['eval.heldout_mean_reward']):.4f} | " in version.description
     for heading in ("### Training", "### Reward-hacking monitors", "### Evaluation during training", "### Known limits"):

@@ -49,6 +49,7 @@ def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
         "grpo.steps=4", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.max_completion_length=4",
         "grpo.checkpoint_every=2", "grpo.log_every=2", "evaluate.max_new_tokens=4", "evaluate.bootstrap_samples=200",
         "register.model_name=tiny-qwen2-chat", "threads=1",
+        "register.require_improvement=false",  # 4 steps need not beat the start; this test is about the model
     ]
     proc = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in overrides for x in ("--set", o)], repo, env=env)
     assert "registered model: models:/tiny-qwen2-chat/1 -> champion" in proc.stdout

@@ -69,6 +69,39 @@ def test_nan_losses_are_skipped_then_stop_with_last_good_checkpoint_kept(tmp_pat
     assert all(torch.isfinite(t).all() for t in load_file(good / "model.safetensors").values())
 
 
+def test_a_damaged_checkpoint_is_skipped_and_the_rerun_ends_with_the_uninterrupted_weights(tmp_path, mlflow_store,
+                                                                                          capsys):
+    """The newest checkpoint cut to half its size (a disk error, an interrupted copy): the rerun says so in one
+    line, resumes from the intact one before it, and finishes with the weights of a run that was never hurt."""
+    from safetensors.torch import load_file
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=6", "grpo.checkpoint_every=2"])
+    train_grpo(cfg, paths)
+    uninterrupted = load_file(paths.grpo_model / "model.safetensors")
+    newest = paths.grpo_checkpoints / "step-0000004"  # checkpoints at 2 and 4 (none at the last step)
+    state = newest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    capsys.readouterr()
+    train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert f"grpo: skipped checkpoint {newest}: state.pt does not match its recorded sha256" in out
+    assert "grpo: resumed from" in out and "step-0000002 at step 2/6" in out
+    assert "Traceback" not in out and "PytorchStreamReader" not in out
+    rerun = load_file(paths.grpo_model / "model.safetensors")
+    assert rerun.keys() == uninterrupted.keys() and all(torch.equal(rerun[k], uninterrupted[k]) for k in rerun)
+
+    # every checkpoint of the run damaged: it says so and starts over, rather than failing every rerun
+    for meta in paths.grpo_checkpoints.glob("step-*/meta.json"):
+        meta.write_text(meta.read_text()[:10])
+    capsys.readouterr()
+    train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert out.count("its meta.json is missing or unreadable; removed it") == 2
+    assert "grpo: no intact checkpoint of this run is left: starting from step 0" in out
+    again = load_file(paths.grpo_model / "model.safetensors")
+    assert all(torch.equal(again[k], uninterrupted[k]) for k in again)
+
+
 def _run_hash(paths):
     import json
     return json.loads(next(paths.grpo_checkpoints.glob("step-*/meta.json")).read_text())["run_hash"]
