@@ -1,7 +1,8 @@
 """This machine's own limits, to read a GRPO step's phases against: float32 matrix-multiply rate and memory bandwidth.
 
 A phase's achieved fraction of the ceiling is what it did divided by what the machine can do:
-- compute: model FLOPs from the parameter count N, 2N a token forward (generation, reference) and, for the policy
+- compute: model FLOPs from the parameter count N, counted as a plain forward does them (every row's prompt and
+  completion; an engine that computes a group's prompt once or a repeated completion once can exceed 100%), 2N a token forward (generation, reference) and, for the policy
   update, 2N forward + 2N backward through the weights (activation gradients) + 2N for weight gradients when all
   weights train (LoRA's are negligible), over the phase's seconds. Attention's own FLOPs (a few percent at these
   lengths) are left out, so are recomputed layers: checkpointing costs time without adding counted work.
@@ -76,12 +77,13 @@ def phase_utilisation(parameters: int, trainable: int, weight_bytes: int, steps:
                                                      / (machine["bandwidth_gbs"] * 1e9), 3)
     if total("policy"):
         out["policy_flops_frac"] = round(update * rows_tokens / total("policy") / peak, 3)
-    if total("reference"):
+    measurable = 0.01 * (total("generation") + total("policy"))  # a phase that barely ran (no reference: beta 0)
+    if total("reference") > measurable:
         out["reference_flops_frac"] = round(forward * rows_tokens / total("reference") / peak, 3)
     out["gflops_by_phase"] = {
         "generation": round(forward * total("tokens") / max(total("generation"), 1e-9) / 1e9, 1),
         "policy": round(update * rows_tokens / max(total("policy"), 1e-9) / 1e9, 1),
-        "reference": round(forward * rows_tokens / max(total("reference"), 1e-9) / 1e9, 1) if total("reference")
+        "reference": round(forward * rows_tokens / total("reference") / 1e9, 1) if total("reference") > measurable
         else 0.0}
     return out
 
