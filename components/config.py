@@ -638,7 +638,7 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(0 <= t.min_operand <= t.max_operand, "task.max_operand", "must be >= task.min_operand >= 0")
     for name in ("n_sft", "n_train", "n_heldout"):
         _require(getattr(t, name) >= 1, f"task.{name}", "must be >= 1")
-    if t.name != "word_problems":  # word_problems counts its own (tasks.distinct_problems) when it generates them
+    if t.name != "word_problems":  # word_problems counts its own when it generates them (tasks.py)
         span = (t.max_operand - t.min_operand + 1) ** 2
         _require(t.n_sft + t.n_train + t.n_heldout <= span, "task.n_train",
                  f"n_sft + n_train + n_heldout exceeds the {span} distinct problems of the operand range")

@@ -60,15 +60,14 @@ FIRST_STEP = (lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda
 
 
 def _word_problem_operands(task: TaskConfig) -> list[tuple[int, int, int, int]]:
-    """Every (template, a, b, c) of the operand range with a non-negative answer; a product's factors in [2, 9]."""
-    lo, hi = max(task.min_operand, 1), task.max_operand
-    span, factors = range(lo, hi + 1), range(2, 10)
+    """Every (template, a, b, c) of the operand range whose intermediate and final counts are non-negative; a
+    product's factors lie in [2, 9]."""
+    span, factors = range(max(task.min_operand, 1), task.max_operand + 1), range(2, 10)
     cases = []
     for k, (template, answer_of) in enumerate(WORD_PROBLEMS):
         firsts = factors if "bags" in template else span
-        for a in firsts:
-            for b in (factors if "bags" in template else span):
-                cases += [(k, a, b, c) for c in span if answer_of(a, b, c) >= 0 and (k != 1 or b <= a)]
+        cases += [(k, a, b, c) for a in firsts for b in firsts for c in span
+                  if FIRST_STEP[k](a, b) >= 0 and answer_of(a, b, c) >= 0]
     return cases
 
 
@@ -102,13 +101,6 @@ def word_problems(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]]
         splits[split] = rows
         start += size
     return splits
-
-
-def distinct_problems(task: TaskConfig) -> int:
-    """How many different problems the task's operand range holds (the most n_sft + n_train + n_heldout can be)."""
-    if task.name == "word_problems":
-        return len(_word_problem_operands(task))
-    return (task.max_operand - task.min_operand + 1) ** 2
 
 
 TASKS = {"addition": addition_problems, "addition_question": addition_questions, "word_problems": word_problems}

@@ -9,7 +9,7 @@ from components.data.records import DataError, file_md5, read_jsonl, write_jsonl
 import re
 
 from components.config import ConfigError
-from components.data.tasks import addition_problems, distinct_problems, word_problems
+from components.data.tasks import addition_problems, word_problems
 
 
 def test_addition_splits_are_disjoint_deterministic_and_correct():
@@ -56,8 +56,7 @@ def test_word_problems_are_two_step_disjoint_by_arithmetic_and_answered_right():
 
 def test_word_problem_range_too_small_is_refused_naming_the_key():
     tight = TaskConfig(name="word_problems", min_operand=1, max_operand=2, n_sft=1, n_train=200, n_heldout=20)
-    # a + b - c: 8; a - b + c needs b <= a: 3 pairs x 2; bags: factors 2..9 squared x 2; a + b + c: 8
-    assert distinct_problems(tight) == 8 + 3 * 2 + 64 * 2 + 8 == 150
+    # a + b - c: 8; a - b + c needs b <= a: 3 pairs x 2; bags: factors 2..9 squared x 2; a + b + c: 8 -> 150
     with pytest.raises(ConfigError, match=r"task.n_train: n_sft \+ n_train \+ n_heldout \(221\) exceeds the 150"):
         word_problems(tight, 0)
     assert len(word_problems(TaskConfig(name="word_problems", min_operand=1, max_operand=2, n_sft=1, n_train=129,
