@@ -425,11 +425,13 @@ class MonitorSpec:
     """One reward-hacking check: a signal (components/engine/monitors.py) against a threshold."""
 
     signal: Literal["kl", "entropy", "completion_length", "completion_length_growth", "reward_mean",
-                    "zero_std_group_frac", "reward_heldout_gap", "heldout_drop"] = "heldout_drop"
+                    "zero_std_group_frac", "reward_heldout_gap", "heldout_drop", "heldout_flat"] = "heldout_drop"
     """kl, entropy, completion_length, reward_mean, zero_std_group_frac: means over the last `window` steps;
     completion_length_growth: that mean over step 1's (sampled from the start policy), minus 1; reward_heldout_gap: training reward
     minus the last held-out `reward`; heldout_drop: how far the held-out `grpo.keep_metric` fell over the last
-    `evaluations` evaluations while the training reward rose (0 otherwise)."""
+    `evaluations` evaluations while the training reward rose (0 otherwise); heldout_flat: judged once, at the
+    last step: the training reward's rise over the run when the held-out `grpo.keep_metric` did not rise over
+    the start model by more than its noise (1.96 paired standard errors), 0 otherwise."""
     above: float | None = None
     """Breached when the signal exceeds this."""
     below: float | None = None
@@ -463,6 +465,7 @@ class MonitorsConfig:
     """Held-out evaluations (evaluate.every) spanned by `heldout_drop`."""
     checks: list[MonitorSpec] = field(default_factory=lambda: [
         MonitorSpec("heldout_drop", above=0.05, action="block"),
+        MonitorSpec("heldout_flat", above=0.1, action="warn"),
         MonitorSpec("completion_length_growth", above=1.0, action="warn")])
     """The checks; every breach is recorded with its step and value."""
     not_learning: NotLearningConfig = field(default_factory=NotLearningConfig)
@@ -799,7 +802,8 @@ def config_warnings(cfg: PipelineConfig) -> list[str]:
             f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} is not GSPO: "
             f"{g.loss_type} sums per-token terms, so each sequence is weighted by its length; set "
             "grpo.loss_type: grpo for the GSPO paper's per-sequence objective")
-    held_out = [c.signal for c in cfg.monitors.checks if c.signal in ("heldout_drop", "reward_heldout_gap")]
+    held_out = [c.signal for c in cfg.monitors.checks
+                if c.signal in ("heldout_drop", "reward_heldout_gap", "heldout_flat")]
     if held_out and (cfg.evaluate.every == 0 or cfg.distributed.strategy == "fsdp2"):
         warnings.append(f"monitors {', '.join(held_out)} need held-out evaluations during training, which "
                         + ("evaluate.every: 0 turns off" if cfg.evaluate.every == 0 else

@@ -62,3 +62,10 @@ def every_other(prompts, completions, **_):
 def pays_for_length(prompts, completions, **_):
     """A hackable reward: pays for characters, whatever they say."""
     return [len(c) / 10 for c in completions]
+
+
+def starts_with_digit(prompts, completions, digit=None, **_):
+    """1.0 when the completion starts with the row's `digit` column (1 where the data has no such column): a
+    held-out split that asks for another digit than training does cannot improve while training learns."""
+    wanted = digit or ["1"] * len(completions)
+    return [1.0 if c.startswith(str(d or "1")) else 0.0 for c, d in zip(completions, wanted)]

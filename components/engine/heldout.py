@@ -101,28 +101,53 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
 class HeldoutProbe:
     """Greedy held-out metrics of the policy while it trains (`evaluate.every`), on the first
     `evaluate.during_training_n` held-out prompts: the same prompts every time, so the curve shows the
-    model changing, not the sample. Greedy decoding draws no random numbers, so training is unchanged."""
+    model changing, not the sample. Greedy decoding draws no random numbers, so training is unchanged.
+
+    Its origin is the model GRPO starts from (evaluated before step 1): every later evaluation also
+    reports the paired change of `grpo.keep_metric` over it and that change's standard error, the
+    evidence the `heldout_flat` monitor reads."""
 
     def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer):
         from components.engine.task_metrics import TaskMetrics
 
         e = cfg.evaluate
         self.every, self.steps, self.tokenizer = e.every, cfg.grpo.steps, tokenizer
+        self.keep_metric = cfg.grpo.keep_metric
         self.records = read_jsonl(split_path(paths.data, "heldout"))[: e.during_training_n]
         formatter = PromptFormatter(cfg.prompt, tokenizer)
         self.prompts = [formatter(r) for r in self.records]
         self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric])  # pass@k: skipped below
         self.seconds = 0.0
+        self.origin: np.ndarray | None = None  # the start model's per-prompt keep_metric
+        self.origin_scores: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.steps)
 
+    def set_origin(self, model) -> dict[str, float]:
+        """Evaluate the model GRPO starts from: the curve's step 0 and the reference of every later change."""
+        values = self._per_prompt(model)
+        self.origin = np.asarray(values[self.keep_metric], dtype=float)
+        self.origin_scores = {name: float(np.mean(v)) for name, v in values.items()}
+        return self.origin_scores
+
     def __call__(self, model) -> dict[str, float]:
-        """Each metric's mean over the subset."""
+        """Each metric's mean over the subset, and (once the origin is known) `<keep_metric>_vs_start`, the
+        paired mean change over the start model, with its standard error `<keep_metric>_vs_start_se`."""
+        values = self._per_prompt(model)
+        scores = {name: float(np.mean(v)) for name, v in values.items()}
+        if self.origin is not None:
+            change = np.asarray(values[self.keep_metric], dtype=float) - self.origin
+            se = float(change.std(ddof=1) / np.sqrt(len(change))) if len(change) > 1 else 0.0
+            scores.update({f"{self.keep_metric}_vs_start": float(change.mean()),
+                           f"{self.keep_metric}_vs_start_se": se})
+        return scores
+
+    def _per_prompt(self, model) -> dict[str, list[float]]:
         import time
 
         started = time.perf_counter()
         values, _ = self.metrics.per_prompt(model, self.tokenizer, self.prompts, self.records, seed=0,
                                             greedy_only=True)
         self.seconds += time.perf_counter() - started
-        return {name: float(np.mean(v)) for name, v in values.items()}
+        return values

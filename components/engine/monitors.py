@@ -19,21 +19,56 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def generalisation(history: Sequence[dict[str, Any]], end: int, window: int, keep_metric: str,
+                   evals: Sequence[int]) -> dict[str, Any] | None:
+    """The run so far in two numbers: how much the training reward rose, and how much the held-out
+    `keep_metric` rose over the start model (paired, on the same prompts) with its noise (1.96 standard
+    errors). None before the first held-out evaluation that knows its start.
+
+    The training reward's rise compares the mean of the last `w` steps with the first `w`, where `w` is
+    `window` or a quarter of the steps run, whichever is smaller (so a 20-step run compares 5 with 5)."""
+    key = f"heldout/{keep_metric}_vs_start"
+    if not evals or key not in history[evals[-1]]:
+        return None
+    w = min(window, max(1, end // 4))
+    train_gain = (_mean(history[end - w:end], "reward_mean") or 0.0) - (_mean(history[:w], "reward_mean") or 0.0)
+    row = history[evals[-1]]
+    gain, noise = row[key], 1.96 * row.get(f"{key}_se", 0.0)
+    return {"step": int(row["step"]), "metric": keep_metric, "train_gain": train_gain, "heldout_gain": gain,
+            "heldout_noise": noise, "heldout_rose": bool(gain > noise)}
+
+
+def generalisation_text(g: dict[str, Any], rose_by: float) -> str:
+    """One line for the progress output and the model card; the training reward `rose` when it gained `rose_by`."""
+    numbers = (f"training reward {g['train_gain']:+.3f}, held-out {g['metric']} {g['heldout_gain']:+.3f} "
+               f"(noise ±{g['heldout_noise']:.3f}) over the start")
+    if g["heldout_rose"]:
+        return numbers + ": held-out rose"
+    if g["train_gain"] < rose_by:
+        return numbers + ": neither rose"
+    return numbers + ": learning that does not generalise"
+
+
 def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, evaluations: int,
-                  keep_metric: str, evals: Sequence[int] | None = None) -> dict[str, float]:
+                  keep_metric: str, evals: Sequence[int] | None = None, final: bool = False) -> dict[str, float]:
     """Every signal at history[end - 1] (the signals that cannot be computed yet are left out).
 
     `evals`: the indices of history[:end] that hold a held-out evaluation, when the caller tracks them
-    (a search of the whole history at every step would make a long run quadratic)."""
+    (a search of the whole history at every step would make a long run quadratic). `final`: history[end - 1]
+    is the run's last step, the only one `heldout_flat` is judged at (over the whole run: on the default the
+    held-out reward is flat for hundreds of steps before it climbs)."""
+    key = f"heldout/{keep_metric}"
+    evals = [i for i in range(end) if key in history[i]] if evals is None else evals
+    run = generalisation(history, end, window, keep_metric, evals) if final else None
+    judged = {"heldout_flat": 0.0 if run["heldout_rose"] else max(0.0, run["train_gain"])} if run else {}
     if end < window:
-        return {}
+        return judged
     rows = history[end - window:end]
     values = {name: v for name in WINDOW_SIGNALS if (v := _mean(rows, name)) is not None}
     first = history[0].get("completion_length")  # step 1 samples from the start policy, before any update
     if first and "completion_length" in values:
         values["completion_length_growth"] = values["completion_length"] / first - 1.0
-    key = f"heldout/{keep_metric}"
-    evals = [i for i in range(end) if key in history[i]] if evals is None else evals
+    values.update(judged)
     if evals and "heldout/reward" in history[evals[-1]] and "reward_mean" in values:
         values["reward_heldout_gap"] = values["reward_mean"] - history[evals[-1]]["heldout/reward"]
     if len(evals) > evaluations:
@@ -70,8 +105,8 @@ def _rule(check: MonitorSpec) -> str:
 class Monitors:
     """Checks `monitors.checks` after every step; remembers each check's first breach."""
 
-    def __init__(self, m: MonitorsConfig, keep_metric: str):
-        self.m, self.keep_metric = m, keep_metric
+    def __init__(self, m: MonitorsConfig, keep_metric: str, steps: int | None = None):
+        self.m, self.keep_metric, self.steps = m, keep_metric, steps
         self.breaches: dict[int, Breach] = {}
         self.last: dict[str, float] = {}
         self.evals: list[int] = []  # history indices with a held-out evaluation, seen so far
@@ -81,8 +116,9 @@ class Monitors:
         end = len(history) if end is None else end
         if f"heldout/{self.keep_metric}" in history[end - 1] and (not self.evals or self.evals[-1] < end - 1):
             self.evals.append(end - 1)
+        final = self.steps is not None and int(history[end - 1]["step"]) == self.steps
         self.last = signal_values(history, end, self.m.window, self.m.evaluations, self.keep_metric,
-                                  self.evals) or self.last
+                                  self.evals, final) or self.last
         new = []
         for i, check in enumerate(self.m.checks):
             value = self.last.get(check.signal)

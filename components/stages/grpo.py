@@ -28,7 +28,7 @@ from components.engine.heldout import HeldoutProbe
 from components.engine.host_memory import configure_allocator
 from components.engine.memory_estimate import GiB, ModelShape, StepMemory, estimate_step_memory, knobs
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
-from components.engine.monitors import Monitors
+from components.engine.monitors import Monitors, generalisation, generalisation_text
 from components.engine.objectives import build_loss
 from components.engine.policy import Policy, build_policy, longest_row, update_reference
 from components.engine.rewards import RewardError, RewardModel
@@ -103,7 +103,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     # Held-out evaluation during training (rank 0; not with a sharded model) and the monitors reading it.
     probe = HeldoutProbe(cfg, paths, policy.tokenizer) if ctx.is_main and not ctx.lockstep and cfg.evaluate.every \
         else None
-    monitors = Monitors(cfg.monitors, g.keep_metric)
+    monitors = Monitors(cfg.monitors, g.keep_metric, g.steps)
     monitors.replay(history)
     best = best_meta(paths.grpo_checkpoints, run_hash) if g.keep == "best" else None
     model_ids: dict[int, Any] = {}  # evaluated step -> its MLflow LoggedModel
@@ -113,6 +113,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         reporter = GRPOReporter(run, policy.tokenizer, g.group_size, cfg.reports)
         log = StepLog(run, g, start_step, history, ctx.is_main, cfg.monitors.not_learning,
                       cfg.tracking.metrics_flush_s)
+        if probe is not None:  # the held-out curve's step 0: the model GRPO starts from
+            _evaluate_start(probe, policy, cfg, start_dir, start_step, ctx, run, say)
         for step in range(start_step, g.steps):
             set_progress(f"at step {step + 1} of {g.steps}; " + (f"the last checkpoint is step {last_checkpoint}"
                                                                  if last_checkpoint else "no checkpoint yet"))
@@ -191,9 +193,16 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         evaluations = [{"step": h["step"], **{k.removeprefix("heldout/"): v for k, v in h.items()
                                               if k.startswith("heldout/")}} for h in history
                        if any(k.startswith("heldout/") for k in h)]
+        if probe is not None:
+            evaluations.insert(0, {"step": 0, **{k: round(v, 6) for k, v in probe.origin_scores.items()}})
+        run_verdict = generalisation(history, len(history), cfg.monitors.window, g.keep_metric, monitors.evals)
+        if run_verdict:
+            run_verdict["text"] = generalisation_text(run_verdict, _flat_threshold(cfg))
+            say(f"grpo: over the run: {run_verdict['text']}", flush=True)
+            run.set_tags({"grpo.generalisation": run_verdict["text"]})
         summary = write_step_outputs(history, paths, {
             "kept": kept, "monitors": monitors.summary(), "not_learning": log.warning,
-            "heldout_evaluations": evaluations})
+            "heldout_evaluations": evaluations, "generalisation": run_verdict})
         if probe is not None:  # wall-clock: in MLflow, not in metrics/grpo.json (its hash must reproduce)
             run.log_metrics({"time/heldout_evaluation_total": probe.seconds}, step=g.steps)
         run.set_tags({"grpo.kept_step": kept["step"], "grpo.keep": g.keep})
@@ -232,7 +241,25 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
     return metrics
 
 
-# ---- the details the loop above hides: the best checkpoint, multi-process set-up, resume, failure streaks
+# ---- the details the loop above hides: the held-out start, the best checkpoint, multi-process set-up, resume,
+# failure streaks
+
+def _flat_threshold(cfg: PipelineConfig) -> float:
+    """The training-reward rise that counts as learning: the `heldout_flat` check's, else not-learning's."""
+    return next((c.above for c in cfg.monitors.checks if c.signal == "heldout_flat" and c.above is not None),
+                cfg.monitors.not_learning.min_reward_gain)
+
+
+def _evaluate_start(probe: HeldoutProbe, policy: Policy, cfg: PipelineConfig, start_dir: Path, start_step: int,
+                    ctx: DistContext, run, say) -> None:
+    """Evaluate the model GRPO starts from on the held-out probe (a resumed run reloads it from its directory:
+    greedy decoding gives the same scores), so every later evaluation is a paired change over the start."""
+    model = policy.model if start_step == 0 else load_policy_model(cfg, start_dir, ctx.device)
+    scores = probe.set_origin(model)
+    del model
+    run.log_metrics({f"heldout/{k}": v for k, v in scores.items()}, step=0)
+    say("grpo: held-out at the start " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
+
 
 def _keep_best(best: dict[str, Any] | None, step: int, scores: dict[str, float], policy: Policy, run_hash: str,
                paths: Paths, g: GRPOConfig, say) -> dict[str, Any] | None:

@@ -95,7 +95,10 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
         monitors.append(f"| {m['signal']} | {m['rule']} | {m['action']} | {result} |")
     if not grpo.get("monitors"):
         monitors.append("| - | - | - | no monitors configured |")
-    monitors += ["", f"Not-learning warning: {grpo.get('not_learning') or 'none'}.", ""]
+    monitors += ["", f"Not-learning warning: {grpo.get('not_learning') or 'none'}."]
+    if (grpo.get("generalisation") or {}).get("text"):
+        monitors.append(f"Generalisation (training reward vs the held-out curve): {grpo['generalisation']['text']}.")
+    monitors.append("")
 
     curve = ["### Evaluation during training", ""]
     evals = grpo.get("heldout_evaluations") or []
@@ -105,7 +108,7 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
         keys = [k for k in evals[-1] if k != "step"]
         curve += ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         shown = evals if len(evals) <= 12 else evals[:: max(1, len(evals) // 10)] + [evals[-1]]
-        curve += [f"| {r['step']} | " + " | ".join(f"{r.get(k, float('nan')):.3f}" for k in keys) + " |" for r in shown]
+        curve += [f"| {r['step']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |" for r in shown]
     else:
         curve.append("No held-out evaluation during training (evaluate.every: 0).")
     curve.append("")

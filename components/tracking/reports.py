@@ -132,7 +132,8 @@ def heldout_figure(history: list[dict[str, Any]], path: Path) -> Path:
     for comparison: a held-out curve that falls while the training reward rises is reward hacking's mark."""
     plt = _pyplot()
     rows = [h for h in history if any(k.startswith("heldout/") for k in h)]
-    keys = sorted({k for h in rows for k in h if k.startswith("heldout/")} - {"heldout/completion_length"})
+    keys = sorted(k for k in {k for h in rows for k in h if k.startswith("heldout/")} - {"heldout/completion_length"}
+                  if not k.endswith("_se"))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for key in keys:
         ax.plot([h["step"] for h in rows if key in h], [h[key] for h in rows if key in h], marker="o",

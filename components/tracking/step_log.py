@@ -75,7 +75,7 @@ class StepLog:
                     f"loss {metrics['loss']:+.4f} | {rate:.2f} steps/s, {metrics['completions_per_s']:.0f} "
                     f"completions/s, ETA {eta:.0f}s")
             if heldout:
-                line += " | held-out " + ", ".join(f"{k.removeprefix('heldout/')} {v:.3f}" for k, v in heldout.items())
+                line += " | held-out " + heldout_text({k.removeprefix("heldout/"): v for k, v in heldout.items()})
             self.warning = not_learning(self.history, self.not_learning_cfg) if self.not_learning_cfg else None
             if self.warning:
                 line += f"\ngrpo: WARNING at step {step}: {self.warning}"
@@ -89,6 +89,19 @@ class StepLog:
                                  flush=False)
             self.window = []
         self.run.flush()
+
+
+def heldout_text(scores: dict[str, float]) -> str:
+    """`reward 0.520 (+0.100 ±0.060 vs start), eos_rate 1.000`: the change over the start model beside its metric."""
+    parts = []
+    for name, value in scores.items():
+        if name.endswith(("_vs_start", "_vs_start_se")):
+            continue
+        part = f"{name} {value:.3f}"
+        if f"{name}_vs_start" in scores:
+            part += f" ({scores[f'{name}_vs_start']:+.3f} ±{1.96 * scores.get(f'{name}_vs_start_se', 0.0):.3f} vs start)"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def write_step_outputs(history: list[dict[str, Any]], paths: Paths, extra: dict[str, Any] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from components.config import MonitorsConfig, MonitorSpec, NotLearningConfig
-from components.engine.monitors import Monitors, not_learning, signal_values
+from components.engine.monitors import Monitors, generalisation, generalisation_text, not_learning, signal_values
 
 
 def steps(n: int, **columns) -> list[dict]:
@@ -54,6 +54,39 @@ def test_heldout_drop_counts_only_while_the_training_reward_rises():
     assert monitors.last["heldout_drop"] == pytest.approx(0.3) and monitors.breaches[0].step == 8
     falling = signal_values(history(lambda i: 1 - 0.1 * i), 8, window=2, evaluations=3, keep_metric="reward")
     assert falling["heldout_drop"] == 0.0  # both fell: not the mark of a hacked reward
+
+
+def _flat_history(train, gains: dict[int, tuple[float, float]]) -> list[dict]:
+    """20 steps of training reward `train(i)`, held-out evaluations {step: (change over the start, its se)}."""
+    rows = steps(20, reward_mean=train)
+    for step, (gain, se) in gains.items():
+        rows[step - 1].update({"heldout/reward": 0.5 + gain, "heldout/reward_vs_start": gain,
+                               "heldout/reward_vs_start_se": se})
+    return rows
+
+
+def test_heldout_flat_is_the_training_gain_when_the_heldout_change_is_within_its_noise():
+    train = lambda i: 0.2 + 0.02 * i  # noqa: E731 - 0.20, 0.22, ... 0.58
+    flat = _flat_history(train, {10: (0.03, 0.02), 20: (0.03, 0.02)})
+    # w = min(window 50, 20 // 4) = 5: last five (0.50..0.58, mean 0.54) minus first five (0.20..0.28, mean 0.24)
+    run = generalisation(flat, 20, window=50, keep_metric="reward", evals=[9, 19])
+    assert run == {"step": 20, "metric": "reward", "train_gain": pytest.approx(0.30), "heldout_gain": 0.03,
+                   "heldout_noise": pytest.approx(1.96 * 0.02), "heldout_rose": False}  # 0.03 <= 0.0392
+    assert generalisation_text(run, 0.1) == ("training reward +0.300, held-out reward +0.030 (noise ±0.039) over the "
+                                             "start: learning that does not generalise")
+    values = signal_values(flat, 20, window=50, evaluations=3, keep_metric="reward", evals=[9, 19], final=True)
+    assert values == {"heldout_flat": pytest.approx(0.30)}  # the window signals need 50 steps: only this one
+    assert signal_values(flat, 20, window=50, evaluations=3, keep_metric="reward", evals=[9, 19]) == {}  # not final
+    rose = _flat_history(train, {10: (0.03, 0.02), 20: (0.05, 0.02)})  # 0.05 > 0.0392: above its noise
+    assert signal_values(rose, 20, 50, 3, "reward", [9, 19], final=True) == {"heldout_flat": 0.0}
+    assert generalisation_text(generalisation(rose, 20, 50, "reward", [9, 19]), 0.1).endswith(": held-out rose")
+    still = _flat_history(lambda i: 0.3, {20: (0.0, 0.02)})
+    assert generalisation_text(generalisation(still, 20, 50, "reward", [19]), 0.1).endswith(": neither rose")
+    # Monitors judge it at the run's last step only, with the threshold as the action's line.
+    monitors = Monitors(MonitorsConfig(window=50, checks=[MonitorSpec("heldout_flat", above=0.1, action="warn")]),
+                        "reward", steps=20)
+    breaches = [monitors.check(flat, end) for end in range(1, 21)]
+    assert [len(b) for b in breaches] == [0] * 19 + [1] and breaches[-1][0].value == pytest.approx(0.30)
 
 
 def test_replay_after_resume_reaches_the_same_breaches():

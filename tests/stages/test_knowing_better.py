@@ -33,10 +33,16 @@ def test_heldout_curves_logged_models_and_keep_best(tmp_path, mlflow_store, caps
     summary = train_grpo(cfg, paths)
     out = capsys.readouterr().out
     evals = summary["heldout_evaluations"]
-    assert [e["step"] for e in evals] == [10, 20, 30]
+    assert [e["step"] for e in evals] == [0, 10, 20, 30]  # step 0: the model GRPO started from
     assert set(evals[0]) == {"step", "reward", "completion_length", "eos_rate"}
-    assert "| held-out reward" in out  # the progress line carries the evaluation
+    assert set(evals[1]) == {*evals[0], "reward_vs_start", "reward_vs_start_se"}
+    assert all(e["reward_vs_start"] == pytest.approx(e["reward"] - evals[0]["reward"], abs=1e-5) for e in evals[1:])
+    assert "| held-out reward" in out and " vs start)" in out  # the progress line carries the evaluation
+    # It learned, and the held-out curve rose with the training reward: no flat-curve warning.
+    assert summary["generalisation"]["heldout_rose"] and "over the run: training reward +" in out
+    assert not next(m for m in summary["monitors"] if m["signal"] == "heldout_flat")["breached"]
     # keep: best -> the first evaluation with the highest held-out reward; its weights became models/grpo.
+    evals = evals[1:]  # the start is not a candidate for `best`
     best = max(evals, key=lambda e: (e["reward"], -e["step"]))
     assert summary["kept"] == {"mode": "best", "step": best["step"], "metric": "reward", "value": best["reward"]}
     saved = load_file(str(paths.grpo_checkpoints / "best" / "model.safetensors"))
@@ -52,7 +58,8 @@ def test_heldout_curves_logged_models_and_keep_best(tmp_path, mlflow_store, caps
     client = MlflowClient(mlflow_store)
     run = _grpo_run(client, cfg.tracking.experiment)
     curve = client.get_metric_history(run.info.run_id, "heldout/reward")
-    assert [(p.step, p.value) for p in curve] == [(e["step"], pytest.approx(e["reward"], abs=1e-6)) for e in evals]
+    assert [(p.step, p.value) for p in curve] == [(e["step"], pytest.approx(e["reward"], abs=1e-6))
+                                                  for e in summary["heldout_evaluations"]]
     assert run.data.tags["grpo.kept_step"] == str(best["step"])
     mlflow.set_tracking_uri(mlflow_store)
     models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list")
@@ -92,6 +99,42 @@ def test_not_learning_is_said_while_it_runs_and_not_when_learning(tmp_path, mlfl
     summary = train_grpo(cfg, paths)
     assert "not learning" not in capsys.readouterr().out and summary["not_learning"] is None
     assert summary["reward_mean_last10pct"] > summary["reward_mean_first10pct"] + 0.3  # it did learn
+
+
+def test_a_flat_heldout_curve_is_named_in_the_progress_and_the_model_card(tmp_path, mlflow_store, capsys):
+    """Training learns to start with 1 while the held-out split asks for 7: the training reward rises, the
+    held-out one cannot. The last progress line, the monitor and the model card name it."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from components.data.records import read_jsonl, split_path
+    from components.stages.evaluate import evaluate
+    from components.stages.register import register
+
+    from conftest import ROOT
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
+        "grpo.steps=30", "evaluate.every=10", "evaluate.during_training_n=20", "evaluate.metrics=[reward]",
+        "evaluate.bootstrap_samples=500", "reports.samples_every=0",
+        "grpo.rewards=[{name: 'reward_fixtures:starts_with_digit', weight: 1.0}]"])
+    heldout = split_path(paths.data, "heldout")
+    heldout.write_text("".join(json.dumps({**r, "digit": "7"}) + "\n" for r in read_jsonl(heldout)))
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    summary = train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    run = summary["generalisation"]
+    assert run["train_gain"] > 0.3 and not run["heldout_rose"]
+    assert run["text"].endswith(": learning that does not generalise")
+    assert f"grpo: over the run: {run['text']}" in out
+    flat = next(m for m in summary["monitors"] if m["signal"] == "heldout_flat")
+    assert flat["breached"] and flat["action"] == "warn" and flat["breach"]["step"] == 30
+    assert "grpo: monitor breached: heldout_flat = " in out
+    evaluate(cfg, paths)
+    decision = register(cfg, paths)
+    assert not decision["promoted"]  # no better than its start on held-out: the first-champion rule
+    card = MlflowClient(mlflow_store).get_model_version(cfg.register.model_name, "1").description
+    assert "learning that does not generalise" in card and "| heldout_flat | > 0.1 | warn | **breached** at step 30" in card
 
 
 HACK = ["task.n_sft=300", "task.n_train=200", "task.n_heldout=40", "sft.epochs=3", "sft.stop_at_reward=null",
