@@ -69,3 +69,11 @@ def starts_with_digit(prompts, completions, digit=None, **_):
     held-out split that asks for another digit than training does cannot improve while training learns."""
     wanted = digit or ["1"] * len(completions)
     return [1.0 if c.startswith(str(d or "1")) else 0.0 for c, d in zip(completions, wanted)]
+
+
+def starts_with_one_slowly(prompts, completions, **_):
+    """starts_with_one after 0.25 s, as a remote judge would take: a run long enough to lose and regain a server."""
+    import time
+
+    time.sleep(0.25)
+    return starts_with_one(prompts, completions)

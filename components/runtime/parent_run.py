@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from components.tracking.runs import StageRun, client, experiment_id, start_run
+from components.tracking.runs import StageRun, experiment_id, start_run
 
 
 def open_store(experiment: str) -> dict[str, str]:
@@ -34,8 +34,8 @@ def open_store(experiment: str) -> dict[str, str]:
 def start(experiment: str, params: dict[str, Any], tags: dict[str, str], run_name: str = "pipeline") -> dict[str, str]:
     run = start_run(experiment, run_name, tags=tags)
     run.log_params(params)
-    log_environment(run.run_id)
-    return {"run_id": run.run_id, "experiment_id": experiment_id(experiment)}
+    log_environment(run)
+    return {"run_id": run.run_id, "experiment_id": None if run.offline else experiment_id(experiment)}
 
 
 def update(run_id: str, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
@@ -46,16 +46,16 @@ def update(run_id: str, metrics: dict[str, float] | None = None, tags: dict[str,
     if tags:
         run.set_tags(tags)
     if status:
-        client().set_terminated(run_id, status=status)
+        run.terminate(status)
     return {}
 
 
-def log_environment(run_id: str) -> None:
+def log_environment(run: StageRun) -> None:
     """The installed package list (name==version), so a run's stack can be recovered."""
     from importlib.metadata import distributions
 
     packages = sorted({p for p in (installed_name_version(d) for d in distributions()) if p})
-    client().log_text(run_id, "\n".join(packages) + "\n", "environment/packages.txt")
+    run.log_text("\n".join(packages) + "\n", "environment/packages.txt")
 
 
 def installed_name_version(dist) -> str | None:

@@ -14,6 +14,7 @@ from typing import Callable
 from components.config import ConfigError, PipelineConfig, load_config
 from components.errors import StageFailed
 from components.interruptions import StageInterrupted, progress, stop_on_signals
+from components.tracking.outbox import is_outage
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
@@ -72,12 +73,14 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
         report_error(str(err))
         return 1
     except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
-        if not _is_tracking_outage(err):
+        if not is_outage(err):
             raise
         from components.tracking.runs import tracking_uri
 
+        needs = "registering a model needs it" if stage == "register" else "this stage cannot go on without it"
         report_error(f"the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
-                     f"({type(err).__name__}); checkpoints and outputs on disk are kept, rerun when it is back")
+                     f"({type(err).__name__}) and {needs}; everything on disk is kept (checkpoints, finished stages' "
+                     "outputs, queued tracking records): rerun when it is back")
         return 1
     except StageInterrupted as stop:
         where = f" {progress()}" if progress() else ""
@@ -99,7 +102,11 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
         importlib.import_module(name)
     from components.tracking.runs import experiment_id
 
-    experiment_id(cfg.tracking.experiment)
+    try:
+        experiment_id(cfg.tracking.experiment)
+    except Exception as err:  # noqa: BLE001 - an outage is the stage's to handle (it logs offline)
+        if not is_outage(err):
+            raise
 
 
 def _record_compute(stage: str, seconds: float, entered: float, started_at: float) -> None:
@@ -118,15 +125,3 @@ def _record_compute(stage: str, seconds: float, entered: float, started_at: floa
             fh.write(json.dumps({"stage": stage, "compute_seconds": round(seconds, 3), "entered": round(entered, 3),
                                  "started_at": round(started_at, 3), "ended_at": round(time.time(), 3),
                                  "gc_frozen": frozen, "gc_enabled": gc.isenabled()}) + "\n")
-
-
-def _is_tracking_outage(err: BaseException) -> bool:
-    """Connection failures to the tracking server, however MLflow or requests wrap them."""
-    seen = 0
-    while err is not None and seen < 10:
-        text = f"{type(err).__name__}: {err}"
-        if any(k in text for k in ("ConnectionError", "Max retries exceeded", "Connection refused",
-                                   "API request to", "NewConnectionError")):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False

@@ -84,7 +84,7 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
         run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
         from components.tracking.reports import log_predictions_table
 
-        log_predictions_table(run.run_id, read_jsonl(paths.eval_dir / "predictions.jsonl"))
+        log_predictions_table(run, read_jsonl(paths.eval_dir / "predictions.jsonl"))
     for name, row in table.items():
         imp = row["improvement"]
         print(f"evaluate: {name}: {row['baseline']:.4f} -> {row['candidate']:.4f}, improvement {imp['mean']:+.4f} "

@@ -65,13 +65,9 @@ class GRPOReporter:
         return table
 
     def log_samples(self, step: int, rollout, scores, advantages) -> None:
-        import pandas as pd
-
-        from components.tracking.runs import client
-
-        frame = pd.DataFrame(self.sample_rows(rollout, scores, advantages))
-        frame.insert(0, "step", step)
-        client().log_table(self.run.run_id, data=frame, artifact_file=f"samples/step_{step:06d}.json")
+        table = self.sample_rows(rollout, scores, advantages)
+        rows = [{"step": step, **dict(zip(table, values))} for values in zip(*table.values())]
+        self.run.log_table(rows, f"samples/step_{step:06d}.json")
 
     def finish(self, history: list[dict[str, Any]], plots_dir: Path) -> list[Path]:
         """Write the PNGs (DVC plots) and log them to the run."""
@@ -170,13 +166,9 @@ def _buckets(group_means: list[tuple[int, list[float]]], n: int) -> list[tuple[s
     return out
 
 
-def log_predictions_table(run_id: str, rows: list[dict[str, Any]]) -> None:
+def log_predictions_table(run, rows: list[dict[str, Any]]) -> None:
     """Held-out predictions (prompt, answer, both completions and rewards) as a browsable MLflow table."""
-    import pandas as pd
-
-    from components.tracking.runs import client
-
-    client().log_table(run_id, data=pd.DataFrame(rows), artifact_file="eval/heldout_predictions.json")
+    run.log_table(rows, "eval/heldout_predictions.json")
 
 
 def log_data_docs(run, results: dict[str, Any]) -> None:

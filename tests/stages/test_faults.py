@@ -1,4 +1,4 @@
-"""Injected faults: failing rewards, NaN losses, a full disk, a dead tracking server, SIGKILL during
+"""Injected faults: failing rewards, NaN losses, a full disk, a tracking server outage, SIGKILL during
 register, two runs at once, and secrets in the environment."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -164,44 +165,94 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _grpo_points(tracking: str) -> list[tuple[str, tuple[str, list[int]]]]:
+    """(run name, (status, steps of its `learning/reward_mean` points)) of every run on the server."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking)
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
+    return [(r.info.run_name, (r.info.status, sorted(p.step for p in c.get_metric_history(r.info.run_id,
+                                                                                           "learning/reward_mean"))))
+            for r in runs]
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-def test_tracking_server_down_at_start_and_mid_run(tmp_path, mlflow_store):
-    steps = ["grpo.steps=60", "grpo.checkpoint_every=4", "grpo.log_every=2"]
-    setup_stage_inputs(tmp_path, LEARN + steps)
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_path, mlflow_store):
+    """Server down from the start: GRPO and evaluate run to the end logging to the on-disk queue, say so once,
+    show no traceback; register, which needs the server, stops with one line; rerun when the server is back, it
+    sends the queue first, then registers. Server gone mid-run and back: the run sends its queue
+    itself and its MLflow run ends complete. Both end with the weights of a run that never lost its server."""
+    from safetensors.torch import load_file
+
+    steps = ["grpo.steps=24", "grpo.checkpoint_every=4", "grpo.log_every=4", "grpo.metrics_every=2"]
     port = _free_port()
-    # A shorter retry budget than the default's ~15 s of backoff (components/tracking/runs.py RETRY_DEFAULTS);
-    # the retry-then-fail path is the same, twice per test.
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
-           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    uri = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "GRPO_TRACKING_RETRY_S": "1",
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    cmd = [sys.executable, "-m", "components.stages.grpo"] + [x for o in LEARN + steps for x in ("--set", o)]
-
-    started = time.monotonic()  # nobody listening: bounded retries, then one clear line
-    down = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert down.returncode == 1 and time.monotonic() - started < 120
-    assert f"the MLflow tracking server at http://127.0.0.1:{port} did not answer after bounded retries" in down.stderr
-
+    sets = [x for o in LEARN + steps for x in ("--set", o)]
+    grpo = [sys.executable, "-m", "components.stages.grpo", *sets]
+    roots = {name: tmp_path / name for name in ("online", "down", "midway")}
+    for root in roots.values():
+        setup_stage_inputs(root, LEARN + steps)
+        (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     server = _start_mlflow(tmp_path, port)
     try:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        ckpts = tmp_path / "checkpoints" / "grpo"
-        deadline = time.time() + 180
-        while time.time() < deadline and not (ckpts.exists() and any(ckpts.glob("step-*/meta.json"))):
+        subprocess.run(grpo, cwd=roots["online"], env=env, check=True, capture_output=True, timeout=600)
+        _stop(server)
+
+        down = subprocess.run(grpo, cwd=roots["down"], env=env, capture_output=True, text=True, timeout=600)
+        assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
+        assert down.stdout.count(f"tracking: the MLflow tracking server at {uri} does not answer") == 1
+        assert "Traceback" not in down.stdout + down.stderr and "Retrying" not in down.stderr
+        outbox = roots["down"] / ".tracking-outbox"
+        assert (outbox / "queue.jsonl").exists() and "Retrying" in (outbox / "http.log").read_text()
+
+        stage = lambda name: subprocess.run([sys.executable, "-m", f"components.stages.{name}", *sets],  # noqa: E731
+                                            cwd=roots["down"], env=env, capture_output=True, text=True, timeout=600)
+        evaluate = stage("evaluate")  # needs no server either
+        assert evaluate.returncode == 0 and "does not answer" in evaluate.stdout, evaluate.stderr[-2000:]
+        register = stage("register")  # needs the server: one line, the way to finish later
+        assert register.returncode == 1 and "Traceback" not in register.stdout + register.stderr
+        assert register.stderr.strip().splitlines()[-1].startswith(
+            f"error: the MLflow tracking server at {uri} did not answer after bounded retries")
+        assert "registering a model needs it" in register.stderr and "rerun when it is back" in register.stderr
+
+        server = _start_mlflow(tmp_path, port)  # back: the next stage sends what was queued, then registers
+        register = stage("register")
+        assert register.returncode == 0, register.stderr[-2000:]
+        assert "tracking: the tracking server answers again: sent " in register.stdout
+        assert not (outbox / "queue.jsonl").exists()
+        assert sorted(name for name, _ in _grpo_points(uri)) == ["evaluate", "grpo", "grpo", "register"]
+
+        slowly = [*grpo, "--set", "grpo.rewards=[{name: 'reward_fixtures:starts_with_one_slowly', weight: 1.0}]",
+                  "--set", "tracking.metrics_flush_s=0", "--set", "grpo.steps=40"]  # ~10 s of steps, each second one sends its points
+        proc = subprocess.Popen(slowly, cwd=roots["midway"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.time() + 300
+        while time.time() < deadline and not any(line.startswith("grpo: step 4/") for line in lines):
             time.sleep(0.05)
-        _stop(server)  # the server dies mid-run
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 1, out[-2000:] + err[-2000:]
-        assert "did not answer after bounded retries" in err
-        kept = sorted(p.name for p in ckpts.glob("step-*"))
-        assert kept, "checkpoints must survive the outage"
-        server = _start_mlflow(tmp_path, port)  # back, same store
-        rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert rerun.returncode == 0, rerun.stderr[-3000:]
-        assert "resumed from" in rerun.stdout and (tmp_path / "models" / "grpo" / "model.safetensors").exists()
+        _stop(server)  # gone mid-run ...
+        while time.time() < deadline and not any("does not answer" in line for line in lines):
+            time.sleep(0.05)
+        server = _start_mlflow(tmp_path, port)  # ... and back before the run ends
+        proc.wait(timeout=600)
+        reader.join(timeout=10)
+        out, err = "".join(lines), proc.stderr.read()
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        assert "grpo: step 40/40" in out and out.index("answers again: sent ") < out.index("grpo: step 40/40")
+        assert "Traceback" not in out + err
+        runs = sorted(v for k, v in _grpo_points(uri) if k == "grpo")
+        assert runs == [("FINISHED", list(range(2, 25, 2)))] * 2 + [  # online, down (sent at the next start)
+            ("FINISHED", list(range(2, 41, 2)))]  # midway (sent within the run)
     finally:
         _stop(server)
+    weights = [load_file(str(roots[name] / "models" / "grpo" / "model.safetensors")) for name in ("online", "down")]
+    assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())  # logging offline changes nothing
 
 
 @pytest.mark.slow

@@ -1,0 +1,194 @@
+"""Tracking that survives an outage of the MLflow tracking server.
+
+While the server does not answer, a run writes what it would have logged (metrics, params, tags, artifacts,
+tables, checkpoint models, its end) to an on-disk queue and goes on training; the queue is sent, in order,
+when the server answers again: within the run (tried every `GRPO_TRACKING_RETRY_S`, 30 s by default) or at
+the next run's start. Runs created during the outage get a local id (`offline-...`) that the queue maps to
+the server's id when it is sent, also where another run names it (a stage's `mlflow.parentRunId`).
+
+One queue per repository (`.tracking-outbox/`): stages run one after another, each appending whole lines,
+so the order on disk is the order of the calls. Only a remote store (http/https) goes offline; a local
+SQLite store has no outage to wait out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+OUTBOX_DIR = ".tracking-outbox"
+OUTBOX_ENV = "GRPO_TRACKING_OUTBOX"
+RETRY_ENV = "GRPO_TRACKING_RETRY_S"
+OFFLINE_PREFIX = "offline-"
+_OUTAGE_MARKS = ("ConnectionError", "Max retries exceeded", "Connection refused", "API request to",
+                 "NewConnectionError", "RemoteDisconnected", "Connection aborted")
+
+
+def is_outage(err: BaseException | None) -> bool:
+    """Connection failures to the tracking server, however MLflow or requests wrap them."""
+    seen = 0
+    while err is not None and seen < 10:
+        text = f"{type(err).__name__}: {err}"
+        if any(k in text for k in _OUTAGE_MARKS):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def answers(uri: str, timeout_s: float = 2.0) -> bool:
+    """The server answers its health check now (one try, no retries: a probe, not a request)."""
+    import requests
+
+    try:
+        return requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s).ok
+    except requests.RequestException:
+        return False
+
+
+def retry_every_s() -> float:
+    return float(os.environ.get(RETRY_ENV, "30"))
+
+
+def local_id() -> str:
+    return OFFLINE_PREFIX + uuid.uuid4().hex
+
+
+def quiet_http_logs(log_file: Path) -> None:
+    """urllib3's retry warnings go to `log_file`, not the terminal: the outage gets one line of our own."""
+    logger = logging.getLogger("urllib3")
+    if any(getattr(h, "_grpo_outbox", False) for h in logger.handlers):
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler._grpo_outbox = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+class Outbox:
+    """The on-disk queue: `queue.jsonl` (one operation a line), `sent` (how many are done), `ids.json`
+    (local id -> server id) and `files/` (copies of queued artifacts, so later changes do not alter them)."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root or os.environ.get(OUTBOX_ENV) or OUTBOX_DIR)
+        self.queue, self.sent_file, self.ids_file = (self.root / "queue.jsonl", self.root / "sent",
+                                                     self.root / "ids.json")
+
+    def pending(self) -> int:
+        if not self.queue.exists():
+            return 0
+        with self.queue.open() as fh:
+            total = sum(1 for _ in fh)
+        return total - self._sent()
+
+    def ids(self) -> dict[str, str]:
+        return json.loads(self.ids_file.read_text()) if self.ids_file.exists() else {}
+
+    def resolve(self, some_id: str | None) -> str | None:
+        """The server's id for a local one once it was sent; any other id unchanged."""
+        return self.ids().get(some_id, some_id) if some_id and some_id.startswith(OFFLINE_PREFIX) else some_id
+
+    def add(self, op: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if op.get("file"):  # keep the artifact as it is now
+            copy = self.root / "files" / uuid.uuid4().hex / Path(op["file"]).name
+            copy.parent.mkdir(parents=True)
+            (shutil.copytree if Path(op["file"]).is_dir() else shutil.copy2)(op["file"], copy)
+            op = {**op, "file": str(copy)}
+        line = json.dumps(op, default=str) + "\n"
+        with self.queue.open("a") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def send(self, client) -> int:
+        """Send every queued operation in order (resuming after the last one sent); clear the queue when all
+        went. Raises what the client raises (the caller decides whether it is an outage)."""
+        if not self.queue.exists():
+            return 0
+        ops = [json.loads(line) for line in self.queue.read_text().splitlines() if line.strip()]
+        done, ids = self._sent(), self.ids()
+        for i in range(done, len(ops)):
+            apply_op(client, ops[i], ids)
+            self.ids_file.write_text(json.dumps(ids))
+            self.sent_file.write_text(str(i + 1))
+        # The ids stay: a later run may still name a run created offline (a stage's parent).
+        self.queue.unlink()
+        self.sent_file.unlink(missing_ok=True)
+        shutil.rmtree(self.root / "files", ignore_errors=True)
+        return len(ops) - done
+
+    def _sent(self) -> int:
+        return int(self.sent_file.read_text() or 0) if self.sent_file.exists() else 0
+
+
+def _mapped(value: Any, ids: dict[str, str]) -> Any:
+    if isinstance(value, str) and value.startswith(OFFLINE_PREFIX):
+        return ids.get(value, value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mapped(v, ids) for v in value]
+    return value
+
+
+def apply_op(client, op: dict[str, Any], ids: dict[str, str]) -> None:
+    """Do one queued operation against the server (`ids` gains the server ids of what it creates)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    op = {k: (v if k == "id" else _mapped(v, ids)) for k, v in op.items()}
+    kind, run = op["op"], op.get("run")
+    if kind == "create_run":
+        from components.tracking.runs import experiment_id
+
+        created = client.create_run(experiment_id(op["experiment"]), start_time=op["time"], tags=op["tags"],
+                                    run_name=op["tags"].get("mlflow.runName"))
+        ids[op["id"]] = created.info.run_id
+    elif kind == "log_batch":
+        client.log_batch(run, metrics=[Metric(k, v, t, s) for k, v, t, s in op.get("metrics", [])],
+                         params=[Param(k, v) for k, v in op.get("params", [])],
+                         tags=[RunTag(k, v) for k, v in op.get("tags", [])])
+    elif kind == "terminate":
+        client.set_terminated(run, status=op["status"], end_time=op["time"])
+    elif kind == "artifact":
+        (client.log_artifacts if Path(op["file"]).is_dir() else client.log_artifact)(run, op["file"],
+                                                                                      op.get("artifact_path"))
+    elif kind == "table":
+        import pandas as pd
+
+        client.log_table(run, data=pd.DataFrame(op["rows"]), artifact_file=op["artifact_file"])
+    elif kind == "text":
+        client.log_text(run, op["text"], op["artifact_file"])
+    elif kind == "checkpoint_model":
+        ids[op["id"]] = create_checkpoint_model(client, run, op["name"], op["step"], op["metrics"], op["tags"],
+                                                op["time"])
+    elif kind == "model_tags":
+        client.set_logged_model_tags(op["model"], op["tags"])
+    else:
+        raise ValueError(f"unknown queued tracking operation {kind!r}")
+
+
+def create_checkpoint_model(client, run_id: str, name: str, step: int, metrics: dict[str, float],
+                            tags: dict[str, str], timestamp_ms: int | None = None) -> str:
+    """One training checkpoint as an MLflow LoggedModel carrying its step and held-out metrics."""
+    from mlflow.entities import Metric
+
+    experiment = client.get_run(run_id).info.experiment_id
+    model = client.create_logged_model(experiment, name=name, source_run_id=run_id, tags=tags,
+                                       params={"step": str(step)})
+    now = timestamp_ms or int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step, model_id=model.model_id, run_id=run_id)
+                                      for k, v in metrics.items() if v == v])
+    client.finalize_logged_model(model.model_id, "READY")
+    return model.model_id
