@@ -11,12 +11,14 @@ on CPU with a fixed seed a resumed run ends with the same weights.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import psutil
 import torch
 
 from components.config import ConfigError, GRPOConfig, PipelineConfig, config_warnings, stage_params_hash, to_flat_dict
@@ -43,6 +45,7 @@ from components.engine.update import (
     set_learning_rate,
 )
 from components.errors import StageFailed
+from components.run_marker import RunMarker, killed_run_text
 from components.interruptions import set_progress
 from components.stages.cli import stage_main
 from components.tracking.reports import GRPOReporter
@@ -66,14 +69,37 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
         launch("components.stages.grpo", cfg, paths.root)
         return json.loads((paths.metrics / "grpo.json").read_text())
     ctx = init(cfg.distributed, pick_device(cfg.device))
+    marker = RunMarker(paths.grpo_checkpoints.parent / "grpo.running.json")
     try:
-        return _train_grpo(cfg, paths, callbacks, ctx)
+        if ctx.is_main and (note := marker.left_by_a_killed_run()):
+            print(killed_run_text("grpo", note), flush=True)
+        return _train_grpo(cfg, paths, callbacks, ctx, marker if ctx.is_main else RunMarker(Path(os.devnull)))
+    except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
+        raise StageFailed(out_of_memory_text(err, marker.fields)) from err
     finally:
+        if ctx.is_main:
+            marker.clear()
         shutdown(ctx)
 
 
-def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallback], ctx: DistContext
-                ) -> dict[str, Any]:
+def is_out_of_memory(err: BaseException) -> bool:
+    """An allocation the machine could not serve (CPU allocator, CUDA, or Python itself)."""
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(err)
+
+
+def out_of_memory_text(err: BaseException, note: dict[str, Any]) -> str:
+    where = f"at step {note['step'] + 1} of {note['steps']}" if "step" in note else "before the first step"
+    estimate = (f"; a step was estimated at {note['estimate_gb']:.1f} GB with {note['available_gb']:.1f} GB free"
+                if "estimate_gb" in note else "")
+    lower = f"; lower it with {note['knobs']}" if note.get("knobs") else ""
+    return (f"out of memory {where} ({type(err).__name__}: {str(err).splitlines()[0][:160]}){estimate}{lower}; "
+            "the checkpoints are kept: rerun to resume")
+
+
+def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallback], ctx: DistContext,
+                marker: RunMarker) -> dict[str, Any]:
     # ---- setup: data, loss (built once), policy (+ reference only if the loss has a KL term), resume
     g, say = cfg.grpo, (print if ctx.is_main else (lambda *args, **kwargs: None))
     _check_settings(cfg, ctx, callbacks, say)
@@ -84,7 +110,9 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     policy = build_policy(cfg, start_dir, torch.device("cpu") if ctx.lockstep else ctx.device, records,
                           with_reference=loss.uses_reference)
     moving_reference = policy.reference is not None and g.reference.mode != "static"
-    fit_memory(cfg, policy, records, say)
+    memory = fit_memory(cfg, policy, records, say)
+    marker.write(steps=g.steps, estimate_gb=memory.peak / GiB, available_gb=psutil.virtual_memory().available / GiB,
+                 knobs=knobs(replace(g, gradient_checkpointing="always" if policy.gradient_checkpointing else "never")))
     rewards = RewardModel(reward_specs(g), timeout_s=g.reward_timeout_s)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     rollout_gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + 1)
@@ -176,6 +204,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 save_training_state(paths.grpo_checkpoints, step + 1, run_hash, policy, optimizer, moving_reference,
                                     history, rollout_gen, ctx, load_plain)
                 last_checkpoint = step + 1
+            if (step + 1) % g.log_every == 0 or last_checkpoint == step + 1:
+                marker.write(step=step + 1, last_checkpoint=last_checkpoint)
 
         log.flush()
         kept = {"mode": g.keep, "step": g.steps, "metric": g.keep_metric,
@@ -289,7 +319,6 @@ AUTO_CHECKPOINTING_SHARE = 0.5  # `gradient_checkpointing: auto` turns it on abo
 def fit_memory(cfg: PipelineConfig, policy: Policy, records: list[dict[str, Any]], say=print) -> StepMemory:
     """Estimate the step's memory before the first step: turn gradient checkpointing on where `auto` says so, pick
     the allocator setting, and warn, with the knobs that lower it, when it still exceeds the free memory."""
-    import psutil
 
     g = cfg.grpo
     shape = ModelShape.of(policy.model)

@@ -99,7 +99,8 @@ def heldout_text(scores: dict[str, float]) -> str:
             continue
         part = f"{name} {value:.3f}"
         if f"{name}_vs_start" in scores:
-            part += f" ({scores[f'{name}_vs_start']:+.3f} ±{1.96 * scores.get(f'{name}_vs_start_se', 0.0):.3f} vs start)"
+            noise = 1.96 * scores.get(f"{name}_vs_start_se", 0.0)
+            part += f" ({scores[f'{name}_vs_start']:+.3f} ±{noise:.3f} vs start)"
         parts.append(part)
     return ", ".join(parts)
 

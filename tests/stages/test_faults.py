@@ -103,6 +103,36 @@ def test_a_damaged_checkpoint_is_skipped_and_the_rerun_ends_with_the_uninterrupt
     assert all(torch.equal(again[k], uninterrupted[k]) for k in again)
 
 
+def test_a_step_the_machine_cannot_allocate_stops_with_one_line_and_the_rerun_resumes(tmp_path, mlflow_store):
+    """At step 5 a real allocation the CPU allocator cannot serve (what a too-long completion or batch meets):
+    the stage stops with one message naming the step, its memory estimate and the knobs; the checkpoint of step
+    4 is kept, and the rerun ends with the weights of a run that never failed."""
+    from safetensors.torch import load_file
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=8", "grpo.checkpoint_every=4"])
+    train_grpo(cfg, paths)
+    uninterrupted = load_file(paths.grpo_model / "model.safetensors")
+    import shutil
+    shutil.rmtree(paths.grpo_model)
+    shutil.rmtree(paths.grpo_checkpoints)
+
+    def too_large(step, policy, metrics):
+        if step == 5:
+            torch.empty(1 << 52, dtype=torch.uint8)  # 4 PiB: refused by the allocator, as a real overrun is
+
+    with pytest.raises(StageFailed) as err:
+        train_grpo(cfg, paths, callbacks=[too_large])
+    text = str(err.value)
+    assert text.startswith("out of memory at step 5 of 8 (RuntimeError: ") and "can't allocate memory" in text
+    assert "a step was estimated at " in text and "lower it with grpo.gradient_checkpointing=always" in text
+    assert text.endswith("the checkpoints are kept: rerun to resume") and "\n" not in text
+    assert [p.name for p in paths.grpo_checkpoints.glob("step-*")] == ["step-0000004"]
+    assert not (paths.grpo_checkpoints.parent / "grpo.running.json").exists()  # said, so no note for the rerun
+    train_grpo(cfg, paths)
+    rerun = load_file(paths.grpo_model / "model.safetensors")
+    assert all(torch.equal(rerun[k], v) for k, v in uninterrupted.items())
+
+
 def _run_hash(paths):
     import json
     return json.loads(next(paths.grpo_checkpoints.glob("step-*/meta.json")).read_text())["run_hash"]
@@ -226,8 +256,9 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
         assert not (outbox / "queue.jsonl").exists()
         assert sorted(name for name, _ in _grpo_points(uri)) == ["evaluate", "grpo", "grpo", "register"]
 
+        # ~10 s of steps; every second one sends its points
         slowly = [*grpo, "--set", "grpo.rewards=[{name: 'reward_fixtures:starts_with_one_slowly', weight: 1.0}]",
-                  "--set", "tracking.metrics_flush_s=0", "--set", "grpo.steps=40"]  # ~10 s of steps, each second one sends its points
+                  "--set", "tracking.metrics_flush_s=0", "--set", "grpo.steps=40"]
         proc = subprocess.Popen(slowly, cwd=roots["midway"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
         lines: list[str] = []

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,13 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     assert not (dirs["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"
     resumed = subprocess.run(_grpo_cmd(steps), cwd=dirs["killed"], env=env, check=True, capture_output=True, text=True)
     assert "resumed from" in resumed.stdout
+    # SIGKILL (the out-of-memory killer's signal) leaves no word; the rerun says what happened, once
+    said = [line for line in resumed.stdout.splitlines() if "ended without a word" in line]
+    assert len(said) == 1 and said[0].startswith(f"grpo: the previous run of this stage (pid {proc.pid}, started ")
+    assert re.search(r"at step \d+ of 24: it was killed \(SIGKILL\), most often by the kernel's out-of-memory killer",
+                     said[0])
+    assert "its step was estimated at " in said[0] and "grpo.minibatch_size" in said[0]
+    assert not (dirs["killed"] / "checkpoints" / "grpo.running.json").exists()  # a clean end leaves no note
     a = load_file(dirs["straight"] / "models" / "grpo" / "model.safetensors")
     b = load_file(dirs["killed"] / "models" / "grpo" / "model.safetensors")
     assert a.keys() == b.keys()
