@@ -58,8 +58,11 @@ def save_checkpoint(root: Path, step: int, run_hash: str, model, optimizer, stat
         shutil.rmtree(tmp, ignore_errors=True)
         previous = _step_dirs(root)
         kept = f"previous checkpoint {previous[-1]} kept" if previous else "no earlier checkpoint"
-        raise CheckpointWriteError(f"could not write checkpoint step {step} in {root} "
-                                   f"({type(err).__name__}: {err}); {kept}") from err
+        free = shutil.disk_usage(root).free / 2**30
+        raise CheckpointWriteError(f"could not write checkpoint step {step} in {root} ({type(err).__name__}: "
+                                   f"{str(err).splitlines()[0][:200]}): the device is full, the file too large for "
+                                   f"it, or the directory not writable ({free:.1f} GB free there); {kept}; make room "
+                                   "and rerun to resume") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -62,6 +62,15 @@ def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace a file's text in one rename: a process killed while writing leaves the previous file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def file_md5(path: str | Path) -> str:
     """MD5 of a file's bytes: the hash DVC 3 records for a file output."""
     digest = hashlib.md5()

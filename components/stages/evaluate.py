@@ -17,7 +17,7 @@ import numpy as np
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
-from components.data.records import file_md5, read_jsonl, split_path, write_jsonl
+from components.data.records import file_md5, read_jsonl, split_path, write_jsonl, write_text_atomic
 from components.engine.heldout import paired_bootstrap
 from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
 from components.engine.prompting import PromptFormatter
@@ -59,7 +59,7 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
             "improvement": improvement, "metrics": table,
         }
         paths.metrics.mkdir(parents=True, exist_ok=True)
-        (paths.metrics / "eval.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_text_atomic(paths.metrics / "eval.json", json.dumps(report, indent=2, sort_keys=True) + "\n")
         rows = []
         for i, r in enumerate(records):
             row = {"id": r.get("id"), "prompt": r["prompt"], "answer": r.get("answer"),

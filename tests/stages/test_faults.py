@@ -133,6 +133,67 @@ def test_a_step_the_machine_cannot_allocate_stops_with_one_line_and_the_rerun_re
     assert all(torch.equal(rerun[k], v) for k, v in uninterrupted.items())
 
 
+@pytest.mark.slow
+def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_it(tmp_path, mlflow_store):
+    """Killed (SIGKILL) while it scores the trained model: the evaluation already saved is intact, the rerun of
+    the same command writes the same report."""
+    extra = ["grpo.steps=6", "evaluate.metrics=[reward, pass@4]", "evaluate.pass_k_samples=16",
+             "evaluate.batch_size=4", "evaluate.bootstrap_samples=500"]
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + extra)
+    train_grpo(cfg, paths)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    cmd = [sys.executable, "-m", "components.stages.evaluate", *[x for o in LEARN + extra for x in ("--set", o)]]
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
+    saved = (paths.metrics / "eval.json").read_text()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:  # the baseline is scored; the candidate's scoring is under way
+        if line.startswith("evaluate: baseline"):
+            proc.send_signal(signal.SIGKILL)
+            break
+    assert proc.wait() == -signal.SIGKILL
+    assert (paths.metrics / "eval.json").read_text() == saved
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and "Traceback" not in rerun.stdout + rerun.stderr
+    assert (paths.metrics / "eval.json").read_text() == saved
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_real_run_stops_with_one_line_and_the_rerun_finishes(tmp_path, mlflow_store):
+    """The grpo stage on a device that takes no file over 4 MB (RLIMIT_FSIZE: what a full filesystem answers a
+    write with): the first checkpoint's optimizer state does not fit, the stage stops with one line naming it,
+    leaves no partial checkpoint, and the rerun with space again ends with an uninterrupted run's weights."""
+    import resource
+
+    from safetensors.torch import load_file
+
+    extra = ["grpo.steps=8", "grpo.checkpoint_every=4"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'own.db'}"}  # a small store: its writes fit
+    cmd = [sys.executable, "-m", "components.stages.grpo", *[x for o in LEARN + extra for x in ("--set", o)]]
+    roots = {name: tmp_path / name for name in ("straight", "full")}
+    for root in roots.values():
+        setup_stage_inputs(root, LEARN + extra)
+        (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    subprocess.run(cmd, cwd=roots["straight"], env=env, check=True, capture_output=True, timeout=600)
+
+    def full_device():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))
+
+    full = subprocess.run(cmd, cwd=roots["full"], env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=full_device)
+    assert full.returncode == 1 and "Traceback" not in full.stdout + full.stderr
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not write checkpoint step 4 in checkpoints/grpo (")
+    assert "the device is full, the file too large for it, or the directory not writable" in last
+    assert last.endswith("no earlier checkpoint; make room and rerun to resume")
+    assert not list((roots["full"] / "checkpoints" / "grpo").iterdir())  # no partial checkpoint left
+    subprocess.run(cmd, cwd=roots["full"], env=env, check=True, capture_output=True, timeout=600)
+    a, b = (load_file(str(roots[n] / "models" / "grpo" / "model.safetensors")) for n in ("straight", "full"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _run_hash(paths):
     import json
     return json.loads(next(paths.grpo_checkpoints.glob("step-*/meta.json")).read_text())["run_hash"]
