@@ -100,13 +100,14 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
     """Library imports and the tracking store's first connection: start-up, not the stage's own work."""
     for name in STAGE_IMPORTS.get(stage, HEAVY_IMPORTS):
         importlib.import_module(name)
-    from components.tracking.runs import experiment_id
+    from components.tracking.runs import experiment_id, note_unreachable
 
     try:
         experiment_id(cfg.tracking.experiment)
     except Exception as err:  # noqa: BLE001 - an outage is the stage's to handle (it logs offline)
         if not is_outage(err):
             raise
+        note_unreachable()
 
 
 def _record_compute(stage: str, seconds: float, entered: float, started_at: float) -> None:

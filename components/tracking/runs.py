@@ -228,6 +228,14 @@ class StageRun:
                  lambda: self._client.set_terminated(self.run_id, status=status))
 
 
+_unreachable: dict[str, float | None] = {"since": None}
+
+
+def note_unreachable() -> None:
+    """The stage's start-up found the server away (after its bounded retries): the run starts offline at once."""
+    _unreachable["since"] = time.monotonic()
+
+
 def send_queue(mlflow_client, say: bool = False) -> bool:
     """Send what an earlier outage queued; True when nothing is left (False: the server is still away)."""
     from components.tracking.outbox import Outbox, is_outage
@@ -251,7 +259,7 @@ def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None) -> StageRun:
     """Create a run (a child of `parent_run_id` when given) and return its handle; while a remote tracking
     server does not answer, a run with a local id whose creation is queued (and said once)."""
-    from components.tracking.outbox import Outbox, is_outage, is_remote, local_id
+    from components.tracking.outbox import Outbox, answers, is_outage, is_remote, local_id
 
     all_tags = dict(tags or {})
     if parent_run_id:
@@ -259,6 +267,8 @@ def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
     all_tags["mlflow.runName"] = run_name
     c = client()
     try:
+        if _unreachable["since"] is not None and not answers(tracking_uri()):  # known away: no second wait
+            raise ConnectionError(f"the tracking server at {tracking_uri()} did not answer the start-up check")
         if send_queue(c):  # what an earlier outage left goes first, in order
             run = c.create_run(experiment_id(experiment), run_name=run_name, tags=all_tags)
             return StageRun(run.info.run_id)
