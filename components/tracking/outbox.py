@@ -150,10 +150,9 @@ def apply_op(client, op: dict[str, Any], ids: dict[str, str]) -> None:
     op = {k: (v if k == "id" else _mapped(v, ids)) for k, v in op.items()}
     kind, run = op["op"], op.get("run")
     if kind == "create_run":
-        from components.tracking.runs import experiment_id
-
-        created = client.create_run(experiment_id(op["experiment"]), start_time=op["time"], tags=op["tags"],
-                                    run_name=op["tags"].get("mlflow.runName"))
+        experiment = client.get_experiment_by_name(op["experiment"])
+        created = client.create_run(experiment.experiment_id if experiment else client.create_experiment(
+            op["experiment"]), start_time=op["time"], tags=op["tags"], run_name=op["tags"].get("mlflow.runName"))
         ids[op["id"]] = created.info.run_id
     elif kind == "log_batch":
         client.log_batch(run, metrics=[Metric(k, v, t, s) for k, v, t, s in op.get("metrics", [])],
