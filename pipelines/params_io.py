@@ -49,9 +49,14 @@ def apply_to_params(params_path: Path, overlays: list[Path], overrides: list[str
     from ruamel.yaml import YAML
 
     merged_config(params_path, overlays, overrides)  # a bad override never touches the file
+    if not overlays and not overrides:
+        return False  # nothing to apply: the file stays byte for byte
 
     yaml = YAML()
     yaml.preserve_quotes = True
+    yaml.indent(mapping=2, sequence=4, offset=2)  # params.yaml's own list style
+    # `null` stays `null` (ruamel would write an empty value: a diff on every key that was null)
+    yaml.representer.add_representer(type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
     doc = yaml.load(params_path.read_text())
     for overlay in overlays:
         _merge_roundtrip(doc, yaml.load(overlay.read_text()) or {})
