@@ -11,17 +11,9 @@ from pathlib import Path
 
 _IMPORTED_AT = time.perf_counter()
 
-QUIET_DEFAULTS = {
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DVC_NO_ANALYTICS": "1",
-    "GX_ANALYTICS_ENABLED": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # Read by glibc when a process starts, so it reaches the stage processes: large allocations on transparent
-    # huge pages where the kernel offers them (components/engine/host_memory.py).
-    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
-}
+# Read by glibc when a process starts, so it reaches the stage processes: large allocations on transparent
+# huge pages where the kernel offers them (components/engine/host_memory.py).
+ALLOCATOR_DEFAULTS = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -526,7 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    for key, value in QUIET_DEFAULTS.items():
+    from components.quiet import quiet_libraries
+
+    quiet_libraries()
+    for key, value in ALLOCATOR_DEFAULTS.items():
         os.environ.setdefault(key, value)
     args = build_parser().parse_args(argv)
     root = getattr(args, "root", None)

@@ -14,6 +14,7 @@ from typing import Callable
 from components.config import ConfigError, PipelineConfig, load_config
 from components.errors import StageFailed
 from components.interruptions import StageInterrupted, progress, stop_on_signals
+from components.quiet import quiet_libraries
 from components.tracking.outbox import is_outage
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
@@ -59,6 +60,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     from components.engine.rewards import check_rewards
 
     stage = _stage_name(run)
+    quiet_libraries()
     stop_on_signals()
     try:
         cfg = load_config(args.params, args.overrides)

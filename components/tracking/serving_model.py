@@ -9,8 +9,17 @@ version from the same tracking server and applies the adapter.
 
 from __future__ import annotations
 
-import mlflow
-from mlflow.pyfunc import PythonModel
+import os
+
+# The served model phones nobody and draws no progress bars (components/quiet.py, copied: this file runs
+# without the repository).
+for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1",
+                     "HF_HUB_DISABLE_PROGRESS_BARS": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+                     "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
+
+import mlflow  # noqa: E402 - after the environment above
+from mlflow.pyfunc import PythonModel  # noqa: E402
 
 
 class CompletionModel(PythonModel):
