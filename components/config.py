@@ -455,6 +455,16 @@ class NotLearningConfig:
 
 
 @dataclass
+class NoSignalConfig:
+    """The early warning that the first steps carry no learning signal (every completion of a group scored alike)."""
+
+    steps: int = 10
+    """Judged once, after this many steps (or at the last step of a shorter run); 0 turns it off."""
+    zero_variance_above: float = 0.9
+    """Said when, over those steps, more than this share of groups scored every completion the same."""
+
+
+@dataclass
 class MonitorsConfig:
     """Reward-hacking monitors (a breach is an MLflow tag; `block` keeps the version from `champion`)
     and the not-learning warning."""
@@ -470,6 +480,8 @@ class MonitorsConfig:
     """The checks; every breach is recorded with its step and value."""
     not_learning: NotLearningConfig = field(default_factory=NotLearningConfig)
     """The not-learning warning."""
+    no_signal: NoSignalConfig = field(default_factory=NoSignalConfig)
+    """The early no-signal warning."""
 
 
 @dataclass
@@ -789,6 +801,8 @@ def _validate_evaluation(cfg: PipelineConfig) -> None:
         _require((check.above is None) != (check.below is None), f"monitors.checks[{i}]",
                  f"{check.signal}: set exactly one of above or below")
     _require(m.not_learning.window >= 1, "monitors.not_learning.window", "must be >= 1")
+    _require(m.no_signal.steps >= 0, "monitors.no_signal.steps", "must be >= 0 (0 = off)")
+    _require(0 < m.no_signal.zero_variance_above <= 1, "monitors.no_signal.zero_variance_above", "must be in (0, 1]")
     _require(0 < m.not_learning.zero_variance_above <= 1, "monitors.not_learning.zero_variance_above",
              "must be in (0, 1]")
 

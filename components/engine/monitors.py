@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from components.config import MonitorsConfig, MonitorSpec, NotLearningConfig
+from components.config import MonitorsConfig, MonitorSpec, NoSignalConfig, NotLearningConfig
 
 WINDOW_SIGNALS = ("kl", "entropy", "completion_length", "reward_mean", "zero_std_group_frac")
 
@@ -168,3 +168,29 @@ def not_learning(history: Sequence[dict[str, Any]], c: NotLearningConfig) -> str
     if starved > c.zero_variance_above:
         reason += f"; {starved:.0%} of groups score zero on every completion, so they give no gradient"
     return f"not learning: {reason}. Try " + "; ".join(REMEDIES)
+
+
+def no_signal(history: Sequence[dict[str, Any]], c: NoSignalConfig, total_steps: int,
+              max_completion_length: int) -> str | None:
+    """Said once, at step min(`c.steps`, the run's steps): most groups of the first steps scored every completion
+    alike, so GRPO had nothing to learn from (None otherwise, and at every other step).
+
+    A group whose completions all score the same has zero advantage. Some is normal (the default's first steps:
+    about 70% of groups); nearly all of them means the reward cannot tell completions apart: an answer
+    extraction that misses, a prompt that does not ask for the answer's form, completions cut short."""
+    at = min(c.steps, total_steps)
+    if c.steps == 0 or len(history) != at:
+        return None
+    alike = _mean(history, "zero_std_group_frac") or 0.0
+    if alike <= c.zero_variance_above:
+        return None
+    wrong = _mean(history, "all_fail_group_frac") or 0.0
+    truncated = _mean(history, "truncated_frac") or 0.0
+    text = (f"no signal: {alike:.0%} of groups in the first {at} steps scored every completion alike ({wrong:.0%} all "
+            f"zero, {alike - wrong:.0%} all the same above zero), so they give GRPO no gradient")
+    if wrong >= alike / 2:
+        return text + (f". Likely causes: the reward's answer extraction (does it find the answer in the samples "
+                       f"below?), the prompt template (prompt.template: does it ask for the answer's form?), the "
+                       f"completion length (grpo.max_completion_length {max_completion_length}: {truncated:.0%} of "
+                       f"completions were cut off)")
+    return text + ". The start model already solves most prompts alike: harder prompts or a stricter reward"

@@ -30,7 +30,7 @@ from components.engine.heldout import HeldoutProbe
 from components.engine.host_memory import configure_allocator
 from components.engine.memory_estimate import GiB, ModelShape, StepMemory, estimate_step_memory, knobs
 from components.engine.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
-from components.engine.monitors import Monitors, generalisation, generalisation_text
+from components.engine.monitors import Monitors, generalisation, generalisation_text, no_signal
 from components.engine.objectives import build_loss
 from components.engine.policy import Policy, build_policy, longest_row, update_reference
 from components.engine.rewards import RewardError, RewardModel
@@ -192,6 +192,10 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                     {"grpo.step": step + 1, "grpo.run_hash": run_hash, "grpo.keep_metric": g.keep_metric,
                      "grpo.checkpoint": str(paths.grpo_checkpoints / f"step-{step + 1:07d}") if saved else "none"})
             log.record(step + 1, metrics)
+            if ctx.is_main and (silent := no_signal(history, cfg.monitors.no_signal, g.steps, g.max_completion_length)):
+                say(f"grpo: WARNING at step {step + 1}: {silent}\n"
+                    + reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
+                run.set_tags({"warning.no_signal": f"step {step + 1}: {silent}"})
             for breach in monitors.check(history) if ctx.is_main else ():
                 say(f"grpo: monitor breached: {breach.text()}", flush=True)
                 run.set_tags({f"monitor.{breach.signal}": breach.text()})

@@ -47,6 +47,19 @@ class GRPOReporter:
         if due and len(rollout):
             self.log_samples(step, rollout, scores, advantages)
 
+    def samples_text(self, rollout, scores, groups: int = 2) -> str:
+        """The first completion of the first `groups` groups with its score, one line each (for a warning)."""
+        from components.engine.rollout import decode_completions
+
+        rows = [i * self.group_size for i in range(groups) if i * self.group_size < len(rollout)]
+        part = rollout.select(rows)
+        prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                   for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
+        scored = [scores.total[i] if i < len(scores.total) else None for i in rows]
+        completions = decode_completions(self.tokenizer, part)
+        return "\n".join(f"  sample: {prompt[-120:]!r} -> {completion[:200]!r} (reward {score})"
+                         for prompt, completion, score in zip(prompts, completions, scored))
+
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
         from components.engine.rollout import decode_completions

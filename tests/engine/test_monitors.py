@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from components.config import MonitorsConfig, MonitorSpec, NotLearningConfig
-from components.engine.monitors import Monitors, generalisation, generalisation_text, not_learning, signal_values
+from components.config import MonitorsConfig, MonitorSpec, NoSignalConfig, NotLearningConfig
+from components.engine.monitors import (Monitors, generalisation, generalisation_text, no_signal, not_learning,
+                                       signal_values)
 
 
 def steps(n: int, **columns) -> list[dict]:
@@ -111,3 +112,22 @@ def test_not_learning_says_why_and_stays_quiet_while_learning():
     assert not_learning(learning, c) is None  # starving at first, but the reward climbs
     solved = steps(20, reward_mean=lambda i: 0.9, all_fail_group_frac=0.0)
     assert "score zero" not in not_learning(solved, c)  # flat because all right: not blamed on starving
+
+
+def test_no_signal_is_judged_once_on_the_first_steps():
+    c = NoSignalConfig(steps=10, zero_variance_above=0.9)
+    starved = steps(12, zero_std_group_frac=lambda i: 0.875 if i == 0 else 1.0, all_fail_group_frac=0.9,
+                    truncated_frac=0.5)
+    said = [no_signal(starved[:end], c, 40, 16) for end in range(1, 13)]
+    assert [s is not None for s in said] == [False] * 9 + [True, False, False]  # at step 10 only
+    # (0.875 + 9 * 1.0) / 10 = 0.9875 of groups alike; 0.9 of them all zero
+    assert said[9].startswith("no signal: 99% of groups in the first 10 steps scored every completion alike (90% all "
+                              "zero, 9% all the same above zero), so they give GRPO no gradient. Likely causes: the "
+                              "reward's answer extraction")
+    assert "grpo.max_completion_length 16: 50% of completions were cut off" in said[9]
+    healthy = steps(10, zero_std_group_frac=0.7, all_fail_group_frac=0.6)  # the default's first steps: ~70%
+    assert no_signal(healthy, c, 40, 16) is None
+    assert no_signal(starved[:6], c, 6, 16) is not None  # a 6-step run is judged at its last step
+    assert no_signal(starved[:10], NoSignalConfig(steps=0), 40, 16) is None  # off
+    solved = steps(10, zero_std_group_frac=1.0, all_fail_group_frac=0.0)
+    assert no_signal(solved, c, 40, 16).endswith("already solves most prompts alike: harder prompts or a stricter reward")

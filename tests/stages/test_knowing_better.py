@@ -137,6 +137,29 @@ def test_a_flat_heldout_curve_is_named_in_the_progress_and_the_model_card(tmp_pa
     assert "learning that does not generalise" in card and "| heldout_flat | > 0.1 | warn | **breached** at step 30" in card
 
 
+def test_no_signal_is_said_within_ten_steps_with_two_samples(tmp_path, mlflow_store, capsys):
+    """A reward that scores nothing (as an extraction that never finds the answer): by step 10 of a 40-step run the
+    progress says so once, with two sampled completions and the likely causes; a run that learns hears nothing."""
+    from mlflow.tracking import MlflowClient
+
+    quiet = ["evaluate.every=0", "grpo.log_every=10"]
+    cfg, paths = setup_stage_inputs(tmp_path / "zero", LEARN + quiet + [
+        "grpo.steps=40", "grpo.rewards=[{name: 'reward_fixtures:always_zero', weight: 1.0}]"])
+    train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert out.count("grpo: WARNING at step 10: no signal: 100% of groups in the first 10 steps scored every "
+                     "completion alike (100% all zero") == 1
+    samples = [line for line in out.splitlines() if line.startswith("  sample: ")]
+    assert len(samples) == 2 and all(line.endswith("(reward 0.0)") for line in samples)
+    assert "Likely causes: the reward's answer extraction" in out and "prompt.template" in out
+    run = _grpo_run(MlflowClient(mlflow_store), cfg.tracking.experiment)
+    assert run.data.tags["warning.no_signal"].startswith("step 10: no signal: 100%")
+
+    cfg, paths = setup_stage_inputs(tmp_path / "learning", LEARN + quiet + ["grpo.steps=12"])
+    train_grpo(cfg, paths)
+    assert "no signal" not in capsys.readouterr().out
+
+
 HACK = ["task.n_sft=300", "task.n_train=200", "task.n_heldout=40", "sft.epochs=3", "sft.stop_at_reward=null",
         "threads=1", "grpo.rewards=[{name: 'reward_fixtures:pays_for_length', weight: 1.0}]",
         "grpo.learning_rate=0.003", "grpo.warmup_steps=0", "grpo.kl_beta=0.0", "grpo.checkpoint_every=0",
