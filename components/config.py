@@ -117,18 +117,18 @@ class SFTConfig:
 
     enabled: bool = True
     """Run the SFT stage; when off, GRPO starts from the base model."""
-    epochs: int = 40
-    """Passes over the SFT data."""
+    epochs: int = 30
+    """Passes over the SFT data, at most (the default usually stops after 6-10: `stop_at_reward`)."""
     batch_size: int = 64
     """Examples per optimizer step."""
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     """Peak AdamW learning rate (cosine decay to 10%)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     target_column: str = "answer"
     """The column SFT learns to write after the prompt: `answer`, or worked solutions (e.g. `solution`, which the
     `word_problems` task generates: the steps, then "The answer is N.") for a reasoning warm start."""
-    stop_at_reward: float | None = None
+    stop_at_reward: float | None = 0.5
     """Stop once the greedy mean reward (grpo.rewards) on `check_prompts` GRPO training prompts reaches
     this: a partial warm start that lands in the same band on any CPU and seed, leaving GRPO room.
     null: train all epochs."""

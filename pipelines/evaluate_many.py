@@ -40,7 +40,7 @@ def task_runner(kind: str, workers: int | None):
         try:
             from prefect_ray import RayTaskRunner
         except ImportError as err:
-            raise ValueError("--runner ray needs prefect-ray: pip install 'grpo-pipeline[ray]'") from err
+            raise ValueError("--runner ray needs prefect-ray: pip install -c constraints.txt -e '.[ray]'") from err
         return RayTaskRunner(address=os.environ.get("RAY_ADDRESS"))
     raise ValueError(f"unknown task runner {kind!r} (choose from {', '.join(RUNNERS)})")
 

@@ -107,3 +107,20 @@ def test_the_smoke_preset_never_registers_under_the_production_name():
     production = merged_config(PARAMS, [], []).register.model_name
     smoke = merged_config(PARAMS, [ROOT / "configs" / "presets" / "fast_test.yaml"], []).register.model_name
     assert smoke != production and smoke.startswith(production)
+
+
+def test_the_defaults_params_yaml_and_the_default_preset_are_one_configuration():
+    """components/config.py's defaults, the committed params.yaml and configs/presets/default.yaml agree key for
+    key, so `--preset default` restores every key an example changed."""
+    from dataclasses import asdict
+
+    from components.config import PipelineConfig, read_params
+
+    from pipelines.params_io import merged_config
+
+    defaults = asdict(PipelineConfig())
+    assert asdict(load_config(PARAMS)) == defaults
+    preset = ROOT / "configs" / "presets" / "default.yaml"
+    assert asdict(load_config(preset)) == defaults and set(read_params(preset)) == set(read_params(PARAMS))
+    for example in sorted((ROOT / "configs" / "examples").glob("smollm2_*.yaml")):
+        assert asdict(merged_config(PARAMS, [example, preset], [])) == defaults, example.name

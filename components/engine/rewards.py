@@ -224,7 +224,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "length_penalty": length_penalty, "overlong_penalty": overlong_penalty, "code_execution": code_execution,
     "judge_model": judge_model, "math_verify": math_verify,
 }
-OPTIONAL_PACKAGES = {"math_verify": ("math_verify", "pip install 'grpo-pipeline[math]'")}
+OPTIONAL_PACKAGES = {"math_verify": ("math_verify", "pip install -c constraints.txt -e '.[math]'")}
 
 
 def resolve_reward(name: str) -> RewardFn:

@@ -473,7 +473,7 @@ def postgres(tmp_path):
     bindir = postgres_bin()
     if bindir is None:
         pytest.skip("PostgreSQL missing: install Debian's postgresql (apt-get install -y postgresql)")
-    pytest.importorskip("psycopg2", reason="psycopg2-binary missing: pip install 'grpo-pipeline[test]'")
+    pytest.importorskip("psycopg2", reason="psycopg2-binary missing: pip install -c constraints.txt -e '.[test]'")
     import tempfile
 
     base = Path(tempfile.mkdtemp(prefix="grpo-pg-"))  # not under pytest's 0700 temp root: postgres must reach it

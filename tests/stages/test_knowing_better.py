@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,7 +135,8 @@ def test_a_flat_heldout_curve_is_named_in_the_progress_and_the_model_card(tmp_pa
     decision = register(cfg, paths)
     assert not decision["promoted"]  # no better than its start on held-out: the first-champion rule
     card = MlflowClient(mlflow_store).get_model_version(cfg.register.model_name, "1").description
-    assert "learning that does not generalise" in card and "| heldout_flat | > 0.1 | warn | **breached** at step 30" in card
+    assert "learning that does not generalise" in card
+    assert "| heldout_flat | > 0.1 | warn | **breached** at step 30" in card
 
 
 def test_no_signal_is_said_within_ten_steps_with_two_samples(tmp_path, mlflow_store, capsys):
@@ -158,6 +160,45 @@ def test_no_signal_is_said_within_ten_steps_with_two_samples(tmp_path, mlflow_st
     cfg, paths = setup_stage_inputs(tmp_path / "learning", LEARN + quiet + ["grpo.steps=12"])
     train_grpo(cfg, paths)
     assert "no signal" not in capsys.readouterr().out
+
+
+def test_merge_lora_registers_one_full_model_that_answers_as_the_adapter_did(tmp_path, mlflow_store):
+    """`register.merge_lora: true`: the version holds the adapter merged into its base (full weights, no adapter
+    files, no base to fetch), and loaded through MLflow it writes the completions the evaluate stage scored."""
+    import shutil
+
+    import mlflow
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from components.data.records import read_jsonl
+    from components.stages.evaluate import evaluate
+    from components.stages.register import register
+
+    from conftest import ROOT
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
+        "grpo.steps=12", "grpo.lora.enabled=true", "grpo.learning_rate=0.01", "register.merge_lora=true",
+        "register.model_name=tiny-merged", "evaluate.every=0", "evaluate.metrics=[reward]",
+        "evaluate.bootstrap_samples=500", "reports.samples_every=0"])
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    train_grpo(cfg, paths)
+    assert (paths.grpo_model / "adapter_config.json").exists()  # training left an adapter
+    evaluate(cfg, paths)
+    register(cfg, paths)
+    client = MlflowClient(mlflow_store)
+    version = client.get_model_version("tiny-merged", "1")
+    assert version.tags["model.kind"] == "lora-merged"
+    mlflow.set_tracking_uri(mlflow_store)
+    local = Path(mlflow.artifacts.download_artifacts("models:/tiny-merged/1", dst_path=str(tmp_path / "dl")))
+    files = {f.name for f in local.rglob("*") if f.is_file()}
+    assert "model.safetensors" in files and "adapter_config.json" not in files
+    assert "base_model_uri" not in (local / "MLmodel").read_text()
+    rows = read_jsonl(paths.eval_dir / "predictions.jsonl")[:20]
+    model = mlflow.pyfunc.load_model("models:/tiny-merged/1")
+    served = model.predict(pd.DataFrame({"prompt": [r["prompt"] for r in rows]}))
+    assert list(served) == [r["candidate_completion"] for r in rows]
+    assert any(r["candidate_completion"] != r["baseline_completion"] for r in rows)  # the adapter changed answers
 
 
 HACK = ["task.n_sft=300", "task.n_train=200", "task.n_heldout=40", "sft.epochs=3", "sft.stop_at_reward=null",

