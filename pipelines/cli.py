@@ -61,12 +61,12 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     from components.data.model_source import ModelLoadError
     from components.data.records import DataError
     from components.errors import StageFailed
-    from pipelines.params_io import apply_to_params, merged_config, preset_path
+    from pipelines.params_io import merged_config, prepare_params, preset_path, user_params
 
-    params = root / "params.yaml"
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
-        cfg = merged_config(params, overlays, args.overrides)
+        # the user's own settings plus this run's overrides (an earlier run's overrides are not carried over)
+        cfg = merged_config(user_params(root), overlays, args.overrides)
         from components.config import config_warnings
 
         for warning in config_warnings(cfg):
@@ -85,8 +85,10 @@ def _check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         from pipelines.safekeeping import WorkingCopySnapshot
 
         snapshot = WorkingCopySnapshot.take(root)
-        if apply_to_params(params, overlays, args.overrides):
-            print(f"params.yaml updated with the run's settings (git diff {params.name} shows them)")
+        described = " ".join(([f"--preset {args.preset}"] if args.preset else [])
+                             + [f"--params {p}" for p in args.params] + [f"--set {o}" for o in args.overrides])
+        for line in prepare_params(root, overlays, args.overrides, args.persist, described):
+            print(line)
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -445,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preset", help="overlay configs/presets/NAME.yaml")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one params key, e.g. --set grpo.kl_beta=0.1; repeatable")
+    run.add_argument("--persist", action="store_true",
+                     help="keep this run's --set/--params/--preset in params.yaml for later runs (default: this "
+                          "run only; the next run without overrides goes back to your own params.yaml)")
     run.add_argument("--dry-run", action="store_true",
                      help="validate config, data and model, run one rollout and one loss; train and write nothing")
     run.set_defaults(func=_cmd_run)

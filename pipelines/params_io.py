@@ -1,12 +1,19 @@
-"""Write run-time overrides into params.yaml, keeping its comments (like `dvc exp run -S`).
+"""A run's overrides in params.yaml, for that run only unless it says `--persist`.
 
-DVC reproduces from params.yaml, so a run with `--set` or `--preset` records its effective
-configuration there. The merged result is validated first: a bad override never touches the file.
+DVC reproduces from params.yaml, so a run with `--set`, `--preset` or `--params` writes its effective
+configuration there (keeping the file's comments), and `dvc repro` reproduces that run. Unless the run
+says `--persist`, the user's own params.yaml is kept beside it (`.params.base.yaml`), and the next run
+without overrides puts it back: an example does not change what a plain `make run` means. If the user
+edited params.yaml in between, the edit wins. The merged result is validated first: a bad override never
+touches the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +77,57 @@ def apply_to_params(params_path: Path, overlays: list[Path], overrides: list[str
         tmp.write_text(buffer.getvalue())
         tmp.replace(params_path)
     return changed
+
+
+BASE_FILE = ".params.base.yaml"
+"""The user's params.yaml while a run's overrides occupy it."""
+RUN_NOTE = ".params.run.json"
+"""{"sha256": params.yaml as the override run left it, "overrides": what they were}."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def user_params(root: Path) -> Path:
+    """The user's own configuration: `.params.base.yaml` while the last run's overrides occupy params.yaml
+    unchanged, params.yaml otherwise."""
+    base, note, params = root / BASE_FILE, root / RUN_NOTE, root / "params.yaml"
+    if base.exists() and note.exists() and json.loads(note.read_text()).get("sha256") == _sha256(params):
+        return base
+    return params
+
+
+def prepare_params(root: Path, overlays: list[Path], overrides: list[str], persist: bool,
+                   described: str = "") -> list[str]:
+    """Make params.yaml this run's configuration: the user's own plus this run's overrides. Returns what to
+    print. Without `persist` the user's own is kept in `.params.base.yaml` for the next plain run."""
+    params, base, note = root / "params.yaml", root / BASE_FILE, root / RUN_NOTE
+    said = []
+    if base.exists():
+        if user_params(root) == base:
+            shutil.copy2(base, params)
+            if not overlays and not overrides:
+                said.append("params.yaml: back to your own settings (the previous run's overrides were for that run "
+                            "only; --persist keeps them)")
+        elif not overlays and not overrides:
+            said.append("params.yaml: edited since the previous run's overrides were applied; kept as it is")
+        base.unlink()
+        note.unlink(missing_ok=True)
+    if not overlays and not overrides:
+        return said
+    before = params.read_bytes()
+    if not apply_to_params(params, overlays, overrides):
+        return said
+    if persist:
+        said.append(f"params.yaml updated with the run's settings for good (--persist; git diff {params.name} "
+                    "shows them)")
+        return said
+    base.write_bytes(before)
+    note.write_text(json.dumps({"sha256": _sha256(params), "overrides": described}))
+    said.append("params.yaml holds this run's settings, so `dvc repro` reproduces it; the next run without "
+                f"overrides goes back to your own (kept as {BASE_FILE}); add --persist to keep them")
+    return said
 
 
 def _merge_roundtrip(doc: Any, overlay: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-KEPT_FILES = ("params.yaml", "dvc.lock")
+KEPT_FILES = ("params.yaml", "dvc.lock", ".params.base.yaml", ".params.run.json")
 
 
 @dataclass
