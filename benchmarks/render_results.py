@@ -92,7 +92,25 @@ def speed_table() -> str:
     return "\n".join(lines)
 
 
-TABLES: dict[str, Callable[[], str]] = {"learning": learning_table, "speed-vs-trl": speed_table}
+def memory_table() -> str:
+    """Peak resident memory of one SmolLM2 GRPO step by completion length (`after` rows: the current engine)."""
+    d = _load("long_completions")
+    after = {(r["mode"], r["length"]): r for r in d["results"] if r["engine"] == "after"}
+    lengths = sorted({length for _, length in after})
+
+    def cell(mode: str, length: int) -> str:
+        r = after.get((mode, length))
+        if r is None:
+            return "-"
+        return f"{r['peak_rss_gb']:.2f} GB" + ("" if r.get("checkpointing", True) else " (checkpointing off)")
+
+    lines = [f"| completion tokens ({_cpu(d['machine'])}) | LoRA rank 16 | full fine-tuning |", "|---|---|---|"]
+    lines += [f"| {n} | {cell('lora', n)} | {cell('full', n)} |" for n in lengths]
+    return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[], str]] = {"learning": learning_table, "speed-vs-trl": speed_table,
+                                        "step-memory": memory_table}
 
 
 def render(page: str) -> str:
