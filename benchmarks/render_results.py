@@ -85,10 +85,10 @@ def speed_table() -> str:
         step = (f"{ours['step_seconds_median'] * 1000:.0f} ms a step against "
                 f"{trl['step_seconds_median'] * 1000:.0f} ms" if ours["step_seconds_median"] < 1 else
                 f"{ours['step_seconds_median']:.1f} s a step against {trl['step_seconds_median']:.1f} s")
+        memory = f"{ours['peak_rss_mb'] / 1024:.1f} / {trl['peak_rss_mb'] / 1024:.1f} GiB"
         lines.append(f"| {SPEED_ROWS[row['row']]} | **{row['speedup_vs_trl']:.2f}×** ({min(ratios):.2f} .. "
                      f"{max(ratios):.2f}): {step} | {held['mean']:+.3f} ({held['ci95_low']:+.3f} .. "
-                     f"{held['ci95_high']:+.3f}) | {ours['peak_rss_mb'] / 1024:.1f} / {trl['peak_rss_mb'] / 1024:.1f} GiB "
-                     f"| {_cpu(row.get('machine', d['machine']))} |")
+                     f"{held['ci95_high']:+.3f}) | {memory} | {_cpu(row.get('machine', d['machine']))} |")
     return "\n".join(lines)
 
 
