@@ -10,7 +10,7 @@ evaluation's improvement (the evaluate stage, all held-out prompts). Writes
 benchmarks/results/heldout_curves.{json,md} after every run; not a test.
 
     python benchmarks/heldout_curves.py                          # every case (~45 min on 2 cores)
-    python benchmarks/heldout_curves.py --cases default random_labels --seeds 1234 1 2
+    python benchmarks/heldout_curves.py --cases default random_labels --seeds 1 2 --update   # more seeds
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> int:
     parser.add_argument("--smollm2-seeds", type=int, nargs="+", default=[1234])
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work" / "heldout-curves"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--update", action="store_true", help="keep the report's rows of other cases and seeds")
     args = parser.parse_args()
     import torch
 
@@ -131,11 +132,15 @@ def main() -> int:
               "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
                          f"Python {platform.python_version()}, torch {torch.__version__}", "rows": []}
     out = Path(args.out)
+    if args.update and (out / "heldout_curves.json").exists():
+        earlier = json.loads((out / "heldout_curves.json").read_text())
+        result["rows"] = [r for r in earlier["rows"] if (r["case"], r["seed"]) not in plan]
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     for i, (case, seed) in enumerate(plan, 1):
         r = one_run(case, seed, Path(args.work) / "clone")
         result["rows"].append(r)
+        result["rows"].sort(key=lambda row: (list(CASES).index(row["case"]), row["seed"]))
         (out / "heldout_curves.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "heldout_curves.md").write_text(markdown(result))
         elapsed = time.perf_counter() - started
