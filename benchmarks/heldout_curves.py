@@ -76,6 +76,10 @@ def one_run(case: str, seed: int, work: Path) -> dict[str, Any]:
         raise RuntimeError(f"{case} seed {seed}: grpo-pipeline run failed ({proc.returncode}); see {log}")
     grpo = json.loads((work / "metrics" / "grpo.json").read_text())
     report = json.loads((work / "metrics" / "eval.json").read_text())
+    import csv
+
+    with (work / "plots" / "grpo_steps.csv").open() as fh:  # the no-signal warning's evidence: steps 1-10
+        first = [float(row["zero_std_group_frac"]) for row, _ in zip(csv.DictReader(fh), range(10))]
     flat = next((m for m in grpo["monitors"] if m["signal"] == "heldout_flat"), {})
     g = grpo.get("generalisation") or {}
     return {"case": case, "seed": seed, "grpo_steps": grpo["steps"],
@@ -83,6 +87,7 @@ def one_run(case: str, seed: int, work: Path) -> dict[str, Any]:
             "train_gain": g.get("train_gain"), "heldout_gain": g.get("heldout_gain"),
             "heldout_noise": g.get("heldout_noise"), "heldout_rose": g.get("heldout_rose"),
             "heldout_flat": flat.get("last_value"), "breached": flat.get("breached"), "verdict": g.get("text"),
+            "zero_variance_first_10_steps": round(sum(first) / len(first), 3),
             "improvement": report["improvement"]["mean"], "ci95_low": report["improvement"]["ci95_low"],
             "ci95_high": report["improvement"]["ci95_high"], "n": report["n"], "wall_s": round(wall, 1)}
 
