@@ -100,16 +100,19 @@ def markdown(result: dict[str, Any]) -> str:
              "training minus the start model's, paired on the same prompts, with its noise (1.96 standard "
              "errors). *heldout_flat*: the monitor's value (the training rise when the held-out change is "
              "within its noise, else 0); default rule `above 0.1`, action warn. *Evaluate*: the evaluate "
-             "stage's improvement over the start on every held-out prompt.", "",
+             "stage's improvement over the start on every held-out prompt. *Alike, steps 1-10*: the share of groups "
+             "whose completions all scored the same over the first 10 steps (the no-signal warning says so above "
+             "0.9).", "",
              "| case | seed | steps | training rise | held-out change (noise) | heldout_flat | warned | evaluate: "
-             "improvement (95% CI), n | wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "improvement (95% CI), n | alike, steps 1-10 | wall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         change = "-" if r["heldout_gain"] is None else f"{r['heldout_gain']:+.3f} (±{r['heldout_noise']:.3f})"
         rise = "-" if r["train_gain"] is None else f"{r['train_gain']:+.3f}"
         flat = "-" if r["heldout_flat"] is None else f"{r['heldout_flat']:.3f}"
         lines.append(f"| {r['case']} | {r['seed']} | {r['grpo_steps']} | {rise} | {change} | {flat} | "
                      f"{'yes' if r['breached'] else 'no'} | {r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. "
-                     f"{r['ci95_high']:+.3f}), {r['n']} | {r['wall_s']:.0f} |")
+                     f"{r['ci95_high']:+.3f}), {r['n']} | {r.get('zero_variance_first_10_steps', '-')} | "
+                     f"{r['wall_s']:.0f} |")
     lines += ["", "Held-out curves (step: reward):", ""]
     lines += [f"- {r['case']} seed {r['seed']}: " + ", ".join(f"{s}: {v:.3f}" for s, v in r["curve"])
               for r in result["rows"]]
