@@ -45,8 +45,8 @@ from components.engine.update import (
     set_learning_rate,
 )
 from components.errors import StageFailed
-from components.run_marker import RunMarker, killed_run_text
 from components.interruptions import set_progress
+from components.run_marker import RunMarker, killed_run_text
 from components.stages.cli import stage_main
 from components.tracking.reports import GRPOReporter
 from components.tracking.runs import tracking_run
@@ -192,10 +192,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                     {"grpo.step": step + 1, "grpo.run_hash": run_hash, "grpo.keep_metric": g.keep_metric,
                      "grpo.checkpoint": str(paths.grpo_checkpoints / f"step-{step + 1:07d}") if saved else "none"})
             log.record(step + 1, metrics)
-            if ctx.is_main and (silent := no_signal(history, cfg.monitors.no_signal, g.steps, g.max_completion_length)):
-                say(f"grpo: WARNING at step {step + 1}: {silent}\n"
-                    + reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
-                run.set_tags({"warning.no_signal": f"step {step + 1}: {silent}"})
+            if ctx.is_main:
+                _warn_if_no_signal(history, cfg, batch, reporter, run, say)
             for breach in monitors.check(history) if ctx.is_main else ():
                 say(f"grpo: monitor breached: {breach.text()}", flush=True)
                 run.set_tags({f"monitor.{breach.signal}": breach.text()})
@@ -277,6 +275,16 @@ def step_metrics(batch: Batch, stats: UpdateStats, advantages: torch.Tensor, sco
 
 # ---- the details the loop above hides: the held-out start, the best checkpoint, multi-process set-up, resume,
 # failure streaks
+
+def _warn_if_no_signal(history: list[dict[str, Any]], cfg: PipelineConfig, batch: Batch, reporter: GRPOReporter,
+                       run, say) -> None:
+    """Once, early: the first steps' groups scored every completion alike (two samples shown to say why)."""
+    silent = no_signal(history, cfg.monitors.no_signal, cfg.grpo.steps, cfg.grpo.max_completion_length)
+    if silent:
+        say(f"grpo: WARNING at step {history[-1]["step"]}: {silent}\n"
+            + reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
+        run.set_tags({"warning.no_signal": f"step {history[-1]["step"]}: {silent}"})
+
 
 def _flat_threshold(cfg: PipelineConfig) -> float:
     """The training-reward rise that counts as learning: the `heldout_flat` check's, else not-learning's."""
