@@ -281,9 +281,9 @@ def _warn_if_no_signal(history: list[dict[str, Any]], cfg: PipelineConfig, batch
     """Once, early: the first steps' groups scored every completion alike (two samples shown to say why)."""
     silent = no_signal(history, cfg.monitors.no_signal, cfg.grpo.steps, cfg.grpo.max_completion_length)
     if silent:
-        say(f"grpo: WARNING at step {history[-1]["step"]}: {silent}\n"
+        say(f"grpo: WARNING at step {history[-1]['step']}: {silent}\n"
             + reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
-        run.set_tags({"warning.no_signal": f"step {history[-1]["step"]}: {silent}"})
+        run.set_tags({"warning.no_signal": f"step {history[-1]['step']}: {silent}"})
 
 
 def _flat_threshold(cfg: PipelineConfig) -> float:
