@@ -883,12 +883,24 @@ def stage_params_hash(cfg: "PipelineConfig", stage: str, *inputs: Any) -> str:
     return section_hash({key: trained_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)
 
 
+# Keys that change what a run reports or watches, not the held-out reward before and after it.
+NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_training_n", "evaluate.metrics",
+                      "evaluate.pass_k_temperature", "evaluate.pass_k_top_p", "evaluate.pass_k_top_k",
+                      "evaluate.pass_k_samples", "evaluate.correct_at", "grpo.log_every", "grpo.metrics_every"}
+
+
 def default_fingerprint(cfg: "PipelineConfig") -> str:
-    """Hash of the config's training-relevant params without the seed: a run with the same fingerprint
-    as the one benchmarks/seed_spread.py measured may compare itself with that band."""
-    keys = sorted({key for stage in ("prepare", "model", "sft", "grpo", "evaluate") for key in STAGE_PARAMS[stage]}
-                  - {"seed"})
-    return section_hash({key: config_value(cfg, key) for key in keys})
+    """Hash of the params that bear on the held-out reward before and after GRPO (not the seed, the monitors
+    or what is reported): a run with the fingerprint benchmarks/seed_spread.py recorded may compare itself
+    with the band it measured (tests/test_config.py keeps the default's equal to the recorded one)."""
+    keys = {key for stage in ("prepare", "model", "sft", "grpo", "evaluate") for key in STAGE_PARAMS[stage]}
+    values = {key: dataclasses.asdict(v) if dataclasses.is_dataclass(v := config_value(cfg, key)) else v
+              for key in sorted(keys - NOT_IN_FINGERPRINT)}
+    for dotted in NOT_IN_FINGERPRINT:
+        section, _, field_name = dotted.partition(".")
+        if isinstance(values.get(section), dict):
+            values[section].pop(field_name, None)
+    return section_hash(values)
 
 
 def section_hash(*sections: Any) -> str:

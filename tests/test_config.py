@@ -124,3 +124,17 @@ def test_the_defaults_params_yaml_and_the_default_preset_are_one_configuration()
     assert asdict(load_config(preset)) == defaults and set(read_params(preset)) == set(read_params(PARAMS))
     for example in sorted((ROOT / "configs" / "examples").glob("smollm2_*.yaml")):
         assert asdict(merged_config(PARAMS, [example, preset], [])) == defaults, example.name
+
+
+def test_the_default_is_the_configuration_the_band_was_measured_on():
+    """`make run` compares itself with the band benchmarks/seed_spread.py measured only when its fingerprint is the
+    recorded one: a change to what the default trains (or a new key that changes it) must re-measure the band or
+    say here why it does not change the result. Monitors, the seed and reporting keys are not in it."""
+    import json
+
+    from components.config import default_fingerprint
+
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "seed_spread.json").read_text())["default_fingerprint"]
+    assert default_fingerprint(load_config(PARAMS)) == recorded
+    assert default_fingerprint(load_config(PARAMS, ["seed=7", "evaluate.every=0", "monitors.window=10"])) == recorded
+    assert default_fingerprint(load_config(PARAMS, ["grpo.kl_beta=0.1"])) != recorded
