@@ -1,16 +1,18 @@
-"""The README's results tables, generated from benchmarks/results/*.json: one source for every figure.
+"""The results tables of README.md and docs/, generated from benchmarks/results/*.json: one source for every figure.
 
-    python benchmarks/render_results.py           # rewrite the generated tables in README.md
+    python benchmarks/render_results.py           # rewrite the generated tables in every page of PAGES
     python benchmarks/render_results.py --check   # exit 1 when a page and its JSON disagree (a test runs this)
 
 A generated table sits between `<!-- generated: NAME -->` and `<!-- end generated -->`; everything else on
-the page is written by hand. Each row names the machine it was measured on, as its results file records it.
+the page is written by hand. Each table names the machine it was measured on (in a row, a column or its first
+header cell), as its results file records it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGES = [ROOT / "README.md"]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "docs" / "evaluation.md"]
 
 # What each results file measured, in a user's words (the figures come from the file).
 LEARNING_ROWS = [
@@ -36,6 +38,18 @@ SPEED_ROWS = {
     "smollm2-long": "SmolLM2-135M-Instruct, LoRA, word problems in up to 128 tokens at temperature 1.0",
 }
 
+# docs/performance.md's side-by-side columns and phase columns, in the page's order.
+SIDE_BY_SIDE_COLUMNS = {"tiny": "tiny", "smollm2-lora": "SmolLM2-135M LoRA", "smollm2-full": "SmolLM2-135M full"}
+PROFILE_COLUMNS = {"smollm2-lora": "SmolLM2 LoRA", "smollm2-full": "SmolLM2 full", "tiny": "tiny"}
+MATMUL_OPS = ("aten::mm", "mkldnn::_linear_pointwise")
+# benchmarks/heldout_curves.py's cases, in docs/evaluation.md's words.
+HELDOUT_CASES = {
+    "default": "the default",
+    "random_labels": "random labels (a 6-character prompt, an answer drawn from 0-3)",
+    "smollm2_addition": "SmolLM2 addition",
+    "smollm2_reasoning": "SmolLM2 reasoning",
+}
+
 
 def _load(name: str) -> dict[str, Any]:
     return json.loads((RESULTS / f"{name}.json").read_text())
@@ -51,6 +65,32 @@ def _cpu(machine: Any) -> str:
         return f"{machine['cpu']} ({machine['cores']} cores{', AVX-512' if machine.get('avx512') else ''})"
     text = str(machine).split(", Python")[0].replace("x86_64,", "x86_64 (model not recorded),")
     return text.replace("AVX512", "AVX-512").replace("Intel(R) Xeon(R) Processor @ 2.50GHz", "Intel Xeon 2.50GHz")
+
+
+def _machine(machine: Any) -> str:
+    """The CPU alone: `_cpu` without the Python or torch version and thread count some files add."""
+    return re.sub(r", (\d+ threads|Python [^,]*|torch [^,]*)", "", _cpu(machine))
+
+
+def _signed(x: float) -> str:
+    """A signed figure with three decimals and a typographic minus, as the docs write them."""
+    return f"{x:+.3f}".replace("-", "\u2212")
+
+
+def _rate(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _seconds(x: float) -> str:
+    """Three significant digits (three decimals below one second)."""
+    return f"{x:.3f}" if x < 1 else f"{x:.{max(0, 2 - int(math.floor(math.log10(x))))}f}"
+
+
+def _memory(ours_mb: float, trl_mb: float) -> str:
+    """Two peak resident sets recorded in MiB, in MiB while both are under 1 GiB, else in GiB."""
+    if max(ours_mb, trl_mb) < 1024:
+        return f"{ours_mb:.0f} / {trl_mb:.0f} MiB"
+    return f"{ours_mb / 1024:.1f} / {trl_mb / 1024:.1f} GiB"
 
 
 def learning_table() -> str:
@@ -109,8 +149,158 @@ def memory_table() -> str:
     return "\n".join(lines)
 
 
-TABLES: dict[str, Callable[[], str]] = {"learning": learning_table, "speed-vs-trl": speed_table,
-                                        "step-memory": memory_table}
+def side_by_side_table() -> str:
+    """docs/performance.md: the short rows against TRL, one column per row."""
+    d = _load("grpo_vs_trl")
+    rows = {r["row"]: r for r in d["rows"]}
+    cols = [rows[name] for name in SIDE_BY_SIDE_COLUMNS if name in rows]
+    heads = [SIDE_BY_SIDE_COLUMNS[r["row"]] + (f" ({r['parameters'] / 1e6:.2f}M)" if r["row"] == "tiny" else "")
+             for r in cols]
+
+    def time_to_trl(r: dict[str, Any]) -> str:
+        t = r["time_to_trl_final_heldout"]
+        if not t["reported"]:
+            return "not reported"
+        return (f"{t['ours_train_seconds']:.1f} s, **{t['fraction']:.1%}** of TRL's "
+                f"{t['trl_train_seconds']:.1f} s")
+
+    def ratios(r: dict[str, Any]) -> str:
+        x = r["per_round_ratios"]
+        return f"{min(x):.2f} .. {max(x):.2f} ({len(x)} rounds)"
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        ours, trl, held = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
+        return [
+            f"**{r['speedup_vs_trl']:.2f}×**", ratios(r),
+            f"{_rate(ours['completions_per_s'])} / {_rate(trl['completions_per_s'])}",
+            f"{ours['generated_tokens_per_s']:.0f} / {trl['generated_tokens_per_s']:.0f} "
+            f"({r['tokens_per_s_ratio']:.2f}×)",
+            f"{_seconds(ours['step_seconds_median'])} / {_seconds(trl['step_seconds_median'])}",
+            _memory(ours["peak_rss_mb"], trl["peak_rss_mb"]),
+            f"{r['steps']} ({r['completions_each']:,})",
+            f"{r['heldout_warm_start']:.3f}; {ours['heldout_reward']:.3f} / {trl['heldout_reward']:.3f} "
+            f"(n = {r['heldout_n']})",
+            f"{_signed(held['mean'])} ({_signed(held['ci95_low'])} .. {_signed(held['ci95_high'])})",
+            time_to_trl(r), _machine(r.get("machine", d["machine"])),
+        ]
+
+    labels = ["**speedup_vs_trl** (median of per-round completions/s ratios)", "per-round ratios",
+              "completions/s, ours / TRL", "generated tokens/s, ours / TRL (ratio)", "s/step median, ours / TRL",
+              "peak RSS, ours / TRL", "steps each (completions)",
+              "held-out: shared start; ours / TRL after equal completions",
+              "ours − TRL (paired 95% CI over prompts)", "time to TRL's final held-out reward", "machine"]
+    columns = [cells(r) for r in cols]
+    lines = ["| | " + " | ".join(heads) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(c[i] for c in columns) + " |" for i, label in enumerate(labels)]
+    return "\n".join(lines)
+
+
+def long_row_table() -> str:
+    """docs/performance.md: the `smollm2-long` row against TRL, ours and TRL side by side."""
+    d = _load("grpo_vs_trl")
+    r = next(r for r in d["rows"] if r["row"] == "smollm2-long")
+    ours, trl, held = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
+    x = r["per_round_ratios"]
+    both = {
+        f"completions/s (median of {len(x)} measured rounds)":
+            (_rate(ours["completions_per_s"]), _rate(trl["completions_per_s"])),
+        "speedup": (f"**{r['speedup_vs_trl']:.2f}×** (rounds {min(x):.2f} .. {max(x):.2f})", ""),
+        "s/step median": (_seconds(ours["step_seconds_median"]), _seconds(trl["step_seconds_median"])),
+        "peak RSS": tuple(f"{e['peak_rss_mb'] / 1024:.1f} GiB" for e in (ours, trl)),
+        "distinct completions; completion tokens (mean)":
+            tuple(f"{e['distinct_completion_frac']:.0%}; {e['completion_tokens_mean']:.1f}" for e in (ours, trl)),
+        f"held-out after {r['completions_each']} completions (n = {r['heldout_n']}, "
+        f"start {r['heldout_warm_start']:.3f})":
+            (f"{ours['heldout_reward']:.3f}", f"{trl['heldout_reward']:.3f} (ours − TRL {_signed(held['mean'])}, "
+                                              f"CI {_signed(held['ci95_low'])} .. {_signed(held['ci95_high'])})"),
+        "time share: generation / policy":
+            tuple(f"{e['time_share']['generation']:.0%} / {e['time_share']['policy']:.0%}" for e in (ours, trl)),
+    }
+    lines = [f"| {_machine(r.get('machine', d['machine']))} | ours | TRL |", "|---|---|---|"]
+    lines += [f"| {label} | {a} | {b} |" for label, (a, b) in both.items()]
+    return "\n".join(lines)
+
+
+def step_memory_detail_table() -> str:
+    """docs/performance.md: peak memory, its estimate and the phases' seconds of one SmolLM2 step by length."""
+    d = _load("long_completions")
+    after = {(r["mode"], r["length"]): r for r in d["results"] if r["engine"] == "after"}
+    lengths = sorted({length for _, length in after})
+
+    def row(n: int) -> str:
+        present = [after[(m, n)] for m in ("lora", "full") if (m, n) in after]
+        all_off = all(not r.get("checkpointing", True) for r in present)
+        cells = []
+        for mode in ("lora", "full"):
+            r = after.get((mode, n))
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            off = "" if all_off or r.get("checkpointing", True) else ", checkpointing off"
+            cells += [f"{r['peak_rss_gb']:.2f} GB ({r['estimate_gb']:.1f}){off}",
+                      f"{r['generation_s']:.1f} / {r['update_s']:.1f} s"]
+        return f"| {n}{' (checkpointing off)' if all_off else ''} | " + " | ".join(cells) + " |"
+
+    lines = [f"| completion tokens ({_machine(d['machine'])}) | LoRA: peak RSS (estimate) | LoRA: generation / update "
+             "| full: peak RSS (estimate) | full: generation / update |", "|---:|---:|---:|---:|---:|"]
+    return "\n".join(lines + [row(n) for n in lengths])
+
+
+def profile_table() -> str:
+    """docs/performance.md: a step's phases, median of the measured steps (`after`: the current engine)."""
+    d = _load("profile_step")
+    runs = [d[name]["after"] for name in PROFILE_COLUMNS if name in d]
+    heads = [name for name in PROFILE_COLUMNS if name in d]
+
+    def phase(r: dict[str, Any], seconds: float, share: bool = True) -> str:
+        step = r["step_seconds"]
+        if seconds == 0:
+            return "0"
+        text = f"{seconds * 1000:.1f} ms" if step < 1 else f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds:.3f} s"
+        return text + (f" ({seconds / step:.0%})" if share else "")
+
+    def top_other(r: dict[str, Any]) -> str:
+        op = next(o for o in r["top_ops"] if o["op"] not in MATMUL_OPS)
+        return f"`{op['op'].split('::')[-1]}` {phase(r, op['self_cpu_s_per_step'], share=False)}"
+
+    def other(r: dict[str, Any]) -> float:
+        p = r["phases_seconds"]
+        return p["reward"] + p["other (entropy, logging, Python)"]
+
+    rows = [("**whole step**", lambda r: f"**{phase(r, r['step_seconds'], share=False)}**")]
+    rows += [(name, lambda r, name=name: phase(r, r["phases_seconds"][name]))
+             for name in ("generation", "reference", "policy forward", "policy backward")]
+    rows += [("optimizer; reward, entropy, logging, Python",
+              lambda r: f"{phase(r, r['phases_seconds']['optimizer'], False)}; {phase(r, other(r), False)}"),
+             ("matrix products (`aten::mm` + oneDNN's `mkldnn::_linear_pointwise`), share of CPU time",
+              lambda r: f"{sum(o['share'] for o in r['top_ops'] if o['op'] in MATMUL_OPS):.0%}"),
+             ("top non-matmul operator", top_other),
+             ("measured steps", lambda r: str(r["measured_steps"])),
+             ("machine", lambda r: _machine(r["machine"]))]
+    lines = ["| phase (median of the measured steps) | " + " | ".join(PROFILE_COLUMNS[h] for h in heads) + " |",
+             "|---" * (len(heads) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(cell(r) for r in runs) + " |" for label, cell in rows]
+    return "\n".join(lines)
+
+
+def heldout_table() -> str:
+    """docs/evaluation.md: training rise against held-out change, every run of benchmarks/heldout_curves.py."""
+    d = _load("heldout_curves")
+    lines = [f"| run (case, seed), {_machine(d['machine'])} | training rise | held-out change over the start (noise) "
+             "| heldout_flat | evaluate improvement (95% CI) |", "|---|---|---|---|---|"]
+    for r in sorted(d["rows"], key=lambda r: (r["case"], r["seed"])):
+        flat = ("0" if r["heldout_flat"] == 0 else f"{r['heldout_flat']:.3f}") + (", warned" if r["breached"] else "")
+        lines.append(f"| {HELDOUT_CASES.get(r['case'], r['case'])}, seed {r['seed']} | {_signed(r['train_gain'])} | "
+                     f"{_signed(r['heldout_gain'])} (±{r['heldout_noise']:.3f}) | {flat} | "
+                     f"{_signed(r['improvement'])} ({_signed(r['ci95_low'])} .. {_signed(r['ci95_high'])}) |")
+    return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
+    "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table,
+    "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
+}
 
 
 def render(page: str) -> str:

@@ -1,31 +1,59 @@
-"""The README's results tables are generated from benchmarks/results/*.json: a page that disagrees fails here."""
+"""The results tables of README.md and docs/ are generated from benchmarks/results/*.json: a page that disagrees
+fails here."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from benchmarks.render_results import PAGES, TABLES, render
 
 from conftest import ROOT
 
+BLOCK = re.compile(r"<!-- generated: ([\w-]+) -->")
+
 
 def test_every_generated_table_matches_its_results_file():
     for page in PAGES:
         text = page.read_text()
-        assert all(f"<!-- generated: {name} -->" in text for name in TABLES), page
+        names = BLOCK.findall(text)
+        assert names, f"{page.name} has no generated table"
+        assert not set(names) - set(TABLES), f"{page.name} names unknown tables: {set(names) - set(TABLES)}"
+        assert len(names) == text.count("<!-- end generated -->"), f"{page.name}: a generated block is not closed"
         assert render(text) == text, f"{page.name} disagrees with benchmarks/results: run benchmarks/render_results.py"
 
 
-def test_a_changed_figure_changes_the_page(tmp_path, monkeypatch):
+def test_every_table_is_used_on_a_page():
+    used = {name for page in PAGES for name in BLOCK.findall(page.read_text())}
+    assert set(TABLES) <= used, f"tables on no page: {set(TABLES) - used}"
+
+
+def _results_copy(tmp_path, monkeypatch):
     import benchmarks.render_results as rr
 
     results = tmp_path / "results"
     results.mkdir()
     for f in (ROOT / "benchmarks" / "results").glob("*.json"):
         (results / f.name).write_text(f.read_text())
+    monkeypatch.setattr(rr, "RESULTS", results)
+    return results
+
+
+def test_a_changed_figure_changes_the_page(tmp_path, monkeypatch):
+    results = _results_copy(tmp_path, monkeypatch)
     data = json.loads((results / "grpo_vs_trl.json").read_text())
     data["rows"][0]["speedup_vs_trl"] = 1.23
     (results / "grpo_vs_trl.json").write_text(json.dumps(data))
-    monkeypatch.setattr(rr, "RESULTS", results)
-    readme = (ROOT / "README.md").read_text()
-    assert render(readme) != readme and "**1.23×**" in render(readme)
+    for page in (ROOT / "README.md", ROOT / "docs" / "performance.md"):
+        text = page.read_text()
+        assert render(text) != text and "**1.23×**" in render(text), page.name
+
+
+def test_a_changed_heldout_run_changes_the_evaluation_page(tmp_path, monkeypatch):
+    results = _results_copy(tmp_path, monkeypatch)
+    data = json.loads((results / "heldout_curves.json").read_text())
+    data["rows"].append(dict(data["rows"][0], seed=99, train_gain=0.5, heldout_gain=0.01, heldout_flat=0.5,
+                             breached=True))
+    (results / "heldout_curves.json").write_text(json.dumps(data))
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    assert "| the default, seed 99 | +0.500 | +0.010 " in render(text) and "0.500, warned" in render(text)
