@@ -34,7 +34,9 @@ def test_the_quick_start_works_as_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # The lines the README shows at the end of the first run, in that order.
-    shown = re.search(r"and\nthe registered model:\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 5)]
+    shown = re.findall(r"```\n(.*?)```", section, re.S)[1]  # the block after the commands
     starts = [line.split(":")[0] + ":" for line in shown.splitlines()]
     positions = [out.find(start) for start in starts]
     assert -1 not in positions and positions == sorted(positions), (starts, out[-3000:])

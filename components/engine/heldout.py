@@ -116,7 +116,8 @@ class HeldoutProbe:
         self.records = read_jsonl(split_path(paths.data, "heldout"))[: e.during_training_n]
         formatter = PromptFormatter(cfg.prompt, tokenizer)
         self.prompts = [formatter(r) for r in self.records]
-        self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric])  # pass@k: skipped below
+        # pass@k is skipped below; a reward that hangs is stopped as in a training step
+        self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric], cfg.grpo.reward_timeout_s)
         self.seconds = 0.0
         self.origin: np.ndarray | None = None  # the start model's per-prompt keep_metric
         self.origin_scores: dict[str, float] = {}

@@ -94,12 +94,15 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
 class TaskMetrics:
     """Computes `evaluate.metrics` (plus `reward`, always) per prompt for one model."""
 
-    def __init__(self, e: EvaluateConfig, rewards: Sequence[RewardSpec], names: Sequence[str] | None = None):
+    def __init__(self, e: EvaluateConfig, rewards: Sequence[RewardSpec], names: Sequence[str] | None = None,
+                 timeout_s: float = 0.0):
+        """`timeout_s`: each reward call's time limit (0 = none); evaluation during training uses GRPO's."""
         self.e = e
         self.names = list(dict.fromkeys(["reward", *(e.metrics if names is None else names)]))
-        self.reward = RewardModel(rewards)
+        self.reward = RewardModel(rewards, timeout_s=timeout_s)
         options = {spec.name: spec.options for spec in rewards}
-        self.single = {name: RewardModel([RewardSpec(name=name, weight=1.0, options=dict(options.get(name, {})))])
+        self.single = {name: RewardModel([RewardSpec(name=name, weight=1.0, options=dict(options.get(name, {})))],
+                                         timeout_s=timeout_s)
                        for name in self.names if name not in FIXED_METRICS and not pass_k(name)}
 
     @property

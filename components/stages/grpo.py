@@ -181,8 +181,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                        "reference": t_reference - t_advantages, "policy": t_policy - t_reference,
                        "step": time.perf_counter() - t_step}
             metrics = step_metrics(batch, stats, advantages, scorable, optimizer.param_groups[0]["lr"], timings, g)
-            if probe is not None and probe.due(step + 1):  # 6b. held-out metrics; the best weights kept aside
-                scores = probe(policy.model)
+            if probe is not None and probe.due(step + 1) and (scores := _heldout(probe, policy.model, step + 1, say)):
+                # 6b. held-out metrics; the best weights kept aside
                 metrics.update({f"heldout/{k}": v for k, v in scores.items()})
                 best = _keep_best(best, step + 1, scores, policy, run_hash, paths, g, say)
                 # The run's `heldout/...` curves and the checkpoint's LoggedModel share these points.
@@ -292,13 +292,28 @@ def _flat_threshold(cfg: PipelineConfig) -> float:
                 cfg.monitors.not_learning.min_reward_gain)
 
 
+def _heldout(probe: HeldoutProbe, model, step: int, say) -> dict[str, float] | None:
+    """The held-out metrics at `step`, or None (said once) when a reward failed on them: evaluation never stops
+    training; the training steps meet the same reward and handle its failures by their own rule."""
+    try:
+        return probe(model)
+    except RewardError as err:
+        say(f"grpo: held-out evaluation at step {step} skipped ({err})")
+        return None
+
+
 def _evaluate_start(probe: HeldoutProbe, policy: Policy, cfg: PipelineConfig, start_dir: Path, start_step: int,
                     ctx: DistContext, run, say) -> None:
     """Evaluate the model GRPO starts from on the held-out probe (a resumed run reloads it from its directory:
     greedy decoding gives the same scores), so every later evaluation is a paired change over the start."""
     model = policy.model if start_step == 0 else load_policy_model(cfg, start_dir, ctx.device)
-    scores = probe.set_origin(model)
-    del model
+    try:
+        scores = probe.set_origin(model)
+    except RewardError as err:  # the training steps meet the same reward and handle its failures
+        say(f"grpo: held-out evaluation of the start model skipped ({err}); later ones are not compared with it")
+        return
+    finally:
+        del model
     run.log_metrics({f"heldout/{k}": v for k, v in scores.items()}, step=0)
     say("grpo: held-out at the start " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
 

@@ -25,13 +25,21 @@ from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, dvc_repro_warm
 def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):
     import reward_fixtures
 
+    flaky = ["grpo.steps=5", "grpo.max_reward_failures=2", "grpo.rewards=[{name: 'reward_fixtures:flaky_twice'}]"]
     reward_fixtures._CALLS["flaky"] = 0
-    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=5", "grpo.max_reward_failures=2",
-                                                       "grpo.rewards=[{name: 'reward_fixtures:flaky_twice'}]"])
+    cfg, paths = setup_stage_inputs(tmp_path / "steps", LEARN + flaky + ["evaluate.every=0"])
     train_grpo(cfg, paths)
     out = capsys.readouterr().out
     assert "grpo: step 1 skipped: reward 'reward_fixtures:flaky_twice' raised ConnectionError" in out
     assert "(2 in a row)" in out and (paths.grpo_model / "model.safetensors").exists()
+    # The held-out evaluation of the start meets the failure first: it is skipped, training is not stopped.
+    reward_fixtures._CALLS["flaky"] = 0
+    cfg, paths = setup_stage_inputs(tmp_path / "heldout", LEARN + flaky + ["evaluate.every=2"])
+    train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert ("grpo: held-out evaluation of the start model skipped (reward 'reward_fixtures:flaky_twice' raised "
+            "ConnectionError: judge service unavailable)") in out
+    assert "grpo: step 1 skipped" in out and (paths.grpo_model / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("reward,options,message", [
