@@ -39,7 +39,7 @@ class RunMarker:
         except (OSError, ValueError):
             return None
         pid = note.get("pid")
-        return None if isinstance(pid, int) and pid != os.getpid() and _alive(pid) else note
+        return None if isinstance(pid, int) and (pid == os.getpid() or _alive(pid)) else note
 
     def write(self, **fields: Any) -> None:
         """Update the note (temp file, then rename: a kill mid-write leaves the previous note)."""
@@ -63,3 +63,19 @@ def killed_run_text(stage: str, note: dict[str, Any]) -> str:
     return (f"{stage}: the previous run of this stage (pid {note.get('pid')}, started {note.get('started')}) ended "
             f"without a word {where}: it was killed (SIGKILL), most often by the kernel's out-of-memory killer"
             f"{memory}{knobs}, or a preempted machine")
+
+
+class NoMarker(RunMarker):
+    """For processes that keep no note (ranks other than 0): every method does nothing, nothing is written."""
+
+    def __init__(self) -> None:
+        super().__init__(Path())
+
+    def left_by_a_killed_run(self) -> dict[str, Any] | None:
+        return None
+
+    def write(self, **fields: Any) -> None:
+        self.fields.update(fields)
+
+    def clear(self) -> None:
+        pass

@@ -11,7 +11,6 @@ on CPU with a fixed seed a resumed run ends with the same weights.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -46,7 +45,7 @@ from components.engine.update import (
 )
 from components.errors import StageFailed
 from components.interruptions import set_progress
-from components.run_marker import RunMarker, killed_run_text
+from components.run_marker import NoMarker, RunMarker, killed_run_text
 from components.stages.cli import stage_main
 from components.tracking.reports import GRPOReporter
 from components.tracking.runs import tracking_run
@@ -69,18 +68,17 @@ def train_grpo(cfg: PipelineConfig, paths: Paths = Paths(), callbacks: Sequence[
         launch("components.stages.grpo", cfg, paths.root)
         return json.loads((paths.metrics / "grpo.json").read_text())
     ctx = init(cfg.distributed, pick_device(cfg.device))
-    marker = RunMarker(paths.grpo_checkpoints.parent / "grpo.running.json")
+    marker = RunMarker(paths.grpo_checkpoints.parent / "grpo.running.json") if ctx.is_main else NoMarker()
     try:
-        if ctx.is_main and (note := marker.left_by_a_killed_run()):
+        if note := marker.left_by_a_killed_run():
             print(killed_run_text("grpo", note), flush=True)
-        return _train_grpo(cfg, paths, callbacks, ctx, marker if ctx.is_main else RunMarker(Path(os.devnull)))
+        return _train_grpo(cfg, paths, callbacks, ctx, marker)
     except (MemoryError, RuntimeError) as err:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
         raise StageFailed(out_of_memory_text(err, marker.fields)) from err
     finally:
-        if ctx.is_main:
-            marker.clear()
+        marker.clear()
         shutdown(ctx)
 
 
