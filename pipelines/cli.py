@@ -416,6 +416,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_evaluate_many(args: argparse.Namespace) -> int:
     import json
 
+    # Prefect's temporary API must answer within its start-up timeout (20 s by default; read when Prefect is
+    # imported): on a loaded 2-core machine it took longer, and the command failed before evaluating anything.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from components.config import ConfigError
     from components.data.model_source import ModelLoadError
     from components.data.records import DataError
