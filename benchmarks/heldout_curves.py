@@ -58,22 +58,13 @@ CASES: dict[str, tuple[list[str], Callable[[Path, int], list[str]] | None]] = {
 
 
 def one_run(case: str, seed: int, work: Path) -> dict[str, Any]:
-    from benchmarks.pipeline_overhead import fresh_clone
+    from benchmarks.pipeline_overhead import fresh_clone, pipeline_run
 
     args, data = CASES[case]
-    env = fresh_clone(work)
-    env.update(PATH=f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1",
-               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               GX_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false")
+    fresh_clone(work)  # the data goes into the clone first; pipeline_run clones again only when asked to
     sets = [f"seed={seed}", *(data(work, seed) if data else [])]
-    command = ["grpo-pipeline", "run", *args, *[a for s in sets for a in ("--set", s)]]
-    started = time.perf_counter()
-    proc = subprocess.run(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - started
-    log = work.parent / f"{case}-{seed}.log"
-    log.write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case} seed {seed}: grpo-pipeline run failed ({proc.returncode}); see {log}")
+    wall = pipeline_run(work, [*args, *[a for s in sets for a in ("--set", s)]], work.parent / f"{case}-{seed}.log",
+                        fresh=False)
     grpo = json.loads((work / "metrics" / "grpo.json").read_text())
     report = json.loads((work / "metrics" / "eval.json").read_text())
     import csv

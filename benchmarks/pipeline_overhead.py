@@ -40,6 +40,26 @@ def fresh_clone(work: Path) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
 
 
+def pipeline_run(work: Path, args: list[str], log: Path, fresh: bool = True) -> float:
+    """`grpo-pipeline run ARGS` in a clone at `work` (a fresh one unless `fresh` is false; this checkout's .venv,
+    telemetry off): its wall seconds. The output goes to `log`; a failed run raises, naming the log."""
+    from components.quiet import QUIET_DEFAULTS
+
+    if fresh:
+        fresh_clone(work)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")},
+           **QUIET_DEFAULTS}
+    env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}"
+    started = time.perf_counter()
+    proc = subprocess.run(["grpo-pipeline", "run", *args], cwd=work, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - started
+    log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"grpo-pipeline run {' '.join(args)} failed ({proc.returncode}); see {log}")
+    return wall
+
+
 def measure(work: Path) -> dict:
     env = fresh_clone(work)
     started = time.perf_counter()

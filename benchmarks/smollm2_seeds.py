@@ -32,20 +32,9 @@ DEFAULT_SEEDS = [1234, 1, 2]
 
 
 def one_seed(example: str, seed: int, work: Path) -> dict[str, Any]:
-    from benchmarks.pipeline_overhead import fresh_clone
+    from benchmarks.pipeline_overhead import pipeline_run
 
-    env = fresh_clone(work)
-    env.update(PATH=f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1",
-               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               GX_ANALYTICS_ENABLED="false", TOKENIZERS_PARALLELISM="false")
-    started = time.perf_counter()
-    proc = subprocess.run(["grpo-pipeline", "run", "--params", example, "--set", f"seed={seed}"], cwd=work, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - started
-    log = work.parent / f"smollm2-seed-{seed}.log"
-    log.write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"seed {seed}: grpo-pipeline run failed ({proc.returncode}); see {log}")
+    wall = pipeline_run(work, ["--params", example, "--set", f"seed={seed}"], work.parent / f"smollm2-seed-{seed}.log")
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
