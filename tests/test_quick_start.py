@@ -12,11 +12,17 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 
-def quick_start_commands() -> list[str]:
-    """The commands of the Quick start's bash block, comments dropped."""
+def fenced_blocks() -> list[tuple[str, str]]:
+    """(language, text) of each fenced block of the README's Quick start, in order."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 5)]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return re.findall(r"^```(\w*)\n(.*?)^```$", section, re.S | re.M)
+
+
+def quick_start_commands() -> list[str]:
+    """The commands of the Quick start's bash block, comments dropped."""
+    language, block = fenced_blocks()[0]
+    assert language == "bash"
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -34,9 +40,7 @@ def test_the_quick_start_works_as_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # The lines the README shows at the end of the first run, in that order.
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 5)]
-    shown = re.findall(r"```\n(.*?)```", section, re.S)[1]  # the block after the commands
+    shown = fenced_blocks()[1][1]  # the block after the commands
     starts = [line.split(":")[0] + ":" for line in shown.splitlines()]
     positions = [out.find(start) for start in starts]
     assert -1 not in positions and positions == sorted(positions), (starts, out[-3000:])
