@@ -5,7 +5,9 @@
 
 Each mutation replaces one line (a flipped sign, a dropped term, the policy where the frozen reference
 belongs, a removed mask) in a copy of the source, runs the engine tests against it, and records the
-first test that failed. A mutation no test catches is printed as SURVIVED and the script exits 1.
+first test that failed. A mutation no test catches is printed as SURVIVED and the script exits 1; so does
+one whose original text is not exactly once in its file (checked before anything runs, and by
+tests/test_mutation_check.py in the suite).
 Not collected by pytest (not named test_*); the source files are restored whatever happens.
 """
 
@@ -192,6 +194,10 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "    return first[order], rank[inverse]", "    return first, inverse"),
     ("fastlm: repeated rows shared while dropout is active", "components/engine/fastlm.py",
      "return self.model.training and any(m.p > 0 and m.training for m in self._dropouts)", "return False"),
+    ("fastlm: a repeated row's gradient shared out among its copies, not summed", "components/engine/fastlm.py",
+     "        return logp.index_select(0, inverse), None if entropy is None else entropy.index_select(0, inverse)",
+     "        return logp.detach().index_select(0, inverse) + (logp - logp.detach()).index_select(0, inverse) "
+     "/ torch.bincount(inverse)[inverse, None], None if entropy is None else entropy.index_select(0, inverse)"),
     ("rmsnorm: backward without the normalisation's own term", "components/engine/rmsnorm.py",
      "grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)).mul_(rstd)", "grad_x = g.mul(rstd)"),
 ]
@@ -216,11 +222,21 @@ def run_mutation(name: str, rel: str, old: str, new: str) -> tuple[str, float]:
     return (failed[0] if failed else f"error (exit {proc.returncode})"), seconds
 
 
+def unmatched(mutations: list[tuple[str, str, str, str]]) -> list[str]:
+    """The mutations whose original text does not occur exactly once in its file (the code moved on)."""
+    return [f"{name}: {rel} has {count} matches" for name, rel, old, _ in mutations
+            if (count := (ROOT / rel).read_text().count(old) if (ROOT / rel).exists() else 0) != 1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", default="", help="only mutations whose name contains this")
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if args.k in m[0]]
+    stale = unmatched(chosen)
+    if stale:  # before any test runs: a pattern that applies nowhere checks nothing
+        print("mutations that apply nowhere (update them to the code):\n  " + "\n  ".join(stale))
+        return 1
     rows, survived = [], 0
     for i, (name, rel, old, new) in enumerate(chosen, 1):
         caught, seconds = run_mutation(name, rel, old, new)

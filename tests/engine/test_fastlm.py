@@ -579,3 +579,31 @@ def test_the_decoding_cache_grows_as_tokens_are_decoded(monkeypatch):
     quick = sample_groups(model, tokenizer, ["a", "b"], 3, 12, generator=torch.Generator().manual_seed(5), fast=fast)
     assert plain.completion_ids.shape[1] > 4, "the rollout should outgrow the first blocks"
     assert torch.equal(plain.completion_ids, quick.completion_ids)
+
+
+def test_the_same_completion_in_two_groups_with_different_advantages_updates_as_the_plain_path():
+    """Two groups of the same prompt share one completion (computed once by the prompt-once forward) but give it
+    opposite advantages: the update must weigh each copy by its own advantage, as the plain forward does."""
+    from components.config import GRPOConfig
+    from components.engine.policy import Policy
+    from components.engine.update import policy_updates
+
+    base = _llama(num_key_value_heads=2)
+    rows = _rollout((0, 0, 0, 0, 0, 0))
+    same = rows.select([0, 1, 0, 2])  # groups (0, 1) and (0, 2): row 2 repeats row 0
+    advantages = torch.tensor([1.0, -1.0, -0.25, 0.25])
+    g = GRPOConfig(group_size=2, prompts_per_step=2, kl_beta=0.0, loss_type="dapo", max_grad_norm=1e9)
+    results = []
+    for shared in (False, True):
+        model = copy.deepcopy(base).train()
+        policy = Policy(None, model, None, False)
+        if shared:
+            policy.fast = PrefixSharedLM(model)
+            assert distinct_rows(same.prompt_ids, same.prompt_mask, same.completion_ids,
+                                 same.completion_mask)[0].tolist() == [0, 1, 3]
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        policy_updates(policy, opt, same, advantages, same.completion_mask, None, g)
+        results.append([p.detach().clone() for p in model.parameters()])
+    plain, shared = results
+    assert any(not torch.equal(p, q) for p, q in zip(plain, base.parameters())), "no update happened"
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(plain, shared))
