@@ -26,7 +26,7 @@ import json, os, sys, threading, urllib.request
 from pipelines import warmup
 
 api = warmup.plan_prefect_api()
-import prefect  # the CLI imports Prefect, then starts the API (pipelines/cli.py)
+import prefect  # the CLI imports Prefect, then starts the API (pipelines/commands/run_flow.py)
 from prefect import flow
 
 if sys.argv[1] == "with-thread":  # e.g. Prefect's first-import telemetry thread in a terminal

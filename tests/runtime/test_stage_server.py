@@ -71,7 +71,7 @@ def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
 
 
 def test_overhead_breakdown_from_stage_stamps():
-    from pipelines.cli import overhead_breakdown
+    from pipelines.commands.run_report import overhead_breakdown
 
     # Process start 100.0; stage A entered 110, compute 111..120; stage B entered 121.5, compute 122..130.
     stamps = [{"stage": "a", "entered": 110.0, "started_at": 111.0, "ended_at": 120.0, "compute_seconds": 9.0},

@@ -5,7 +5,7 @@ import json
 
 from components.config import default_fingerprint, load_config
 from components.tracking.run_environment import differences
-from pipelines.cli import band_report
+from pipelines.commands.run_report import band_report
 from pipelines.reproduce import Comparison, ReproduceReport
 
 from conftest import ROOT
