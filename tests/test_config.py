@@ -110,7 +110,7 @@ def test_the_smoke_preset_never_registers_under_the_production_name():
 
 
 def test_the_defaults_params_yaml_and_the_default_preset_are_one_configuration():
-    """components/config.py's defaults, the committed params.yaml and configs/presets/default.yaml agree key for
+    """components/config/'s defaults, the committed params.yaml and configs/presets/default.yaml agree key for
     key, so `--preset default` restores every key an example changed."""
     from dataclasses import asdict
 

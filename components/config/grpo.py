@@ -1,0 +1,235 @@
+"""The GRPO stage: rewards, the KL reference, DAPO's dynamic sampling and overlong shaping, LoRA, and the
+GRPO section itself, with the checks that need only that section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from components.config.rules import _require
+
+
+@dataclass
+class RewardSpec:
+    """One reward component: a built-in name or `package.module:function`, and its weight."""
+
+    name: str = "exact_match"
+    """Built-in reward name or a dotted path `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this component in the summed reward."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the reward (e.g. `pattern` for regex_format, `path` for judge_model)."""
+
+
+@dataclass
+class ReferenceConfig:
+    """How the KL reference policy evolves."""
+
+    mode: Literal["static", "ema", "periodic"] = "static"
+    """`static`: frozen start policy; `ema`: ref <- (1-a)ref + a*policy each step; `periodic`: copy every
+    `sync_every` steps."""
+    ema_alpha: float = 0.01
+    """EMA rate for `mode: ema`."""
+    sync_every: int = 100
+    """Steps between copies for `mode: periodic`."""
+    path: str | None = None
+    """A different checkpoint directory as the reference (default: a frozen copy of the start policy)."""
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+
+    enabled: bool = False
+    """Drop zero-variance groups from the update."""
+    fill_batch: bool = False
+    """Keep sampling extra prompts until the batch is full again."""
+    max_tries: int = 4
+    """Extra sampling rounds at most per step when `fill_batch` is on."""
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment, added to the reward by completion length in tokens."""
+
+    enabled: bool = False
+    """Add the penalty."""
+    buffer: int = 2
+    """Tokens before `max_completion_length` where the penalty ramps from 0 to -penalty."""
+    penalty: float = 1.0
+    """Penalty at and beyond `max_completion_length`."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft): only adapters train; the reference is the base with adapters off."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights."""
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 16.0
+    """Scaling alpha (effective scale alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names (suffixes) that get adapters; each must exist in the model."""
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
+
+    algorithm: Literal["grpo", "reinforce"] = "grpo"
+    """`grpo`, or the `reinforce` baseline: one sample per prompt, absolute reward, no KL (needs group_size 1)."""
+    steps: int = 2000
+    """Rollout steps (each followed by num_iterations updates)."""
+    prompts_per_step: int = 16
+    """Distinct prompts sampled per step; the batch is prompts_per_step * group_size completions."""
+    group_size: int = 8
+    """Completions per prompt (G); 1 only with `algorithm: reinforce`."""
+    max_completion_length: int = 6
+    """Generated tokens per completion at most (EOS included)."""
+    temperature: float = 1.0
+    """Sampling temperature for rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold for rollouts."""
+    top_k: int = 0
+    """Sample rollouts from the k most likely tokens only (0 = all); applied before top_p, as Hugging Face does.
+    The log-probs the loss uses stay those of the full distribution at `temperature` (TRL's choice too)."""
+    learning_rate: float = 5e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to this fraction of the peak learning rate."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    kl_beta: float = 0.04
+    """KL coefficient; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3). As a loss term k3's gradient is that of KL(ref || pi)
+    (TRL's choice), k2's that of KL(pi || ref); k1's expected gradient is zero, so it is refused with kl_beta > 0."""
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    """Loss aggregation: per-sequence mean (`grpo`); token mean over the whole accumulated batch (`dapo`) or over
+    each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by group std, batch std, or nothing (Dr. GRPO)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Per-token ratios, or one length-normalised ratio per sequence (GSPO)."""
+    num_iterations: int = 1
+    """Passes over each rollout (mu); old log-probs are cached at rollout time."""
+    minibatch_size: int = 0
+    """Completions per forward/backward (0 = the whole batch); a multiple of group_size."""
+    gradient_checkpointing: Literal["auto", "always", "never"] = "auto"
+    """Training forwards keep each decoder layer's input only and recompute the layer in backward (prefix-shared
+    and plain Hugging Face forwards): activation memory of about one layer instead of all, for one more forward
+    of the policy (docs/performance.md, long completions). `auto`: on when the grpo stage estimates that a step
+    without it needs more than half the memory free at its start; the values are the same either way."""
+    gradient_accumulation_steps: int = 0
+    """Minibatches accumulated per optimizer step (0 = all of them: one step per pass)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
+    prefix_sharing: bool = True
+    """Encode each prompt once per group in sampling, reference and policy forwards (components/engine/fast/fastlm.py).
+    Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back.
+    Not used with several processes or per-group sampling (those need the wrapped, N-independent forward)."""
+    onednn_matmul: bool = True
+    """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
+    (components/engine/fast/matmul.py): about twice MKL's speed on AMD processors with AVX-512 (measured on Zen 5); on
+    Intel's MKL already runs AVX-512, so expect little change. Rounding differs from PyTorch's own products; false keeps
+    those."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO overlong reward shaping."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters via peft."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """KL reference policy."""
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Reward components; their weighted sum drives the advantages."""
+    reward_timeout_s: float = 60.0
+    """Time limit per reward call; a slower call fails that step (0 = no limit)."""
+    max_reward_failures: int = 3
+    """Steps in a row whose rewards failed (raised, NaN/inf, wrong length, timeout) that are skipped and
+    logged before the stage stops with the reward's error."""
+    checkpoint_every: int = 100
+    """Steps between resumable checkpoints (0 disables)."""
+    log_every: int = 100
+    """Steps between progress lines."""
+    keep: Literal["last", "best"] = "last"
+    """Which weights become models/grpo: the last step's, or the held-out evaluation during training
+    (`evaluate.every`) that scored best on `keep_metric` (saved as checkpoints/grpo/best). `best` picks on
+    the held-out subset that the final evaluation also scores, so its gain there is optimistic by the
+    selection; compare it with the champion on other data before trusting a small margin."""
+    keep_metric: str = "reward"
+    """The held-out metric (a greedy one of `evaluate.metrics`, or `reward`) that `keep: best` maximises."""
+    metrics_every: int = 10
+    """Steps per MLflow metrics point, each the mean over its window (TRL's `logging_steps`); 1 logs
+    every step. Every step's values are in plots/grpo_steps.csv. A point per step costs about 5 ms
+    of SQLite writes (28 metrics), about 6% of a tiny-model step (0.079 s median in the benchmark at 8a3e357)."""
+
+
+def check_grpo(g: GRPOConfig) -> None:
+    """grpo: every rule that needs only the grpo section (sizes, sampling, optimiser, KL, clipping, LoRA,
+    reference, rewards); rules tying it to other sections run in `validate_config`."""
+    _require(g.steps >= 1, "grpo.steps", "must be >= 1")
+    _require(g.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
+    if g.algorithm == "reinforce":
+        _require(g.group_size == 1, "grpo.group_size",
+                 "must be 1 with grpo.algorithm: reinforce (one sample per prompt)")
+        _require(g.kl_beta == 0, "grpo.kl_beta", "must be 0 with grpo.algorithm: reinforce (no KL)")
+    else:
+        _require(g.group_size >= 2, "grpo.group_size",
+                 "must be >= 2: group-relative advantages need at least two completions per prompt")
+    batch = g.prompts_per_step * g.group_size
+    _require(g.minibatch_size >= 0, "grpo.minibatch_size", "must be >= 0")
+    _require(g.minibatch_size % g.group_size == 0, "grpo.minibatch_size",
+             f"must be a multiple of grpo.group_size ({g.group_size}) so groups stay whole")
+    _require(g.minibatch_size <= batch, "grpo.minibatch_size",
+             f"must be <= the batch (prompts_per_step * group_size = {batch})")
+    _require(g.gradient_accumulation_steps >= 0, "grpo.gradient_accumulation_steps", "must be >= 0")
+    _require(g.dynamic_sampling.max_tries >= 1, "grpo.dynamic_sampling.max_tries", "must be >= 1")
+    _require(not (g.dynamic_sampling.enabled and g.algorithm == "reinforce"), "grpo.dynamic_sampling.enabled",
+             "must be false with grpo.algorithm: reinforce: with one completion per prompt no group has reward "
+             "variance, so dynamic sampling would drop every batch and train nothing")
+    _require(g.overlong.buffer >= 1 and g.overlong.buffer <= g.max_completion_length, "grpo.overlong.buffer",
+             "must be in [1, grpo.max_completion_length]")
+    _require(g.overlong.penalty >= 0, "grpo.overlong.penalty", "must be >= 0")
+    _require(g.lora.rank >= 1, "grpo.lora.rank", "must be >= 1")
+    _require(len(g.lora.target_modules) >= 1, "grpo.lora.target_modules", "needs at least one module name")
+    _require(not (g.lora.enabled and g.reference.mode != "static" and g.kl_beta > 0), "grpo.reference.mode",
+             "must be static with LoRA: the reference is the base model with adapters disabled")
+    _require(not (g.lora.enabled and g.reference.path), "grpo.reference.path",
+             "must be unset with LoRA: the reference is the base model with adapters disabled")
+    _require(g.max_completion_length >= 1, "grpo.max_completion_length", "must be >= 1")
+    _require(g.temperature > 0, "grpo.temperature", "must be > 0")
+    _require(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
+    _require(g.top_k >= 0, "grpo.top_k", "must be >= 0 (0 = all tokens)")
+    _require(g.learning_rate > 0, "grpo.learning_rate", "must be > 0")
+    _require(g.warmup_steps >= 0, "grpo.warmup_steps", "must be >= 0")
+    _require(0 <= g.min_lr_ratio <= 1, "grpo.min_lr_ratio", "must be in [0, 1]")
+    _require(g.max_grad_norm > 0, "grpo.max_grad_norm", "must be > 0")
+    _require(g.kl_beta >= 0, "grpo.kl_beta", "must be >= 0")
+    _require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",
+             "k1 cannot be a loss term with grpo.kl_beta > 0: its expected gradient is exactly zero, so it "
+             "would not regularise; use k3 (gradient of KL(ref || policy), TRL's choice) or k2 (gradient of "
+             "KL(policy || ref))")
+    _require(0 < g.epsilon < 1, "grpo.epsilon", "must be in (0, 1)")
+    _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", "must be > 0")
+    _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    _require(0 < g.reference.ema_alpha <= 1, "grpo.reference.ema_alpha", "must be in (0, 1]")
+    _require(g.reference.sync_every >= 1, "grpo.reference.sync_every", "must be >= 1")
+    _require(g.checkpoint_every >= 0, "grpo.checkpoint_every", "must be >= 0")
+    _require(g.log_every >= 1, "grpo.log_every", "must be >= 1")
+    _require(g.metrics_every >= 1, "grpo.metrics_every", "must be >= 1")
+    _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
+    _require(g.reward_timeout_s >= 0, "grpo.reward_timeout_s", "must be >= 0")
+    _require(g.max_reward_failures >= 0, "grpo.max_reward_failures", "must be >= 0")
