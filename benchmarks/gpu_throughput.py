@@ -26,8 +26,8 @@ def qwen2_half_billion():
 
 
 def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, new_tokens: int = 256) -> dict[str, Any]:
-    from components.engine.fastlm import PrefixSharedLM
-    from components.engine.rollout import Rollout, sample_from
+    from components.engine.fast.fastlm import PrefixSharedLM
+    from components.engine.models.rollout import Rollout, sample_from
 
     model = qwen2_half_billion()
     params = sum(p.numel() for p in model.parameters())

@@ -180,9 +180,9 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     import torch
 
     from components.data.records import read_jsonl, split_path
-    from components.engine.heldout import greedy_completions_of, score
-    from components.engine.prompting import PromptFormatter
-    from components.engine.rewards import RewardModel
+    from components.engine.evaluation.heldout import greedy_completions_of, score
+    from components.engine.models.prompting import PromptFormatter
+    from components.engine.rewards.rewards import RewardModel
 
     records = read_jsonl(split_path(root / "data" / "prepared", "heldout"))[:limit]
     rewards = RewardModel(cfg.grpo.rewards)
@@ -205,8 +205,8 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
 def mean_prompt_tokens(cfg, root: Path, limit: int = 256) -> float:
     """Tokens of a formatted training prompt (chat template included), the mean over the first `limit` prompts."""
     from components.data.records import read_jsonl, split_path
-    from components.engine.modeling import load_tokenizer
-    from components.engine.prompting import PromptFormatter
+    from components.engine.models.modeling import load_tokenizer
+    from components.engine.models.prompting import PromptFormatter
 
     tokenizer = load_tokenizer(root / "models" / "sft")
     formatter = PromptFormatter(cfg.prompt, tokenizer)
@@ -224,7 +224,7 @@ def worker_config(spec: dict[str, Any]):
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
     from components.data.paths import Paths
-    from components.engine.modeling import load_tokenizer
+    from components.engine.models.modeling import load_tokenizer
     from components.stages.grpo import train_grpo
 
     cfg = worker_config(spec)
@@ -278,13 +278,12 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from components.data.records import read_jsonl, split_path
-    from components.engine.modeling import load_model, load_tokenizer
-    from components.engine.prompting import PromptFormatter
-    from components.engine.rewards import RewardModel
-
-    from components.engine.host_memory import configure_allocator
-    from components.engine.memory_estimate import ModelShape, estimate_step_memory
-    from components.engine.policy import longest_row
+    from components.engine.grpo.host_memory import configure_allocator
+    from components.engine.grpo.memory_estimate import ModelShape, estimate_step_memory
+    from components.engine.grpo.policy import longest_row
+    from components.engine.models.modeling import load_model, load_tokenizer
+    from components.engine.models.prompting import PromptFormatter
+    from components.engine.rewards.rewards import RewardModel
 
     cfg = worker_config(spec)
     root = Path(spec["root"])
@@ -414,7 +413,7 @@ def warm_start_heldout(spec: dict[str, Any]) -> float:
     """The held-out reward both engines start from (greedy decoding: one evaluation serves both)."""
     import torch
 
-    from components.engine.modeling import load_model, load_tokenizer
+    from components.engine.models.modeling import load_model, load_tokenizer
 
     root = Path(spec["root"])
     torch.set_num_threads(spec["threads"])
@@ -472,7 +471,7 @@ def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], 
 def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
-    from components.engine.heldout import paired_bootstrap
+    from components.engine.evaluation.heldout import paired_bootstrap
 
     root = prepare_start(row, work, args.threads)
     rounds = args.rounds or row.rounds
@@ -530,7 +529,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import torch
 
     from benchmarks.machine_ceiling import phase_utilisation
-    from components.engine.modeling import count_parameters, load_model
+    from components.engine.models.modeling import count_parameters, load_model
 
     start_model = load_model(root / "models" / "sft", torch.device("cpu"))
     params = count_parameters(start_model)

@@ -1,6 +1,6 @@
 """Report: the held-out curve beside the training reward, on runs that generalise and one that cannot.
 
-The evidence behind the `heldout_flat` monitor's default (components/engine/monitors.py). Each row is one
+The evidence behind the `heldout_flat` monitor's default (components/engine/evaluation/monitors.py). Each row is one
 `grpo-pipeline run` in a fresh clone of this commit (sharing this checkout's .venv): the embedded default,
 both SmolLM2 examples, and `random_labels`, a task no rule can learn (a random 6-character prompt, an answer
 drawn at random from 0-3): training can only memorise its 300 prompts, so the held-out reward cannot rise.

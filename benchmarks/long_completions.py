@@ -65,11 +65,11 @@ def memory_as_the_stage_fits_it(cfg: Any, policy: Any, records: list) -> dict[st
     try:
         from components.stages.grpo import fit_memory
     except ImportError:
-        from components.engine.host_memory import keep_freed_memory
+        from components.engine.grpo.host_memory import keep_freed_memory
 
         keep_freed_memory()
         return {}
-    from components.engine.memory_estimate import GiB
+    from components.engine.grpo.memory_estimate import GiB
 
     memory = fit_memory(cfg, policy, records, say=lambda *args, **kwargs: None)
     return {"estimate_gb": memory.peak / GiB, "checkpointing": policy.gradient_checkpointing}
@@ -81,12 +81,14 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[
 
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
-    from components.engine.modeling import resolve_model_dir, seed_everything
-    from components.engine.objectives import build_loss
-    from components.engine.policy import build_policy
-    from components.engine.rollout import sample_groups
-    from components.engine.update import make_optimizer, policy_updates, reference_logprobs
-    from components.engine.distributed import DistContext
+    from components.engine.grpo.objectives import build_loss
+    from components.engine.grpo.policy import build_policy
+    from components.engine.grpo.trajectory import Trajectory
+    from components.engine.grpo.update import policy_updates, reference_logprobs
+    from components.engine.models.modeling import resolve_model_dir, seed_everything
+    from components.engine.models.optim import make_optimizer
+    from components.engine.models.rollout import sample_groups
+    from components.engine.parallel.distributed import DistContext
     from pipelines.params_io import merged_config
 
     tree = Path(os.environ.get("BENCH_TREE", ROOT))
@@ -98,7 +100,7 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[
     loss = build_loss(g)
     policy = build_policy(cfg, resolve_model_dir(paths.sft_model), torch.device("cpu"), records,
                           with_reference=loss.uses_reference)
-    optimizer = make_optimizer(policy.model, g, torch.device("cpu"))
+    optimizer = make_optimizer(policy.model, g.learning_rate, g.weight_decay, torch.device("cpu"))
     estimate = memory_as_the_stage_fits_it(cfg, policy, records)
     built_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     prompts = [policy.format_prompt(r) for r in records]
@@ -113,8 +115,8 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[
         advantages = torch.randn(len(rollout), generator=generator)
         ref_logp = reference_logprobs(policy, rollout, g, DistContext()) if loss.uses_reference else None
         t2 = time.perf_counter()
-        policy_updates(policy, optimizer, rollout, advantages, rollout.completion_mask.float(), ref_logp, g,
-                       loss=loss)
+        policy_updates(policy, optimizer, Trajectory(rollout, g.group_size, advantages, rollout.completion_mask.float(),
+                                                     ref_logp=ref_logp), g, loss=loss)
         t3 = time.perf_counter()
         timings.append({"generation_s": t1 - t0, "reference_s": t2 - t1, "update_s": t3 - t2,
                         "tokens": int(rollout.completion_mask.sum())})

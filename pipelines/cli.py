@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 # Read by glibc when a process starts, so it reaches the stage processes: large allocations on transparent
-# huge pages where the kernel offers them (components/engine/host_memory.py).
+# huge pages where the kernel offers them (components/engine/grpo/host_memory.py).
 ALLOCATOR_DEFAULTS = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 

@@ -19,13 +19,13 @@ from components.config import PipelineConfig
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
-    from components.engine.modeling import count_parameters, pick_device, seed_everything
-    from components.engine.objectives import build_loss
-    from components.engine.policy import build_policy
-    from components.engine.rewards import RewardModel
-    from components.engine.rollout import decode_completions
-    from components.engine.sampling import PromptSchedule, collect_batch, reward_specs
-    from components.engine.update import loss_mask
+    from components.engine.grpo.objectives import build_loss
+    from components.engine.grpo.policy import build_policy
+    from components.engine.grpo.sampling import PromptSchedule, collect_batch, reward_specs
+    from components.engine.grpo.trajectory import loss_mask
+    from components.engine.models.modeling import count_parameters, pick_device, seed_everything
+    from components.engine.models.rollout import decode_completions
+    from components.engine.rewards.rewards import RewardModel
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.validate import validate

@@ -21,7 +21,7 @@ def evaluate_one(checkpoint: str, root: str, params: str) -> dict[str, Any]:
     """One checkpoint's held-out metrics, plus the process that computed them."""
     from components.config import load_config
     from components.data.paths import Paths
-    from components.engine.heldout import score_checkpoint
+    from components.engine.evaluation.heldout import score_checkpoint
 
     cfg = load_config(Path(root) / params)
     return {**score_checkpoint(cfg, Path(checkpoint), Paths(root=Path(root))), "pid": os.getpid()}

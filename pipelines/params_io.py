@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from components.config import apply_override, config_from_dict, read_params
-from components.engine.rewards import check_rewards
+from components.engine.rewards.rewards import check_rewards
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
 

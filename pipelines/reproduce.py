@@ -154,7 +154,7 @@ def reproduce(root: Path, name: str, version: str | None = None, run_id: str | N
 def judge_environment(report: ReproduceReport, tags: dict[str, str], tree: Path) -> None:
     """Which promise applies (bit-identical, or within the measured band) and the band itself."""
     from components.config import default_fingerprint, load_config
-    from components.engine.modeling import pick_device
+    from components.engine.models.modeling import pick_device
     from components.tracking.run_environment import differences, run_environment
 
     cfg = load_config(tree / "params.yaml")

@@ -59,5 +59,23 @@ def test_no_import_loops():
 
 def test_the_loop_finder_finds_a_loop():
     graph = grimp.build_graph("components", "pipelines")
-    graph.add_import(importer="components.config", imported="components.engine.rewards")  # the loop that was
-    assert ["components.config", "components.engine.modeling", "components.engine.rewards"] in import_loops(graph)
+    graph.add_import(importer="components.config", imported="components.engine.rewards.rewards")  # the loop that was
+    loop = ["components.config", "components.engine.models.modeling", "components.engine.rewards.rewards"]
+    assert loop in import_loops(graph)
+
+
+def test_the_engine_floors_are_checked(tmp_path):
+    """The engine's floors contract is not vacuous: with its floors reversed, its real imports break it."""
+    config = (ROOT / "pyproject.toml").read_text()
+    floors = '    "grpo",\n    "evaluation",\n    "fast | rewards | parallel",\n    "models",\n'
+    assert floors in config
+    reversed_floors = '    "models",\n    "fast | rewards | parallel",\n    "evaluation",\n    "grpo",\n'
+    (tmp_path / "pyproject.toml").write_text(config.replace(floors, reversed_floors))
+    assert lint_imports(config_filename=str(tmp_path / "pyproject.toml"), no_cache=True, no_logo=True) == 1
+
+
+def test_the_fast_path_has_one_door():
+    graph = grimp.build_graph("components", "pipelines")
+    importers = {m for m in graph.find_modules_that_directly_import("components.engine.fast.fastlm")
+                 if not m.startswith("components.engine.fast")}
+    assert importers == {"components.engine.grpo.policy"}

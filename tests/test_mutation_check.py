@@ -8,5 +8,5 @@ def test_every_mutation_applies_to_exactly_one_place():
 
 
 def test_a_mutation_whose_text_is_gone_is_reported():
-    gone = [("gone", "components/engine/objectives.py", "this text is in no file", "x")]
-    assert unmatched(gone) == ["gone: components/engine/objectives.py has 0 matches"]
+    gone = [("gone", "components/engine/grpo/objectives.py", "this text is in no file", "x")]
+    assert unmatched(gone) == ["gone: components/engine/grpo/objectives.py has 0 matches"]

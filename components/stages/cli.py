@@ -57,7 +57,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     from components.data.checkpoints import CheckpointWriteError
     from components.data.model_source import ModelLoadError
     from components.data.records import DataError
-    from components.engine.rewards import check_rewards
+    from components.engine.rewards.rewards import check_rewards
 
     stage = _stage_name(run)
     quiet_libraries()

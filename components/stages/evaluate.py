@@ -1,6 +1,6 @@
 """Stage `evaluate`: held-out task metrics of the baseline (SFT or base) and the GRPO model.
 
-Both models answer the same prompts. Every metric of `evaluate.metrics` (components/engine/task_metrics.py;
+Both models answer the same prompts. Every metric of `evaluate.metrics` (components/engine/evaluation/task_metrics.py;
 `reward`, the training reward, always) is computed per prompt for both, and its improvement is paired
 per prompt with a 95% interval from a seeded bootstrap over prompts. Per-prompt values go to
 eval/predictions.jsonl, which register later uses to compare a challenger with the champion on the
@@ -18,10 +18,10 @@ import numpy as np
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, split_path, write_jsonl, write_text_atomic
-from components.engine.heldout import paired_bootstrap
-from components.engine.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
-from components.engine.prompting import PromptFormatter
-from components.engine.task_metrics import TaskMetrics, check_metrics, metric_key
+from components.engine.evaluation.heldout import paired_bootstrap
+from components.engine.evaluation.task_metrics import TaskMetrics, check_metrics, metric_key
+from components.engine.models.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
+from components.engine.models.prompting import PromptFormatter
 from components.stages.cli import stage_main
 
 

@@ -2,7 +2,7 @@
 
 For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
 of the prepared datasets and saves them with `save_pretrained`. For a user's model directory it only checks the directory loads safely and records a pointer (no
-multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/engine/gguf_model.py),
+multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/engine/models/gguf_model.py),
 with the GGUF's sha256 in `provenance.json` and the MLflow tags.
 """
 
@@ -14,8 +14,8 @@ from components.config import PipelineConfig
 from components.data.model_source import gguf_source
 from components.data.paths import Paths
 from components.data.records import SPLITS, iter_jsonl, split_path
-from components.engine.gguf_model import convert_gguf, file_sha256
-from components.engine.modeling import (
+from components.engine.models.gguf_model import convert_gguf, file_sha256
+from components.engine.models.modeling import (
     build_char_tokenizer,
     build_tiny_model,
     count_parameters,

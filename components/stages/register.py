@@ -24,9 +24,9 @@ import numpy as np
 from components.config import PipelineConfig, section_hash, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import SPLITS, dir_md5, file_md5, read_jsonl, split_path
-from components.engine.heldout import paired_bootstrap
-from components.engine.modeling import pick_device
-from components.engine.task_metrics import metric_key
+from components.engine.evaluation.heldout import paired_bootstrap
+from components.engine.evaluation.task_metrics import metric_key
+from components.engine.models.modeling import pick_device
 from components.stages.cli import stage_main
 from components.tracking.registry import current_tags
 from components.tracking.run_environment import run_environment
@@ -301,8 +301,8 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
             run.log_artifact(paths.metrics / "eval.json")
             log_params_file(run, paths.root / "params.yaml")
-            from components.engine.modeling import load_tokenizer
-            from components.engine.prompting import PromptFormatter
+            from components.engine.models.modeling import load_tokenizer
+            from components.engine.models.prompting import PromptFormatter
             from components.tracking.registered_model import log_trained_model
 
             formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()

@@ -17,7 +17,18 @@ import torch
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
-from components.engine.distributed import (
+from components.engine.models.modeling import (
+    load_policy_model,
+    load_tokenizer,
+    pick_device,
+    save_model,
+    seed_everything,
+    write_pointer,
+)
+from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
+from components.engine.models.prompting import PromptFormatter
+from components.engine.models.rollout import decode_completions, positions_from_mask, sample_groups
+from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
     all_true,
@@ -27,17 +38,7 @@ from components.engine.distributed import (
     shutdown,
     wrap_ddp,
 )
-from components.engine.modeling import (
-    load_policy_model,
-    load_tokenizer,
-    pick_device,
-    save_model,
-    seed_everything,
-    write_pointer,
-)
-from components.engine.prompting import PromptFormatter
-from components.engine.rewards import RewardModel
-from components.engine.rollout import decode_completions, positions_from_mask, sample_groups
+from components.engine.rewards.rewards import RewardModel
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
@@ -148,7 +149,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     # fsdp2: load whole on the CPU; fully_shard moves each rank's shards to its device.
     model = load_policy_model(cfg, paths.base_model, torch.device("cpu") if ctx.lockstep else device).train()
     if ctx.lockstep:
-        from components.engine.fsdp import shard_model
+        from components.engine.parallel.fsdp import shard_model
 
         shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
@@ -157,9 +158,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     n = ids.shape[0]
     steps_per_epoch = math.ceil(n / s.batch_size)
     total = steps_per_epoch * s.epochs
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, k / max(1, total)))))
+    optimizer = make_optimizer(model, s.learning_rate, s.weight_decay, device, fused=False)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
     check = WarmStartCheck(cfg, paths, tokenizer, PromptFormatter(cfg.prompt, tokenizer)) \
@@ -178,8 +177,8 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                set_learning_rate(optimizer, cosine_learning_rate(step, total, s.learning_rate, floor_ratio=0.1))
                 optimizer.step()
-                scheduler.step()
                 step += 1
                 epoch_loss += loss_value * len(idx)
                 if check is not None and step % s.check_every == 0:
@@ -212,7 +211,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                       "(more epochs or another sft.learning_rate)", flush=True)
         run.log_metrics({"final_loss": epoch_loss / n})
     if ctx.lockstep:  # gathered whole; rank 0 saves a normal HF directory
-        from components.engine.fsdp import full_model_state, plain_copy
+        from components.engine.parallel.fsdp import full_model_state, plain_copy
 
         weights = full_model_state(model)
         if ctx.is_main:

@@ -22,7 +22,7 @@ from components.config import PipelineConfig
 from components.data.model_source import context_length, load_tokenizer, resolve_model_dir
 from components.data.paths import Paths
 from components.data.records import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
-from components.engine.prompting import PromptFormatter
+from components.engine.models.prompting import PromptFormatter
 from components.errors import StageFailed
 from components.stages.cli import stage_main
 

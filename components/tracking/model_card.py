@@ -12,7 +12,7 @@ import inspect
 from typing import Any
 
 from components.config import PipelineConfig
-from components.engine.rewards import resolve_reward
+from components.engine.rewards.rewards import resolve_reward
 
 DESCRIPTION_LIMIT = 5000  # model_versions.description is VARCHAR(5000) in MLflow's SQL stores
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from components.data.records import dir_md5
-from components.engine.modeling import adapter_base, resolve_model_dir
+from components.engine.models.modeling import adapter_base, resolve_model_dir
 
 SERVING_MODULE = Path(__file__).with_name("serving_model.py")
 PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
@@ -76,7 +76,7 @@ def merged_copy(adapter_dir: Path) -> Iterator[Path]:
     """A temporary full checkpoint: the adapter merged into its base (for `register.merge_lora`)."""
     import torch
 
-    from components.engine.modeling import load_model, save_model
+    from components.engine.models.modeling import load_model, save_model
 
     tmp = Path(tempfile.mkdtemp(prefix="grpo-merged-"))
     try:

@@ -49,7 +49,7 @@ class GRPOReporter:
 
     def samples_text(self, rollout, scores, groups: int = 2) -> str:
         """The first completion of the first `groups` groups with its score, one line each (for a warning)."""
-        from components.engine.rollout import decode_completions
+        from components.engine.models.rollout import decode_completions
 
         rows = [i * self.group_size for i in range(groups) if i * self.group_size < len(rollout)]
         part = rollout.select(rows)
@@ -62,7 +62,7 @@ class GRPOReporter:
 
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
-        from components.engine.rollout import decode_completions
+        from components.engine.models.rollout import decode_completions
 
         n = min(len(rollout), max(self.group_size, self.samples_rows // self.group_size * self.group_size))
         part = rollout.select(list(range(n)))

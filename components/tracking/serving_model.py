@@ -47,7 +47,7 @@ class CompletionModel(PythonModel):
         self.chat = bool(config.get("chat", False))
 
     def format(self, record: dict) -> str:
-        """The same formatting the pipeline trained with (components/engine/prompting.py)."""
+        """The same formatting the pipeline trained with (components/engine/models/prompting.py)."""
         text = self.template.format(**record)
         if self.chat:
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + \

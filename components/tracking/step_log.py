@@ -11,7 +11,7 @@ from typing import Any
 
 from components.config import GRPOConfig, NotLearningConfig
 from components.data.paths import Paths
-from components.engine.monitors import not_learning
+from components.engine.evaluation.monitors import not_learning
 
 # MLflow's run page shows one section of charts per prefix before "/", sections in alphabetical order
 # (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
@@ -42,7 +42,8 @@ class StepLog:
     """Collects each step's metrics; logs windows to MLflow and prints progress (rank 0 only).
 
     Held-out metrics (`heldout/...`, on the steps that ran an evaluation) are not averaged into a window:
-    the stage logs them at their own step, linked to that checkpoint's LoggedModel. The progress line says when the run is not learning (engine/monitors.py),
+    the stage logs them at their own step, linked to that checkpoint's LoggedModel. The progress line says when
+    the run is not learning (engine/evaluation/monitors.py),
     and so does the run's tag `warning.not_learning`.
     """
 

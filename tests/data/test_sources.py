@@ -9,8 +9,8 @@ from components.config import load_config
 from components.data.paths import Paths
 from components.data.records import DataError, read_jsonl
 from components.data.sources import load_records, split_heldout
-from components.engine.extract import extract_answer
-from components.engine.rewards import math_verify, numeric_match
+from components.engine.rewards.extract import extract_answer
+from components.engine.rewards.rewards import math_verify, numeric_match
 from components.stages.prepare import prepare
 
 from conftest import ROOT

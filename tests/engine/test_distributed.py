@@ -107,7 +107,8 @@ def assert_same_training(one, two, atol=5e-5):
 
 
 def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
-    # Dynamic sampling across ranks (engine/sampling.py collect_batch_sharded, the same code under DDP and FSDP2) is checked under
+    # Dynamic sampling across ranks (engine/grpo/sampling.py collect_batch_sharded, the same code under DDP and
+    # FSDP2) is checked under
     # FSDP2 below, where it also needs the throwaway-group path.
     settings = EQUIV
     one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, config_warnings, load_config, stage_params_hash
-from components.engine.fastlm import PrefixSharedLM, full_attention
-from components.engine.objectives import group_advantages, kl_estimate, policy_loss
-from components.engine.policy import Policy
-from components.engine.rewards import RewardModel
-from components.engine.rollout import Rollout, completion_logprobs
-from components.engine.sampling import informative_groups
-from components.engine.update import loss_mask, policy_updates
+from components.engine.fast.fastlm import PrefixSharedLM, full_attention
+from components.engine.grpo.objectives import group_advantages, kl_estimate, policy_loss
+from components.engine.grpo.policy import Policy
+from components.engine.grpo.sampling import informative_groups
+from components.engine.grpo.trajectory import Trajectory, loss_mask
+from components.engine.grpo.update import policy_updates
+from components.engine.models.rollout import Rollout, completion_logprobs
+from components.engine.rewards.rewards import RewardModel
 
 from conftest import ROOT
 
@@ -65,9 +66,9 @@ def test_sliding_window_shorter_than_a_row_falls_back_to_the_plain_forward():
 
 def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
     """Rows longer than the self-check (capped at MAX_CHECK_LENGTH) are still refused on the config alone."""
-    import components.engine.fastlm as fastlm
+    import components.engine.fast.check as check
 
-    monkeypatch.setattr(fastlm, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
+    monkeypatch.setattr(check, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
     assert PrefixSharedLM.for_model(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
 
 
@@ -164,7 +165,7 @@ def _only_y(prompts, completions, **_):
 
 def _tiny():
     from components.config import TinyModelConfig
-    from components.engine.modeling import build_char_tokenizer, build_tiny_model
+    from components.engine.models.modeling import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer(["0123456789+="])
     return tok, build_tiny_model(TinyModelConfig(), tok, seed=0)
@@ -176,7 +177,7 @@ def tiny_model():
 
 
 def _rollout(tok, model, n_prompts=2, group=4, length=4):
-    from components.engine.rollout import sample_groups
+    from components.engine.models.rollout import sample_groups
 
     return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, length,
                          generator=torch.Generator().manual_seed(0))
@@ -192,7 +193,8 @@ def test_unscored_rows_count_in_no_normaliser(tiny_model):
     mask = loss_mask(rollout, scorable, mask_truncated=False)
     g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0, loss_type="grpo", max_grad_norm=1e9)
     stats = policy_updates(Policy(tok, copy.deepcopy(model).train(), None, False),
-                           torch.optim.SGD(model.parameters(), lr=0.0), rollout, adv, mask, None, g, scorable=scorable)
+                           torch.optim.SGD(model.parameters(), lr=0.0),
+                           Trajectory(rollout, g.group_size, adv, mask, scorable), g)
     keep = [0, 1, 3, 4, 5, 6, 7]
     with torch.no_grad():
         logp = completion_logprobs(model, rollout.select(keep))[0]
@@ -257,8 +259,8 @@ def test_bnpo_normalises_each_minibatch_by_its_own_tokens(tiny_model):
     for loss_type in ("bnpo", "dapo"):
         g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0, loss_type=loss_type, minibatch_size=4)
         losses[loss_type] = policy_updates(Policy(tok, copy.deepcopy(model).train(), None, False),
-                                           torch.optim.SGD(model.parameters(), lr=0.0), rollout, adv, mask, None,
-                                           g).loss
+                                           torch.optim.SGD(model.parameters(), lr=0.0),
+                                           Trajectory(rollout, g.group_size, adv, mask), g).loss
     with torch.no_grad():
         logp = completion_logprobs(model, rollout)[0]
         per_token = -adv[:, None] * torch.ones_like(logp)  # ratio 1: -A on every real token
@@ -273,7 +275,7 @@ def test_bnpo_normalises_each_minibatch_by_its_own_tokens(tiny_model):
 
 # ----------------------------------------------------------------------- the frozen reference is used
 def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
-    from components.engine.policy import build_policy  # noqa: F401 - the same Policy the trainer builds
+    from components.engine.grpo.policy import build_policy  # noqa: F401 - the same Policy the trainer builds
 
     tok, base = tiny_model
     model = copy.deepcopy(base).train()
@@ -284,7 +286,8 @@ def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
         rollout = _rollout(tok, base)
         g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        policy_updates(policy, opt, rollout, torch.linspace(-1, 1, len(rollout)), rollout.completion_mask, None, g)
+        policy_updates(policy, opt, Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
+                                                  rollout.completion_mask), g)
         with torch.no_grad():
             frozen = completion_logprobs(base, rollout)[0]
             moved = completion_logprobs(model, rollout)[0]
@@ -299,7 +302,7 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
     model = copy.deepcopy(base).train()
     seen = []
 
-    import components.engine.objectives as objectives
+    import components.engine.grpo.objectives as objectives
 
     original = objectives.policy_loss
 
@@ -311,8 +314,9 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
     g = GRPOConfig(group_size=4, prompts_per_step=2, num_iterations=2, kl_beta=0.0, epsilon=0.01)
     objectives.policy_loss = spy  # what the loss object calls
     try:
-        policy_updates(Policy(tok, model, None, False), torch.optim.SGD(model.parameters(), lr=1.0), rollout,
-                       torch.linspace(-1, 1, len(rollout)), rollout.completion_mask, None, g)
+        policy_updates(Policy(tok, model, None, False), torch.optim.SGD(model.parameters(), lr=1.0),
+                       Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
+                                  rollout.completion_mask), g)
     finally:
         objectives.policy_loss = original
     assert seen[0] == pytest.approx(1.0, abs=1e-6)
@@ -327,11 +331,11 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     as reference, a skipped EMA) changes the weights below."""
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
-    from components.engine.modeling import seed_everything
-    from components.engine.policy import build_policy, update_reference
-    from components.engine.rewards import RewardModel
-    from components.engine.sampling import PromptSchedule, collect_batch
-    from components.engine.update import learning_rate
+    from components.engine.grpo.policy import build_policy, update_reference
+    from components.engine.grpo.sampling import PromptSchedule, collect_batch
+    from components.engine.models.modeling import seed_everything
+    from components.engine.models.optim import cosine_learning_rate
+    from components.engine.rewards.rewards import RewardModel
     from components.stages.grpo import train_grpo
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
@@ -367,7 +371,7 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     unscored = 0
     for step in range(g.steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, g)
+            group["lr"] = cosine_learning_rate(step, g.steps, g.learning_rate, g.warmup_steps, g.min_lr_ratio)
         batch = collect_batch(policy, records, schedule, step, g, rewards, generator)
         rollout, totals = batch.rollout, batch.totals
         reward = torch.tensor(totals)
@@ -380,7 +384,7 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
         if g.kl_beta > 0:
             with torch.no_grad():
                 ref = completion_logprobs(policy.reference, rollout, g.temperature)[0]
-        policy_updates(policy, optimizer, rollout, advantages, mask, ref, g, scorable=scorable)
+        policy_updates(policy, optimizer, Trajectory(rollout, g.group_size, advantages, mask, scorable, ref), g)
         if g.reference.mode == "ema":
             update_reference(policy.reference, policy.model, "ema", step, 0.5, 1)
     assert unscored > 0, "the reward never returned None: the test would not cover unscored completions"

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
-from components.engine.objectives import group_advantages, policy_loss
-from components.engine.policy import Policy, attach_lora, update_reference
-from components.engine.rollout import Rollout, concat_rollouts
-from components.engine.sampling import informative_groups, rows_of
-from components.engine.update import policy_updates
+from components.engine.grpo.objectives import group_advantages, policy_loss
+from components.engine.grpo.policy import Policy, attach_lora, update_reference
+from components.engine.grpo.sampling import informative_groups, rows_of
+from components.engine.grpo.trajectory import Trajectory
+from components.engine.grpo.update import policy_updates
+from components.engine.models.rollout import Rollout, concat_rollouts
 
 from conftest import ROOT
 
@@ -140,14 +141,14 @@ def test_reinforce_config_rules():
 @pytest.fixture(scope="module")
 def tiny_model():
     from components.config import TinyModelConfig
-    from components.engine.modeling import build_char_tokenizer, build_tiny_model
+    from components.engine.models.modeling import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer(["0123456789+="])
     return tok, build_tiny_model(TinyModelConfig(), tok, seed=0)
 
 
 def _rollout(tok, model, n_prompts=4, group=4):
-    from components.engine.rollout import sample_groups
+    from components.engine.models.rollout import sample_groups
 
     return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, 4,
                          generator=torch.Generator().manual_seed(0))
@@ -169,7 +170,7 @@ def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type, 
                        max_grad_norm=1e9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         policy = Policy(tok, model, None, False, gradient_checkpointing=checkpointing and minibatch > 0)
-        stats = policy_updates(policy, opt, rollout, adv, rollout.completion_mask, None, g)
+        stats = policy_updates(policy, opt, Trajectory(rollout, g.group_size, adv, rollout.completion_mask), g)
         results.append((stats.loss, [p.detach().clone() for p in model.parameters()]))
     assert abs(results[0][0]) > 1e-3 and results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], base.parameters())), "no update happened"
@@ -185,7 +186,8 @@ def test_mu_2_first_pass_has_ratio_one_then_moves(tiny_model):
     g = GRPOConfig(group_size=4, prompts_per_step=4, num_iterations=2, kl_beta=0.0, epsilon=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     adv = torch.linspace(-1, 1, len(rollout))
-    stats = policy_updates(Policy(tok, model, None, False), opt, rollout, adv, rollout.completion_mask, None, g)
+    stats = policy_updates(Policy(tok, model, None, False), opt,
+                           Trajectory(rollout, g.group_size, adv, rollout.completion_mask), g)
     # Pass 1: ratio 1, nothing clipped. Pass 2, after a big SGD step: ratios leave [0.99, 1.01] -> clipping.
     assert stats.updates == 2
     assert stats.clip_low_frac + stats.clip_high_frac > 0
@@ -205,9 +207,10 @@ def test_lora_refuses_missing_modules_and_trains_only_adapters(tiny_model):
     ref = policy.reference_logprobs(rollout, 1.0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
-        policy_updates(policy, opt, rollout, torch.linspace(-1, 1, len(rollout)), rollout.completion_mask, ref, g)
+        policy_updates(policy, opt, Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
+                                              rollout.completion_mask, ref_logp=ref), g)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # The reference (adapters disabled) is still the untouched base model.
-    from components.engine.rollout import completion_logprobs
+    from components.engine.models.rollout import completion_logprobs
     assert torch.allclose(policy.reference_logprobs(rollout, 1.0), completion_logprobs(base, rollout)[0], atol=1e-6)

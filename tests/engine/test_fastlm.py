@@ -1,4 +1,4 @@
-"""The prompt-once forward (components/engine/fastlm.py) against the Hugging Face forward it replaces.
+"""The prompt-once forward (components/engine/fast/fastlm.py) against the Hugging Face forward it replaces.
 
 Each architecture it accepts is built small with random weights; log-probs, gradients and decoded
 tokens must match the plain forward on left-padded batches with repeated prompts.
@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-from components.engine.fastlm import PrefixSharedLM, distinct_rows, group_rows_extra_work
-from components.engine.rollout import Rollout, completion_logprobs, sample_groups
+from components.engine.fast.fastlm import PrefixSharedLM
+from components.engine.fast.rows import distinct_rows, group_rows_extra_work
+from components.engine.models.rollout import Rollout, completion_logprobs, sample_groups
 
 VOCAB = 24
 
@@ -155,7 +156,7 @@ def test_repeated_rows_are_computed_once_with_the_same_logprobs_and_gradients(mo
 def test_repeated_rows_are_computed_apart_while_dropout_is_active(monkeypatch):
     """Each row draws its own dropout masks in train mode (LoRA's dropout), so none can stand for another."""
     from components.config import LoRAConfig
-    from components.engine.policy import attach_lora
+    from components.engine.grpo.policy import attach_lora
 
     model = attach_lora(_llama(), LoRAConfig(enabled=True, rank=4, dropout=0.5, target_modules=["q_proj"]))
     fast = PrefixSharedLM.for_model(model)
@@ -177,21 +178,21 @@ def test_group_rows_extra_work_by_hand():
 
 
 def test_auto_takes_group_rows_only_while_they_add_little_attention_work(monkeypatch):
-    from components.engine import fastlm
+    from components.engine.fast import attention
 
     model = _llama()
     fast = PrefixSharedLM.for_model(model)
     taken = []
-    group_rows = fastlm.PrefixSharedLM._group_rows
-    monkeypatch.setattr(fastlm.PrefixSharedLM, "_group_rows", lambda *a: taken.append(True) or group_rows(*a))
+    group_rows = attention.group_rows
+    monkeypatch.setattr(attention, "group_rows", lambda *a: taken.append(True) or group_rows(*a))
     rollout = _rollout()  # prompt 1's three rows feed 4 + 4 + 4 tokens: rows of 6 + 12 slots
     # 3 * 18 * 18 - (3 * 6 * 6 + 6 completions x 4 tokens over 6 + 4 keys) = 624 scores more, x 4 heads x 16 dims
     extra = 624 * 64
     with torch.no_grad():
-        monkeypatch.setattr(fastlm, "GROUP_ROWS_EXTRA_WORK", extra)
+        monkeypatch.setattr(attention, "GROUP_ROWS_EXTRA_WORK", extra)
         expected = fast.completion_logprobs(rollout)[0]
         assert taken, "at the limit: group rows"
-        monkeypatch.setattr(fastlm, "GROUP_ROWS_EXTRA_WORK", extra - 1)
+        monkeypatch.setattr(attention, "GROUP_ROWS_EXTRA_WORK", extra - 1)
         taken.clear()
         assert torch.allclose(fast.completion_logprobs(rollout)[0], expected, atol=1e-5)
         assert not taken, "over the limit: completion rows"
@@ -287,8 +288,8 @@ def test_lora_adapters_are_seen_and_can_be_disabled(targets):
     """Without a gradient (decoding, reference) LoRA projections run merged (W + s B A), with one they run as
     peft modules; both must give the peft model's own log-probs, with adapters on and off."""
     from components.config import LoRAConfig
-    from components.engine.fastlm import plain_linear
-    from components.engine.policy import attach_lora
+    from components.engine.fast.fastlm import plain_linear
+    from components.engine.grpo.policy import attach_lora
 
     base = _llama()
     model = attach_lora(copy.deepcopy(base), LoRAConfig(enabled=True, rank=4, target_modules=targets))
@@ -319,7 +320,7 @@ def test_lora_adapters_are_seen_and_can_be_disabled(targets):
 def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
 
     from components.config import LoRAConfig
-    from components.engine.policy import attach_lora
+    from components.engine.grpo.policy import attach_lora
 
     model = attach_lora(_llama(num_key_value_heads=2), LoRAConfig(enabled=True, rank=4, target_modules=ALL_PROJECTIONS))
     with torch.no_grad():
@@ -342,8 +343,9 @@ def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
 
 def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
     from components.config import GRPOConfig
-    from components.engine.policy import Policy
-    from components.engine.update import policy_updates
+    from components.engine.grpo.policy import Policy
+    from components.engine.grpo.trajectory import Trajectory
+    from components.engine.grpo.update import policy_updates
 
     base = _llama(num_key_value_heads=2)
     rollout = _rollout()
@@ -358,7 +360,8 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
             policy.fast, policy.fast_reference = PrefixSharedLM(model), PrefixSharedLM(reference)
         ref_logp = policy.reference_logprobs(rollout, 1.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        stats = policy_updates(policy, opt, rollout, advantages, rollout.completion_mask, ref_logp, g)
+        stats = policy_updates(policy, opt, Trajectory(rollout, g.group_size, advantages, rollout.completion_mask,
+                                                         ref_logp=ref_logp), g)
         results.append((stats.loss, stats.entropy, [p.detach().clone() for p in model.parameters()]))
     (loss_a, ent_a, params_a), (loss_b, ent_b, params_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-4, abs=1e-6) and ent_a == pytest.approx(ent_b, rel=1e-4)
@@ -367,10 +370,10 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
 
 
 def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samples(monkeypatch):
-    """Rows that emitted EOS leave the fast decoder's caches (`_Decoder.keep`); the completions, masks and the
+    """Rows that emitted EOS leave the fast decoder's caches (`Decoder.keep`); the completions, masks and the
     generator's stream must stay those of the plain Hugging Face path, which decodes every row to the end."""
 
-    from components.engine import fastlm
+    from components.engine.fast import decoder
 
     model = _llama(num_key_value_heads=2)
     with torch.no_grad():
@@ -382,8 +385,8 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
     tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
     kept = []
-    original = fastlm._Decoder.keep
-    monkeypatch.setattr(fastlm._Decoder, "keep", lambda self, rows: (kept.append(len(rows)), original(self, rows)))
+    original = decoder.Decoder.keep
+    monkeypatch.setattr(decoder.Decoder, "keep", lambda self, rows: (kept.append(len(rows)), original(self, rows)))
     plain_gen, fast_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     plain = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=plain_gen)
     quick = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=fast_gen, fast=fast)
@@ -396,7 +399,7 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
 
 
 def test_shared_prefix_length_by_hand():
-    from components.engine.fastlm import shared_prefix_length
+    from components.engine.fast.fastlm import shared_prefix_length
 
     ids = torch.tensor([[0, 0, 7, 7, 5, 6, 1],    # real: 7 7 5 6 1
                         [7, 7, 5, 6, 2, 3, 4],    # real: 7 7 5 6 2 3 4
@@ -433,7 +436,7 @@ def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> R
 @pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradients(monkeypatch, arch, groups):
-    from components.engine import fastlm
+    from components.engine.fast import fastlm
 
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
@@ -507,8 +510,8 @@ def test_short_softmax_rows_padded_for_speed_give_torch_softmax_and_its_gradient
 def test_chunked_head_and_checkpointed_layers_match_the_hugging_face_forward(monkeypatch, arch):
     """The long-completion memory levers (vocabulary head in chunks of 2 rows, each decoder layer recomputed in
     backward) on both paths: the same log-probs and gradients as the plain Hugging Face forward without them."""
-    from components.engine import logprobs
-    from components.engine.modeling import checkpointable_layers, layer_checkpointing
+    from components.engine.models import logprobs
+    from components.engine.models.modeling import checkpointable_layers, layer_checkpointing
 
     model = ARCHITECTURES[arch]().train()
     rollout = _rollout()
@@ -538,7 +541,7 @@ def _saved_numel(forward) -> int:
 
 def test_checkpointing_keeps_about_one_layers_activations_on_both_paths():
     """With gradient checkpointing the tensors kept for backward shrink to the layers' inputs (a tenth here)."""
-    from components.engine.modeling import layer_checkpointing
+    from components.engine.models.modeling import layer_checkpointing
 
     model = _llama().train()
     rollout = _rollout()
@@ -561,9 +564,9 @@ def test_checkpointing_keeps_about_one_layers_activations_on_both_paths():
 def test_the_decoding_cache_grows_as_tokens_are_decoded(monkeypatch):
     """The decoder's KV cache starts with room for a block of tokens and grows when full; the tokens sampled are
     those of the plain path, and the cache never holds more than twice what was decoded (plus the block)."""
-    from components.engine import fastlm
+    from components.engine.fast import decoder
 
-    monkeypatch.setattr(fastlm, "DECODE_CACHE_BLOCK", 2)
+    monkeypatch.setattr(decoder, "DECODE_CACHE_BLOCK", 2)
     model = _llama()
     fast = PrefixSharedLM.for_model(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
@@ -585,8 +588,9 @@ def test_the_same_completion_in_two_groups_with_different_advantages_updates_as_
     """Two groups of the same prompt share one completion (computed once by the prompt-once forward) but give it
     opposite advantages: the update must weigh each copy by its own advantage, as the plain forward does."""
     from components.config import GRPOConfig
-    from components.engine.policy import Policy
-    from components.engine.update import policy_updates
+    from components.engine.grpo.policy import Policy
+    from components.engine.grpo.trajectory import Trajectory
+    from components.engine.grpo.update import policy_updates
 
     base = _llama(num_key_value_heads=2)
     rows = _rollout((0, 0, 0, 0, 0, 0))
@@ -602,7 +606,7 @@ def test_the_same_completion_in_two_groups_with_different_advantages_updates_as_
             assert distinct_rows(same.prompt_ids, same.prompt_mask, same.completion_ids,
                                  same.completion_mask)[0].tolist() == [0, 1, 3]
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        policy_updates(policy, opt, same, advantages, same.completion_mask, None, g)
+        policy_updates(policy, opt, Trajectory(same, g.group_size, advantages, same.completion_mask), g)
         results.append([p.detach().clone() for p in model.parameters()])
     plain, shared = results
     assert any(not torch.equal(p, q) for p, q in zip(plain, base.parameters())), "no update happened"

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from components.engine.host_memory import keep_freed_memory
+from components.engine.grpo.host_memory import keep_freed_memory
 set_up = keep_freed_memory() if {keep} else None
 x = torch.ones(50_000_000); del x
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -46,7 +46,7 @@ def test_freed_memory_is_reused_without_page_faults():
 BOUNDED_CHILD = """
 import psutil, sys, torch
 sys.path.insert(0, {root!r})
-from components.engine.host_memory import configure_allocator
+from components.engine.grpo.host_memory import configure_allocator
 mode = configure_allocator({largest})
 kept = [torch.ones(2_000) for _ in range(10)]  # small live blocks between the large ones, as a layer's outputs
 blocks = []
@@ -70,7 +70,7 @@ def _rss_after_churn(largest: int) -> tuple[str, int]:
 def test_large_activations_are_returned_to_the_system_small_ones_kept():
     """Steps whose activations stay small keep freed memory (no page faults); steps with large ones get
     `bounded`, where 800 MB of 20 MB blocks freed one after another leaves no 20 MB block resident."""
-    from components.engine.host_memory import KEEP_BELOW
+    from components.engine.grpo.host_memory import KEEP_BELOW
 
     keep_mode, _ = _rss_after_churn(KEEP_BELOW - 1)
     bounded_mode, bounded_rss = _rss_after_churn(KEEP_BELOW)

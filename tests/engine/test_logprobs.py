@@ -1,4 +1,4 @@
-"""Token log-probs and entropies (components/engine/logprobs.py) against values worked out by hand,
+"""Token log-probs and entropies (components/engine/models/logprobs.py) against values worked out by hand,
 and its hand-written backward against autograd's."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from components.engine.logprobs import token_logprobs
+from components.engine.models.logprobs import token_logprobs
 
 # softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6]
 LOGITS = torch.tensor([[0.0, math.log(2.0), math.log(3.0)]])
@@ -55,7 +55,7 @@ def test_half_precision_logits_are_scored_in_float32():
 
 
 def test_logit_chunk_rows_by_hand(monkeypatch):
-    from components.engine import logprobs
+    from components.engine.models import logprobs
 
     # SmolLM2's 49,152-token vocabulary: 1,365 rows fit the 256 MiB budget at once, chunks hold 341 rows.
     assert logprobs.logit_chunk_rows(1365, 49152) == 1365
@@ -69,7 +69,7 @@ def test_logit_chunk_rows_by_hand(monkeypatch):
 def test_head_logprobs_in_chunks_equal_one_pass_in_values_and_gradients(bias):
     """Chunked head (recomputed in backward) against the whole [rows, vocab] logits: log-probs, entropies and the
     gradients of hidden states, weight and bias."""
-    from components.engine.logprobs import head_token_logprobs
+    from components.engine.models.logprobs import head_token_logprobs
 
     gen = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(6, 11, bias=bias, dtype=torch.float64)
@@ -98,7 +98,7 @@ def test_head_logprobs_in_chunks_equal_one_pass_in_values_and_gradients(bias):
 
 def test_chunked_backward_never_holds_logits_for_all_rows():
     """The memory claim itself: autograd keeps no tensor of [rows, vocab] between forward and backward."""
-    from components.engine.logprobs import head_token_logprobs
+    from components.engine.models.logprobs import head_token_logprobs
 
     head = torch.nn.Linear(8, 500, bias=False)
     hidden = torch.randn(64, 8, requires_grad=True)

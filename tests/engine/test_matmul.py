@@ -1,19 +1,20 @@
-"""components/engine/matmul.py: oneDNN products and their backward, by hand and against F.linear, and the
+"""components/engine/fast/matmul.py: oneDNN products and their backward, by hand and against F.linear, and the
 prompt-once forward running on them."""
 
 import pytest
 import torch
 
-from components.engine import matmul
-from components.engine.matmul import linear, padded_rows, takes_onednn
+from components.engine.fast import matmul
+from components.engine.fast.matmul import linear, padded_rows, takes_onednn
 
-needs_onednn = pytest.mark.skipif(not matmul.ONEDNN, reason="this PyTorch build has no oneDNN")
+needs_onednn = pytest.mark.skipif(not matmul.ONEDNN_BUILT, reason="this PyTorch build has no oneDNN")
 
 
 @pytest.fixture
 def every_product_on_onednn(monkeypatch):
     """Send every float32 CPU product to oneDNN and count the calls."""
     calls = []
+    matmul.onednn_usable()  # the probe's own products are not counted
     product = matmul._product
 
     def counted(*args):
@@ -77,8 +78,8 @@ def test_padded_products_match_f_linear_with_and_without_a_gradient(every_produc
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
 def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on_onednn, arch):
-    from components.engine.fastlm import PrefixSharedLM
-    from components.engine.rollout import completion_logprobs
+    from components.engine.fast.fastlm import PrefixSharedLM
+    from components.engine.models.rollout import completion_logprobs
     from tests.engine.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES[arch]()
@@ -94,7 +95,7 @@ def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on
 
 @needs_onednn
 def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
-    from components.engine.fastlm import PrefixSharedLM
+    from components.engine.fast.fastlm import PrefixSharedLM
     from tests.engine.test_fastlm import ARCHITECTURES, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES["llama"]()
@@ -102,3 +103,27 @@ def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
     assert fast is not None and not fast.for_same_architecture(ARCHITECTURES["llama"]()).onednn_matmul
     _logprobs_and_grads(model, _rollout(), fast.completion_logprobs)
     assert every_product_on_onednn == []
+
+
+@pytest.mark.parametrize("failure", ["raises", "disagrees"])
+def test_a_failing_or_disagreeing_onednn_op_is_probed_once_and_turned_off(monkeypatch, capsys, failure):
+    """A torch release that changes the op: `linear` falls back to PyTorch's own product, with one line said."""
+    calls = []
+
+    def broken(x, weight, bias=None):
+        calls.append(1)
+        if failure == "raises":
+            raise RuntimeError("mkldnn::_linear_pointwise: no such overload")
+        return torch.zeros(x.shape[0], weight.shape[0])
+
+    monkeypatch.setattr(matmul, "_product", broken)
+    monkeypatch.setattr(matmul, "_onednn_works", None)
+    monkeypatch.setattr(matmul, "ONEDNN_BUILT", True)
+    x, weight = torch.randn(512, 256), torch.randn(256, 256)  # 33M multiply-adds: above ONEDNN_MIN_WORK
+    assert torch.allclose(matmul.linear(x, weight), torch.nn.functional.linear(x, weight), atol=1e-4)
+    probed = len(calls)
+    assert probed >= 1
+    for _ in range(2):
+        assert torch.allclose(matmul.linear(x, weight), torch.nn.functional.linear(x, weight), atol=1e-4)
+    assert len(calls) == probed  # probed once, then never called again
+    assert capsys.readouterr().out.count("oneDNN's matrix product is off") == 1

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from components.config import TinyModelConfig
-from components.engine.modeling import (
+from components.engine.models.modeling import (
     ModelLoadError,
     build_char_tokenizer,
     build_tiny_model,
@@ -15,7 +15,7 @@ from components.engine.modeling import (
     save_model,
     seed_everything,
 )
-from components.engine.rollout import completion_logprobs, decode_completions, sample_from, sample_groups
+from components.engine.models.rollout import completion_logprobs, decode_completions, sample_from, sample_groups
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
 
@@ -117,7 +117,7 @@ def test_missing_model_path_mentions_offline_download(monkeypatch):
 
 
 def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
-    from components.engine.modeling import check_model_source, hub_download_allowed, write_pointer
+    from components.engine.models.modeling import check_model_source, hub_download_allowed, write_pointer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert not hub_download_allowed("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)
@@ -154,7 +154,7 @@ def test_top_k_and_top_p_keep_the_tokens_hugging_face_keeps(top_k, top_p):
     """The sampler's filters against transformers' TopKLogitsWarper then TopPLogitsWarper (its order), ties included."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from components.engine.rollout import _filter_top_k, _filter_top_p
+    from components.engine.models.rollout import _filter_top_k, _filter_top_p
 
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 12, generator=gen)
@@ -192,7 +192,7 @@ def test_top_k_sampling_draws_what_hugging_face_sampling_draws(tiny):
 
 
 def test_distinct_fraction_counts_rows_that_differ_in_prompt_or_in_completion_up_to_eos():
-    from components.engine.rollout import Rollout
+    from components.engine.models.rollout import Rollout
 
     prompts = torch.tensor([[0, 5], [0, 5], [0, 5], [7, 6]])
     prompt_mask = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 1]])

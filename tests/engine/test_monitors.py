@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from components.config import MonitorsConfig, MonitorSpec, NoSignalConfig, NotLearningConfig
-from components.engine.monitors import (Monitors, generalisation, generalisation_text, no_signal, not_learning,
-                                       signal_values)
+from components.engine.evaluation.monitors import (
+    Monitors,
+    generalisation,
+    generalisation_text,
+    no_signal,
+    not_learning,
+    signal_values,
+)
 
 
 def steps(n: int, **columns) -> list[dict]:

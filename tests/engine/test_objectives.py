@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from components.engine.objectives import aggregate, group_advantages, kl_estimate, masked_mean, policy_loss
+from components.engine.grpo.objectives import aggregate, group_advantages, kl_estimate, masked_mean, policy_loss
 
 # Two sequences, three completion positions; the second position of row 0 is padding after EOS.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])

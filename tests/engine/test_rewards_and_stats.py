@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from components.engine.heldout import paired_bootstrap
-from components.engine.rewards import RewardError, RewardModel, exact_match, numeric_match, resolve_reward
+from components.engine.evaluation.heldout import paired_bootstrap
+from components.engine.rewards.rewards import RewardError, RewardModel, exact_match, numeric_match, resolve_reward
 
 
 @dataclass

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from components.engine.rewards import (
+from components.engine.rewards.rewards import (
     bleu,
     code_execution,
     f1rougebleu,
@@ -49,7 +49,7 @@ def test_code_execution_scores_only_passing_code_and_skips_missing_tests():
 def test_judge_model_scores_with_a_frozen_classifier(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from components.engine.modeling import build_char_tokenizer
+    from components.engine.models.modeling import build_char_tokenizer
 
     tok = build_char_tokenizer(["abcdefgh 0123456789+="])
     tok.padding_side = "right"

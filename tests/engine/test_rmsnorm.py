@@ -1,9 +1,9 @@
-"""components/engine/rmsnorm.py: the hand-written backward against PyTorch's rms_norm and finite differences."""
+"""components/engine/fast/rmsnorm.py: the hand-written backward against PyTorch's rms_norm and finite differences."""
 
 import pytest
 import torch
 
-from components.engine.rmsnorm import _RMSNorm, rms_norm
+from components.engine.fast.rmsnorm import _RMSNorm, rms_norm
 
 
 def test_gradcheck_in_float64():

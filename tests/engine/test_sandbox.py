@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from components.engine.sandbox import run_untrusted_python
+from components.engine.rewards.sandbox import run_untrusted_python
 
 
 def test_passing_and_failing_code():

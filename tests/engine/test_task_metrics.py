@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from components.config import EvaluateConfig, RewardSpec
-from components.engine.rollout import sample_groups
-from components.engine.task_metrics import TaskMetrics, metric_key, pass_at_k
+from components.engine.evaluation.task_metrics import TaskMetrics, metric_key, pass_at_k
+from components.engine.models.rollout import sample_groups
 
 
 @pytest.mark.parametrize("n, correct, k, expected", [
@@ -35,7 +35,7 @@ def test_metric_keys_are_valid_mlflow_names():
 @pytest.fixture(scope="module")
 def tiny():
     from components.config import TinyModelConfig
-    from components.engine.modeling import build_char_tokenizer, build_tiny_model
+    from components.engine.models.modeling import build_char_tokenizer, build_tiny_model
 
     tokenizer = build_char_tokenizer(["0123456789+="])
     return build_tiny_model(TinyModelConfig(), tokenizer, seed=0).eval(), tokenizer

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from components.engine.distributed import DistContext
-from components.engine.policy import Policy
-from components.engine.train_state import save_training_state
+from components.engine.grpo.policy import Policy
+from components.engine.grpo.train_state import save_training_state
+from components.engine.parallel.distributed import DistContext
 
 
 def _history(seconds: float) -> list[dict[str, float]]:

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from components.engine.heldout import score_checkpoint
-from components.engine.modeling import ModelLoadError
+from components.engine.evaluation.heldout import score_checkpoint
+from components.engine.models.modeling import ModelLoadError
 from components.stages.grpo import train_grpo
 
 from conftest import BIN, LEARN, ROOT, run, setup_stage_inputs

@@ -13,7 +13,7 @@ from packaging.version import Version
 
 from components.config import load_config
 from components.data.paths import Paths
-from components.engine.rollout import sample_groups
+from components.engine.models.rollout import sample_groups
 from components.stages.grpo import train_grpo
 from components.stages.model import build_base_model
 from components.stages.prepare import prepare
@@ -44,7 +44,8 @@ def test_grpo_weights_are_byte_identical_even_with_extra_evaluation(tmp_path, ml
     def noisy_evaluation(step, policy, metrics):
         # Consumes every global RNG and runs the policy, as an evaluation or logging hook would.
         torch.rand(1000), random.random(), np.random.rand(10)
-        tok = __import__("components.engine.modeling", fromlist=["load_tokenizer"]).load_tokenizer(tmp_path / "c" / "models" / "sft")
+        modeling = __import__("components.engine.models.modeling", fromlist=["load_tokenizer"])
+        tok = modeling.load_tokenizer(tmp_path / "c" / "models" / "sft")
         sample_groups(policy, tok, ["1+2=", "30+4="], 2, 4)  # sampled with the global generator
 
     assert train(tmp_path / "c", callbacks=[noisy_evaluation]) == first

@@ -18,7 +18,7 @@ def build_tiny_qwen(out, texts):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from components.engine.modeling import build_char_tokenizer
+    from components.engine.models.modeling import build_char_tokenizer
 
     tok = build_char_tokenizer(list(texts) + ["<|system|><|user|><|assistant|> "])
     tok.chat_template = CHAT_TEMPLATE
@@ -68,7 +68,7 @@ model = mlflow.pyfunc.load_model("models:/tiny-qwen2-chat@champion")
 config = model.model_config
 assert config["chat"] is True and config["system"] == "Add the numbers.", config
 served = model.predict(pd.DataFrame({"prompt": ["3+4="]}))
-from components.engine.modeling import load_model
+from components.engine.models.modeling import load_model
 tok = AutoTokenizer.from_pretrained("models/grpo"); tok.padding_side = "left"
 lm = load_model("models/grpo", torch.device("cpu"))
 version = mlflow.MlflowClient().get_model_version_by_alias("tiny-qwen2-chat", "champion")

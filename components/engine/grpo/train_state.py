@@ -16,10 +16,10 @@ import torch
 
 from components.config import GRPOConfig
 from components.data.checkpoints import load_checkpoint, save_checkpoint
-from components.engine.distributed import DistContext
-from components.engine.modeling import save_model
-from components.engine.policy import Policy
-from components.engine.update import make_optimizer
+from components.engine.grpo.policy import Policy
+from components.engine.models.modeling import save_model
+from components.engine.models.optim import make_optimizer
+from components.engine.parallel.distributed import DistContext
 
 # Wall-clock metrics differ run to run; they stay out of checkpoints so checkpoints are byte-reproducible.
 # Every `time/...` key is one, whatever new timing a later change adds.
@@ -38,7 +38,7 @@ def optimizer_and_resume(policy: Policy, g: GRPOConfig, ctx: DistContext, resume
     reference = policy.reference if moving_reference else None
     state = held = None
     if ctx.lockstep:
-        from components.engine.fsdp import HeldOptimizerState, shard_model
+        from components.engine.parallel.fsdp import HeldOptimizerState, shard_model
 
         if resume_from is not None:
             held = HeldOptimizerState()
@@ -46,9 +46,9 @@ def optimizer_and_resume(policy: Policy, g: GRPOConfig, ctx: DistContext, resume
         shard_model(policy.model, ctx)
         if policy.reference is not None:
             shard_model(policy.reference, ctx)
-    optimizer = make_optimizer(policy.model, g, ctx.device)
+    optimizer = make_optimizer(policy.model, g.learning_rate, g.weight_decay, ctx.device)
     if held is not None:
-        from components.engine.fsdp import load_optimizer_state
+        from components.engine.parallel.fsdp import load_optimizer_state
 
         load_optimizer_state(policy.model, optimizer, held.state)
     elif resume_from is not None:
@@ -65,7 +65,7 @@ def save_training_state(root: Path, step: int, run_hash: str, policy: Policy, op
              "torch_rng": torch.get_rng_state()}
     reference = policy.reference if moving_reference else None
     if ctx.lockstep:
-        from components.engine.fsdp import save_sharded_checkpoint
+        from components.engine.parallel.fsdp import save_sharded_checkpoint
 
         save_sharded_checkpoint(root, step, run_hash, policy.model, optimizer, saved, reference, load_plain, ctx)
     elif ctx.is_main:
@@ -78,7 +78,7 @@ def save_final_model(policy: Policy, out: Path, provenance: dict[str, Any], ctx:
     the base), its base named in provenance.json so every later stage loads base + adapter. With fsdp2
     the whole model is gathered first; only rank 0 writes."""
     if ctx.lockstep:
-        from components.engine.fsdp import full_model_state, plain_copy
+        from components.engine.parallel.fsdp import full_model_state, plain_copy
 
         weights = full_model_state(policy.model)
         if ctx.is_main:

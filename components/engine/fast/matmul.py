@@ -22,7 +22,8 @@ import torch
 
 ONEDNN_MIN_WORK = 1 << 23  # multiply-adds (rows x in x out) from which a product goes to oneDNN
 ONEDNN_ROW_STEP = 16  # rows are padded up to a multiple of this, or of 1/16 of their power of two if larger
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN_BUILT = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_onednn_works: bool | None = None  # probed on first use (`onednn_usable`)
 
 
 def padded_rows(rows: int) -> int:
@@ -75,11 +76,41 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def onednn_usable() -> bool:
+    """Whether oneDNN's product runs in this torch build and agrees with `F.linear`, forward and backward: probed
+    once, so a torch release that changes or drops the op turns it off (one line said) instead of failing a run."""
+    global _onednn_works
+    if _onednn_works is None:
+        _onednn_works = ONEDNN_BUILT and _probe()
+    return _onednn_works
+
+
+def _probe() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((20, 32), (8, 32), (8,)))
+    try:
+        inputs = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        ours = _Linear.apply(*inputs)
+        ours.square().sum().backward()
+        plain = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        expected = torch.nn.functional.linear(*plain)
+        expected.square().sum().backward()
+        agrees = torch.allclose(ours, expected, rtol=1e-4, atol=1e-4) and all(
+            torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-3) for a, b in zip(inputs, plain))
+        reason = "its results differ from torch.nn.functional.linear"
+    except Exception as err:  # noqa: BLE001 - any failure of the op means: do not use it
+        agrees, reason = False, f"{type(err).__name__}: {err}"
+    if not agrees:
+        print(f"fast path: oneDNN's matrix product is off ({reason}); PyTorch's own runs instead", flush=True)
+    return agrees
+
+
 def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does `linear` send this product to oneDNN: at least `ONEDNN_MIN_WORK` multiply-adds, float32 on the CPU?
-    (Cheapest test first: most calls of a small model's decode step fail it.)"""
-    return (ONEDNN and x.numel() // max(x.shape[-1], 1) * weight.numel() >= ONEDNN_MIN_WORK and weight.dim() == 2
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu")
+    """Does `linear` send this product to oneDNN: at least `ONEDNN_MIN_WORK` multiply-adds, float32 on the CPU,
+    and the op works here? (Cheapest test first: most calls of a small model's decode step fail it.)"""
+    return (x.numel() // max(x.shape[-1], 1) * weight.numel() >= ONEDNN_MIN_WORK and weight.dim() == 2
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and onednn_usable())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

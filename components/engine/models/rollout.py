@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from components.engine.logprobs import head_token_logprobs, token_logprobs
+from components.engine.models.logprobs import head_token_logprobs, token_logprobs
 
 
 @dataclass
@@ -54,9 +54,6 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
-
-
-COMPACT_AT = 0.75  # the fast decoder drops finished rows once at most this share of the rows it holds is open
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -102,12 +99,12 @@ def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new
                   stop_together: Callable[[bool], bool] | None = None) -> Rollout:
     """Sample `group_size` completions for each prompt (greedy decoding when `greedy`).
 
-    With `fast` (a `components.engine.fastlm.PrefixSharedLM` over `model`) decoding uses its preallocated
-    KV cache, under `torch.inference_mode` (no autograd bookkeeping on any op: sampling 27.0 -> 24.6
-    ms per tiny-default step, faster in 11 of 12 paired repetitions, same tokens); the rollout is
-    then cloned into ordinary tensors, because the loss's forward saves the sampled ids for backward.
-    Otherwise the Hugging Face model's own cache under `no_grad` (also for sharded models, whose
-    parameters must not become inference tensors). `stop_together(all_done_here)` -> all done
+    Each step draws a token for every row that has not emitted EOS, from the decoder's logits of those rows;
+    the decoder is the fast path's (`fast`, a prompt-once decoder over `model` that drops finished rows from
+    its caches) under `torch.inference_mode` (no autograd bookkeeping), its rollout then cloned into ordinary
+    tensors because the loss's forward saves the sampled ids for backward; otherwise the Hugging Face model's
+    own cache (`HFDecoder`) under `no_grad` (also for sharded models, whose parameters must not become
+    inference tensors). `stop_together(all_done_here)` -> all done
     everywhere: with a sharded (FSDP) model every rank must make the same forward calls, so
     decoding stops at EOS only when all ranks are done.
     """
@@ -128,58 +125,28 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     prompt_ids, prompt_mask = enc.input_ids.to(device), enc.attention_mask.to(device)
-    decoder = None
-    if fast is not None:
-        decoder = fast.start_decoding(prompt_ids, prompt_mask, group_size, max_new_tokens)
-        logits = decoder.logits
-        advance = lambda tokens, t: decoder.feed(tokens)  # noqa: E731
-    else:
-        logits, advance = _hf_decoder(model, prompt_ids, prompt_mask, group_size, max_new_tokens)
+    decoder = (fast.start_decoding(prompt_ids, prompt_mask, group_size, max_new_tokens) if fast is not None
+               else HFDecoder(model, prompt_ids, prompt_mask, group_size, max_new_tokens))
     if group_size > 1:
         prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     n = prompt_ids.shape[0]
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    # `live`: the rows the decoder holds (the rows of `logits`); `open_`: which of them have not emitted EOS.
-    # Only open rows draw a token, so both decoders consume the generator alike; the fast one drops
-    # finished rows from its caches once a quarter of those it holds are done (COMPACT_AT).
-    live = torch.arange(n, device=device)
-    open_ = torch.ones(n, dtype=torch.bool, device=device)
-    length, all_open = 0, True
+    # Only rows that have not emitted EOS draw a token, so every decoder consumes the generator alike.
+    open_rows, logits, length = torch.arange(n, device=device), decoder.logits, 0
     for t in range(max_new_tokens):
-        scores = logits if all_open else logits[open_]
-        if greedy:
-            next_tok = scores.argmax(-1)
-        else:
-            scaled = scores.float() / temperature
-            if top_k > 0:  # top-k, then top-p over what is left (Hugging Face's order)
-                scaled = _filter_top_k(scaled, top_k)
-            if top_p < 1.0:
-                scaled = _filter_top_p(scaled, top_p)
-            next_tok = sample_from(torch.softmax(scaled, -1), generator)
-        rows = live if all_open else live[open_]
-        tokens[rows, t] = next_tok
+        drawn = logits.argmax(-1) if greedy else _draw(logits, temperature, top_k, top_p, generator)
+        tokens[open_rows, t] = drawn
         length = t + 1
-        still = next_tok != eos_id
-        if all_open:
-            open_ = still
-        else:
-            updated = open_.clone()
-            updated[open_] = still
-            open_ = updated
-        remaining = int(open_.sum())
-        all_open = remaining == len(live)
-        done = remaining == 0
+        still_open = drawn != eos_id
+        open_rows = open_rows[still_open]
+        done = len(open_rows) == 0
         if stop_together is not None:
             done = stop_together(done)
         if done or t == max_new_tokens - 1:
             break
-        if decoder is not None and remaining <= COMPACT_AT * len(live):
-            keep = open_.nonzero().squeeze(-1)
-            decoder.keep(keep)
-            live, open_, all_open = live[keep], torch.ones(remaining, dtype=torch.bool, device=device), True
-        logits = advance(tokens[live, t], t)
+        logits = decoder.advance(drawn, still_open, pad_id)
     tokens = tokens[:, :length]
     is_eos = tokens == eos_id
     # Mask: every token up to and including the first EOS (all tokens when there is none).
@@ -189,28 +156,47 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
                    completion_mask=completion_mask, truncated=~is_eos.any(-1))
 
 
-def _hf_decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, max_new_tokens: int):
-    """The Hugging Face path: encode each prompt once, expand its cache G times, decode one token a step."""
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
-                use_cache=True)
-    state = {"cache": out.past_key_values}
-    logits = out.logits[:, -1, :]
-    if group_size > 1:
-        state["cache"].batch_repeat_interleave(group_size)
-        logits = logits.repeat_interleave(group_size, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    n, prompt_len = prompt_mask.shape
-    attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype,
-                                                   device=prompt_mask.device)], 1)
-    next_pos = prompt_mask.sum(-1, keepdim=True)
+def _draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row: top-k, then top-p over what is left (Hugging Face's order), at `temperature`."""
+    scaled = logits.float() / temperature
+    if top_k > 0:
+        scaled = _filter_top_k(scaled, top_k)
+    if top_p < 1.0:
+        scaled = _filter_top_p(scaled, top_p)
+    return sample_from(torch.softmax(scaled, -1), generator)
 
-    def advance(tokens: torch.Tensor, t: int) -> torch.Tensor:
-        step = model(input_ids=tokens[:, None], attention_mask=attention[:, : prompt_len + t + 1],
-                     position_ids=next_pos + t, past_key_values=state["cache"], use_cache=True)
-        state["cache"] = step.past_key_values
-        return step.logits[:, -1, :]
 
-    return logits, advance
+class HFDecoder:
+    """The Hugging Face path: encode each prompt once, expand its cache G times, then one token a step for every
+    row (rows that finished are fed the pad token: the model's cache keeps all rows to the end)."""
+
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                 max_new_tokens: int):
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
+                    use_cache=True)
+        self.model, self.cache, self.logits = model, out.past_key_values, out.logits[:, -1, :]
+        if group_size > 1:
+            self.cache.batch_repeat_interleave(group_size)
+            self.logits = self.logits.repeat_interleave(group_size, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+        n, self.prompt_len = prompt_mask.shape
+        self.attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype,
+                                                            device=prompt_mask.device)], 1)
+        self.next_pos = prompt_mask.sum(-1, keepdim=True)
+        self.open, self.offset = torch.arange(n, device=prompt_mask.device), 0
+
+    def advance(self, drawn: torch.Tensor, still_open: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """Feed the tokens just drawn for the open rows (pad for the finished ones); the logits of the rows still
+        open (`still_open`: which of the drawn tokens were not EOS)."""
+        n, t = len(self.attention), self.offset
+        tokens = drawn if len(self.open) == n else torch.full((n,), pad_id, dtype=drawn.dtype,
+                                                               device=drawn.device).index_put_((self.open,), drawn)
+        step = self.model(input_ids=tokens[:, None], attention_mask=self.attention[:, : self.prompt_len + t + 1],
+                          position_ids=self.next_pos + t, past_key_values=self.cache, use_cache=True)
+        self.cache, self.offset, self.open = step.past_key_values, t + 1, self.open[still_open]
+        logits = step.logits[:, -1, :]
+        return logits if len(self.open) == n else logits[self.open]
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

@@ -29,7 +29,7 @@ def convert_gguf(path: Path, out_dir: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from components.engine.modeling import save_tokenizer
+    from components.engine.models.modeling import save_tokenizer
 
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -14,10 +14,10 @@ from typing import Any, Callable
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
-from components.engine.fastlm import PrefixSharedLM
-from components.engine.modeling import layer_checkpointing, load_policy_model, load_tokenizer
-from components.engine.prompting import PromptFormatter
-from components.engine.rollout import Rollout, completion_logprobs
+from components.engine.fast.fastlm import PrefixSharedLM
+from components.engine.models.modeling import layer_checkpointing, load_policy_model, load_tokenizer
+from components.engine.models.prompting import PromptFormatter
+from components.engine.models.rollout import Rollout, completion_logprobs
 
 
 def attach_lora(model, lora: LoRAConfig):
@@ -89,8 +89,10 @@ def longest_row(tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], 
 
 
 def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, records: list[dict[str, Any]] | None,
-                 with_reference: bool) -> Policy:
-    """Policy, reference (when `with_reference`) and prompt-once forwards; `records` size the forward's self-check."""
+                 with_reference: bool, fast: bool = True, say=print) -> Policy:
+    """Policy, reference (when `with_reference`) and, with `fast` and `grpo.prefix_sharing`, the prompt-once
+    forwards (decided here, once: several processes need every forward through their wrapper, so they pass
+    `fast=False`); `records` size the fast path's self-check."""
     g = cfg.grpo
     tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)
     model = load_policy_model(cfg, start_dir, device)
@@ -101,17 +103,30 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
     policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
-    if g.prefix_sharing:
+    if g.prefix_sharing and fast:
         max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
-        policy.fast = PrefixSharedLM.for_model(model, len(tokenizer), max_length, g.max_completion_length,
-                                                 g.onednn_matmul)
-        if policy.fast is None:
-            print(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full "
-                  "attention, no attention dropout and log-probs that match Hugging Face's; using the plain forward")
-        elif reference is not None:
+        policy.fast = fast_path(model, len(tokenizer), max_length, g.max_completion_length, g.onednn_matmul, say)
+        if policy.fast is not None and reference is not None:
             policy.fast_reference = policy.fast.for_same_architecture(reference)
     policy.set_gradient_checkpointing(g.gradient_checkpointing == "always")  # "auto": the stage decides
     return policy
+
+
+def fast_path(model: Any, vocab_size: int, max_length: int | None, completion_length: int, onednn_matmul: bool,
+              say=print) -> PrefixSharedLM | None:
+    """The checked prompt-once forward over `model`, or None with one line saying why: it can never take training
+    down (a transformers release that renames what it reads, a torch op that changed), only make it slower."""
+    try:
+        fast = PrefixSharedLM.for_model(model, vocab_size, max_length, completion_length, onednn_matmul)
+    except Exception as err:  # noqa: BLE001 - whatever broke, the plain forward still works
+        say(f"grpo: prefix sharing off: building or checking the prompt-once forward failed ({type(err).__name__}: "
+            f"{err}); using the plain Hugging Face forward", flush=True)
+        return None
+    if fast is None:
+        say(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full attention, no "
+            "attention dropout and log-probs and gradients that match Hugging Face's; using the plain forward",
+            flush=True)
+    return fast
 
 
 @torch.no_grad()

@@ -23,8 +23,8 @@ import torch
 
 from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.rewards import RewardModel, resolve_reward
-from components.engine.rollout import decode_completions, sample_groups
+from components.engine.models.rollout import decode_completions, sample_groups
+from components.engine.rewards.rewards import RewardModel, resolve_reward
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

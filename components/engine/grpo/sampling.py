@@ -18,10 +18,10 @@ import torch
 
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
-from components.engine.policy import Policy
-from components.engine.rewards import RewardError, RewardModel, RewardResult
-from components.engine.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
+from components.engine.grpo.policy import Policy
+from components.engine.models.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
+from components.engine.parallel.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
+from components.engine.rewards.rewards import RewardError, RewardModel, RewardResult
 
 
 class PromptSchedule:

@@ -18,7 +18,7 @@ from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, reward_columns, split_path
-from components.engine.modeling import (
+from components.engine.models.modeling import (
     ModelLoadError,
     load_policy_model,
     load_tokenizer,
@@ -26,9 +26,9 @@ from components.engine.modeling import (
     resolve_model_dir,
     seed_everything,
 )
-from components.engine.prompting import PromptFormatter
-from components.engine.rewards import RewardModel
-from components.engine.rollout import decode_completions, sample_groups
+from components.engine.models.prompting import PromptFormatter
+from components.engine.models.rollout import decode_completions, sample_groups
+from components.engine.rewards.rewards import RewardModel
 
 
 def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
@@ -108,7 +108,7 @@ class HeldoutProbe:
     evidence the `heldout_flat` monitor reads."""
 
     def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer):
-        from components.engine.task_metrics import TaskMetrics
+        from components.engine.evaluation.task_metrics import TaskMetrics
 
         e = cfg.evaluate
         self.every, self.steps, self.tokenizer = e.every, cfg.grpo.steps, tokenizer

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from components.config import ConfigError, RewardSpec
-from components.engine.extract import extract_answer
+from components.engine.rewards.extract import extract_answer
 
 LOG = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def overlong_penalty(prompts: Sequence[str], completions: Sequence[str], complet
 def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (), timeout_s: float = 5.0,
                    memory_mb: int = 512, **_: Any) -> list[float | None]:
     """1.0 when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
-    from components.engine.sandbox import run_untrusted_python
+    from components.engine.rewards.sandbox import run_untrusted_python
 
     scores: list[float | None] = []
     for completion, test in zip(completions, tests or [None] * len(completions)):
@@ -189,7 +189,7 @@ def _load_judge(path: str):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from components.engine.modeling import resolve_model_dir
+    from components.engine.models.modeling import resolve_model_dir
 
     model_dir = str(resolve_model_dir(path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

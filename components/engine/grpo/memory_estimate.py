@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.config import GRPOConfig
-from components.engine.logprobs import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_BYTES
+from components.engine.models.logprobs import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_BYTES
 
 GiB = 2**30
 ACTIVATION_WIDTHS = (10, 4)  # values kept per token and layer: x hidden size, x intermediate size

@@ -1,0 +1,108 @@
+"""The fast path's decoder: each prompt encoded once, its cache copied to its G rows, one token per open row a step
+over a KV cache that grows as tokens are decoded; rows that emitted EOS leave the caches once enough of them have
+(`COMPACT_AT`), so the sampler only ever sees the rows still open."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from components.engine.fast.layers import Rotary
+
+LM = Any  # the `fastlm.PrefixSharedLM` whose pieces these functions use (not imported: it imports this module)
+
+DECODE_CACHE_BLOCK = 32  # decoding caches start with room for this many completion tokens and double when full
+COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of the rows held is open
+
+
+def start_decoding(lm: LM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                   max_new_tokens: int) -> Decoder:
+    """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
+    weights = lm.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
+    last, caches, cache_mask = lm.encode_prompts(prompt_ids, prompt_mask, weights)
+    first = lm.head(last)
+    rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
+    buffers = []
+    room = min(max_new_tokens, DECODE_CACHE_BLOCK)  # the cache grows as tokens are decoded (`Decoder.feed`)
+    for k, v in caches:  # each prompt's cache copied to its G rows by broadcasting (no gathered copy first)
+        u, heads, p_len, d = k.shape
+        kbuf, vbuf = (t.new_empty(u, group_size, heads, p_len + room, d) for t in (k, v))
+        kbuf[:, :, :, :p_len], vbuf[:, :, :, :p_len] = k[:, None], v[:, None]
+        buffers.append((kbuf.flatten(0, 1), vbuf.flatten(0, 1)))
+    keep = torch.cat([cache_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
+                                                           device=prompt_ids.device)], dim=-1)
+    bias = lm._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
+    start = prompt_mask.sum(-1)[rows]
+    positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
+    rope = lm._positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
+    return Decoder(lm, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
+                   cache_mask.shape[1] + max_new_tokens)
+
+
+class Decoder:
+    """Incremental decoding state for `start_decoding`: the sampler's `logits` and `advance` (see
+    models/rollout.py), over `feed` (one token per row held) and `keep` (drop rows from the caches)."""
+
+    def __init__(self, lm: LM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
+                 rope: Rotary, first_logits: torch.Tensor, max_length: int):
+        self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
+        self.rope, self.logits, self.offset, self.max_length = rope, first_logits, 0, max_length
+        rows = torch.arange(len(first_logits), device=first_logits.device)
+        self.held = rows  # the rows whose caches it holds (indices into the rows it started with)
+        self.open = rows  # the rows still decoding, a subset of `held`; `advance` returns their logits
+
+    def advance(self, drawn: torch.Tensor, still_open: torch.Tensor, pad_id: int) -> torch.Tensor:
+        """Feed the tokens just drawn for the open rows (`still_open`: which of them did not emit EOS) and return
+        the logits of the rows still open. Rows that finished are fed `pad_id` while their caches are held; once at
+        most `COMPACT_AT` of the held rows are open, the finished ones leave the caches (one copy per layer)."""
+        now_open = self.open[still_open]
+        if len(now_open) <= COMPACT_AT * len(self.held):
+            self.keep(torch.searchsorted(self.held, now_open))
+            self.held, self.open = now_open, now_open
+            return self.feed(drawn[still_open])
+        tokens = drawn if len(self.open) == len(self.held) else \
+            torch.full((len(self.held),), pad_id, dtype=drawn.dtype, device=drawn.device).index_put_(
+                (torch.searchsorted(self.held, self.open),), drawn)
+        self.open = now_open
+        logits = self.feed(tokens)
+        return logits if len(now_open) == len(self.held) else logits[torch.searchsorted(self.held, now_open)]
+
+    def _reserve(self, end: int) -> None:
+        """Room in the caches for `end` positions: the completion part doubles (at least `DECODE_CACHE_BLOCK`
+        more) when full, so the caches hold about what was decoded rather than `max_new_tokens` from the start."""
+        capacity = self.buffers[0][0].shape[2]
+        if end <= capacity:
+            return
+        grown = min(self.max_length, max(end, capacity + max(DECODE_CACHE_BLOCK, capacity - self.prompt_len)))
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty(*t.shape[:2], grown, t.shape[3])
+            out[:, :, :capacity] = t
+            return out
+
+        self.buffers = [(widen(k), widen(v)) for k, v in self.buffers]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Decode only `rows` from now on (indices into the rows held now): finished rows cost nothing more.
+        Copies each layer's cache once, so the sampler calls it only when enough rows have finished."""
+        self.buffers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.buffers]
+        self.bias = self.bias.index_select(0, rows)
+        self.rope = Rotary(self.rope.cos.index_select(0, rows), self.rope.sin.index_select(0, rows))
+        self.logits = self.logits.index_select(0, rows)
+
+    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row held; return the logits [rows, V] for the next one."""
+        lm, end = self.lm, self.prompt_len + self.offset + 1
+        self._reserve(end)
+        x = lm.decoder.embed_tokens(tokens[:, None])
+        rotary = self.rope.at(self.offset)
+        bias = self.bias[..., :end]
+        for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
+            q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), rotary)
+            kbuf[:, :, end - 1:end], vbuf[:, :, end - 1:end] = k, v
+            attn = lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias)
+            x = lm._finish_layer(layer, fused, x, lm._merge_heads(attn))
+        self.offset += 1
+        self.logits = lm.head(lm._norm(lm.decoder.norm, x[:, 0, :]))
+        return self.logits

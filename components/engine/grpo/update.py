@@ -1,0 +1,210 @@
+"""One GRPO optimisation step: `num_iterations` passes of clipped-surrogate updates over a step's trajectory, in
+minibatches (gradient accumulation) with the loss object the trainer built once.
+
+Read `policy_updates` for the algorithm; several processes differ only inside the small helpers below it and in
+components/engine/parallel/ (which rows a process trains on, DDP's gradient averaging, sums over processes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from components.config import GRPOConfig
+from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, masked_mean
+from components.engine.grpo.policy import Policy
+from components.engine.grpo.trajectory import Trajectory
+from components.engine.models.rollout import Rollout
+from components.engine.parallel.distributed import (
+    DistContext,
+    all_reduce_sum,
+    full_value,
+    no_sync,
+    shared_logprobs,
+    zero_loss_backward,
+)
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_low_frac: float = 0.0
+    clip_high_frac: float = 0.0
+    grad_norm: float = 0.0
+    entropy: float = 0.0
+    logprob_mean: float = 0.0
+    skipped_updates: int = 0
+    updates: int = 0
+    tokens_seen: float = 0.0  # loss tokens of the first pass (the entropy and log-prob means' weight)
+    forward_seconds: float = 0.0  # where the update's time goes (logged as time/policy_forward, ...)
+    backward_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+
+
+@dataclass
+class UpdatePlan:
+    """How a step's rows are cut: global minibatches (the same for any number of processes), this process's rows
+    of each (its groups, round-robin, each group whole on one process) and the minibatches of each optimizer step."""
+
+    minibatches: list[list[int]]
+    mine: list[list[int]]
+    steps: list[list[int]]  # minibatch indices accumulated into one optimizer step
+
+    @classmethod
+    def of(cls, trajectory: Trajectory, g: GRPOConfig, ctx: DistContext) -> "UpdatePlan":
+        n, size = len(trajectory), g.minibatch_size or len(trajectory)
+        minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        per_step = g.gradient_accumulation_steps or len(minibatches)
+        steps = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
+        return cls(minibatches, [local_rows(mb, trajectory, ctx) for mb in minibatches], steps)
+
+    def rows(self, step: list[int]) -> list[int]:
+        return [r for k in step for r in self.minibatches[k]]
+
+
+def local_rows(rows: list[int], trajectory: Trajectory, ctx: DistContext) -> list[int]:
+    """This process's rows of a global minibatch: its groups, round-robin, each group whole on one process."""
+    if not ctx.active:
+        return rows
+    groups = set(sorted({trajectory.group_of(r) for r in rows})[ctx.rank::ctx.world])
+    return [r for r in rows if trajectory.group_of(r) in groups]
+
+
+def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOConfig,
+                   ctx: DistContext = DistContext(), loss: GRPOLoss | None = None) -> UpdateStats:
+    """`num_iterations` passes over the trajectory in minibatches, accumulating gradients per optimizer step.
+
+    Loss normalisers (tokens for dapo, scored sequences for grpo/dr_grpo) are those of the whole accumulated
+    step, so the accumulated gradient equals the one-pass gradient. With one pass and one optimizer step the old
+    log-probs are the current ones detached (ratio exactly 1) and no extra forward runs. `bnpo` differs from
+    `dapo` only here: each minibatch is normalised by its own token count and the step is their mean (TRL divides
+    by the accumulation steps). With several processes each trains on its groups of every minibatch against the
+    global normalisers (`forward_backward`, `optimizer_step`). `loss` is the trainer's (built once from config).
+    """
+    loss_fn = build_loss(g) if loss is None else loss
+    plan = UpdatePlan.of(trajectory, g, ctx)
+    if g.num_iterations > 1 or len(plan.steps) > 1:
+        trajectory.old_logp = old_logprobs(policy, trajectory, plan, g.temperature, ctx)
+    stats = UpdateStats()
+    for iteration in range(g.num_iterations):
+        for step in plan.steps:
+            whole = trajectory.select(plan.rows(step))
+            n_tokens, n_seq = float(whole.loss_mask.sum()), whole.scored_rows()
+            share = bnpo_share(g, len(step), ctx)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros(())
+            for j, k in enumerate(step):
+                rows, last = plan.mine[k], j == len(step) - 1
+                if not rows:  # no group of this minibatch on this process: a zero loss keeps DDP in step
+                    zero_loss_backward(policy.train_module, trajectory.rollout.select(plan.minibatches[k][:1]),
+                                       g.temperature, last)
+                    continue
+                part = trajectory.select(rows)
+                num_tokens = float(part.loss_mask.sum()) if g.loss_type == "bnpo" else n_tokens
+                with no_sync(policy.train_module, skip=ctx.active and not last):
+                    out, scaled = forward_backward(policy, part, loss_fn, n_seq, num_tokens, share, iteration == 0,
+                                                   g.temperature, ctx, stats)
+                step_loss = step_loss + scaled.detach()
+                record(stats, out, share, len(rows), len(trajectory))
+            optimizer_step(policy, optimizer, step_loss, g.max_grad_norm, ctx, stats)
+    return finish(stats, g.num_iterations, ctx)
+
+
+def bnpo_share(g: GRPOConfig, minibatches: int, ctx: DistContext) -> float:
+    """bnpo: each minibatch (each process's part of it) is a mean of its own, and the step is their mean."""
+    return 1.0 / (minibatches * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0
+
+
+def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq: float, num_tokens: float,
+                     share: float, first_pass: bool, temperature: float, ctx: DistContext,
+                     stats: UpdateStats) -> tuple[LossOutput, torch.Tensor]:
+    """The loss of a minibatch (this process's rows of it) and its backward; the first pass also records the
+    tokens' entropy and log-prob. Several processes: DDP averages gradients, so each scales its part of the
+    global sum by the world size."""
+    t0 = time.perf_counter()
+    logp, entropy = policy.logprobs(part.rollout, temperature, with_entropy=first_pass, module=policy.train_module)
+    old_logp = part.old_logp if part.old_logp is not None else logp.detach()
+    out = loss_fn(logp, old_logp, part.advantages, part.loss_mask, ref_logp=part.ref_logp, num_sequences=n_seq,
+                  num_tokens=num_tokens)
+    scaled = out.loss * share
+    t1 = time.perf_counter()
+    (scaled * float(ctx.world) if ctx.active else scaled).backward()
+    stats.forward_seconds += t1 - t0
+    stats.backward_seconds += time.perf_counter() - t1
+    if first_pass:
+        weight = float(part.loss_mask.sum())
+        stats.entropy += float(masked_mean(entropy, part.loss_mask)) * weight
+        stats.logprob_mean += float((logp.detach() * part.loss_mask).sum())
+        stats.tokens_seen += weight
+    return out, scaled
+
+
+def record(stats: UpdateStats, out: LossOutput, share: float, rows: int, total_rows: int) -> None:
+    stats.pg_loss += float(out.pg_loss) * share
+    stats.kl += float(out.kl) * share
+    stats.clip_low_frac += float(out.clip_low_frac) * rows / total_rows
+    stats.clip_high_frac += float(out.clip_high_frac) * rows / total_rows
+
+
+def optimizer_step(policy: Policy, optimizer, step_loss: torch.Tensor, max_grad_norm: float, ctx: DistContext,
+                   stats: UpdateStats) -> None:
+    """Clip, then step, unless the (global) loss or gradient norm is not finite: then the step is skipped and
+    counted, the same decision on every process."""
+    t0 = time.perf_counter()
+    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(
+        [p for p in policy.model.parameters() if p.requires_grad], max_grad_norm))
+    stats.updates += 1
+    if ctx.active:
+        step_loss = torch.tensor(all_reduce_sum(ctx, [float(step_loss)])[0])
+    stats.loss += float(step_loss)
+    stats.grad_norm = float(grad_norm)
+    if torch.isfinite(step_loss) and torch.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        stats.skipped_updates += 1
+        optimizer.zero_grad(set_to_none=True)
+    stats.optimizer_seconds += time.perf_counter() - t0
+
+
+def finish(stats: UpdateStats, num_iterations: int, ctx: DistContext) -> UpdateStats:
+    """Sums over processes (each saw part of every step; the normalisers were already global), then means."""
+    if ctx.active:
+        sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
+                                    stats.entropy, stats.logprob_mean, stats.tokens_seen])
+        stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
+        stats.entropy, stats.logprob_mean, stats.tokens_seen = sums[4:]
+    passes = max(1, stats.updates)
+    stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
+    stats.clip_low_frac /= num_iterations
+    stats.clip_high_frac /= num_iterations
+    stats.entropy /= max(stats.tokens_seen, 1.0)
+    stats.logprob_mean /= max(stats.tokens_seen, 1.0)
+    return stats
+
+
+@torch.no_grad()
+def old_logprobs(policy: Policy, trajectory: Trajectory, plan: UpdatePlan, temperature: float,
+                 ctx: DistContext) -> torch.Tensor:
+    """The sampling policy's log-probs, before any update (several passes or optimizer steps need them)."""
+    if ctx.active:
+        return shared_logprobs(policy.model, trajectory.rollout, plan.mine, temperature, ctx)
+    return torch.cat([policy.logprobs(trajectory.rollout.select(mb), temperature)[0] for mb in plan.minibatches])
+
+
+def reference_logprobs(policy: Policy, rollout: Rollout, g: GRPOConfig, ctx: DistContext) -> torch.Tensor:
+    """Reference log-probs of the rows this process trains on (all rows in one process; zeros elsewhere)."""
+    if not ctx.active:
+        return policy.reference_logprobs(rollout, g.temperature)
+    trajectory = Trajectory(rollout, g.group_size, torch.zeros(len(rollout)), rollout.completion_mask)
+    plan = UpdatePlan.of(trajectory, g, ctx)
+    mine = sorted({r for rows in plan.mine for r in rows})
+    ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
+    if mine or ctx.lockstep:  # fsdp2: a process without rows still joins the forward
+        part = policy.reference_logprobs(rollout.select(mine or [0]), g.temperature)
+        if mine:
+            ref_logp[mine] = part
+    return ref_logp

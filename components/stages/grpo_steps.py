@@ -1,0 +1,169 @@
+"""What the GRPO loop does after each update, behind three calls: the step's metrics (`step_metrics`), the
+held-out evaluation when it is due (`HeldoutDuringTraining`: the start model at step 0, the best weights kept
+aside) and everything that watches a step (`StepWatch`: MLflow and the progress line, the early no-signal
+warning, the monitors, callbacks and sample reports). Imported by stages/grpo.py only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from components.config import GRPOConfig, PipelineConfig
+from components.data.checkpoints import save_best
+from components.data.paths import Paths
+from components.engine.evaluation.heldout import HeldoutProbe
+from components.engine.evaluation.monitors import Monitors, no_signal
+from components.engine.grpo.policy import Policy
+from components.engine.grpo.sampling import Batch
+from components.engine.grpo.trajectory import Trajectory
+from components.engine.grpo.update import UpdateStats
+from components.engine.models.modeling import load_policy_model
+from components.engine.parallel.distributed import DistContext
+from components.engine.rewards.rewards import RewardError
+from components.tracking.reports import GRPOReporter
+from components.tracking.step_log import StepLog
+
+StepCallback = Callable[[int, Any, dict[str, float]], None]
+
+
+def checkpoint_due(step: int, g: GRPOConfig) -> bool:
+    """A training checkpoint after `step` steps (the last step saves the final model instead)."""
+    return bool(g.checkpoint_every) and step % g.checkpoint_every == 0 and step < g.steps
+
+
+def phase_seconds(t_step: float, t_sampled: float, t_advantages: float, t_reference: float, t_policy: float,
+                  t_end: float, reward_seconds: float) -> dict[str, float]:
+    """A step's seconds by phase from its timestamps (reward time measured inside sampling moved to `reward`)."""
+    return {"generation": t_sampled - t_step - reward_seconds, "reward": t_advantages - t_sampled + reward_seconds,
+            "reference": t_reference - t_advantages, "policy": t_policy - t_reference, "step": t_end - t_step}
+
+
+def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: float, seconds: dict[str, float],
+                 g: GRPOConfig) -> dict[str, float]:
+    """One step's row of plots/grpo_steps.csv (MLflow groups them: tracking/step_log.py)."""
+    rollout, first = batch.rollout, torch.tensor(batch.first_scores.total)
+    advantages, scorable = trajectory.advantages, trajectory.scorable
+    grouped = first.view(-1, g.group_size)
+    metrics = {
+        "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl,
+        "reward_mean": float(first.mean()), "reward_std": float(first.std()) if len(first) > 1 else 0.0,
+        "advantage_mean": float(advantages.mean()) if len(advantages) else 0.0,
+        "logprob_mean": stats.logprob_mean, "entropy": stats.entropy,
+        "completion_length": float(rollout.completion_mask.sum(-1).float().mean()) if len(rollout) else 0.0,
+        "completion_length_max": float(rollout.completion_mask.sum(-1).max()) if len(rollout) else 0.0,
+        "truncated_frac": float(rollout.truncated.float().mean()) if len(rollout) else 0.0,
+        "distinct_completion_frac": rollout.distinct_fraction(),
+        "zero_std_group_frac": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        "all_fail_group_frac": float((grouped.max(1).values <= 0).float().mean()),
+        "kept_completions": float(len(rollout)), "sampled_completions": float(batch.sampled),
+        "unscored_completions": float((~scorable).sum()),
+        "grad_norm": stats.grad_norm, "learning_rate": lr, "clip_low_frac": stats.clip_low_frac,
+        "clip_high_frac": stats.clip_high_frac, "step_seconds": seconds["step"],
+        "completions_per_s": batch.sampled / seconds["step"], "time/generation": seconds["generation"],
+        "time/reward": seconds["reward"], "time/reference": seconds["reference"], "time/policy": seconds["policy"],
+        "time/policy_forward": stats.forward_seconds, "time/policy_backward": stats.backward_seconds,
+        "time/optimizer": stats.optimizer_seconds,
+    }
+    metrics.update({f"reward/{k}/mean": v for k, v in batch.first_scores.component_means().items()})
+    return metrics
+
+
+class HeldoutDuringTraining:
+    """The held-out curve of a run (rank 0; none with a sharded model or `evaluate.every: 0`): the start model at
+    step 0, then every `evaluate.every` steps, each point logged with its checkpoint's LoggedModel; with
+    `grpo.keep: best` the best weights are saved aside."""
+
+    def __init__(self, probe: HeldoutProbe | None, cfg: PipelineConfig, paths: Paths, run, run_hash: str,
+                 best: dict[str, Any] | None, say):
+        self.probe, self.cfg, self.paths, self.run, self.run_hash, self.say = probe, cfg, paths, run, run_hash, say
+        self.best = best  # {step, metric, value} of the best evaluation so far (grpo.keep: best)
+        self.model_ids: dict[int, Any] = {}  # evaluated step -> its MLflow LoggedModel
+
+    def evaluate_start(self, policy: Policy, start_dir: Path, start_step: int, ctx: DistContext) -> None:
+        """Evaluate the model GRPO starts from (a resumed run reloads it from its directory: greedy decoding gives
+        the same scores), so every later evaluation is a paired change over the start."""
+        if self.probe is None:
+            return
+        model = policy.model if start_step == 0 else load_policy_model(self.cfg, start_dir, ctx.device)
+        try:
+            scores = self.probe.set_origin(model)
+        except RewardError as err:  # the training steps meet the same reward and handle its failures
+            self.say(f"grpo: held-out evaluation of the start model skipped ({err}); later ones are not compared "
+                     "with it")
+            return
+        finally:
+            del model
+        self.run.log_metrics({f"heldout/{k}": v for k, v in scores.items()}, step=0)
+        self.say("grpo: held-out at the start " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
+
+    def __call__(self, step: int, metrics: dict[str, float], policy: Policy) -> None:
+        """When due, add `heldout/...` to the step's metrics, keep the best weights and log the LoggedModel."""
+        if self.probe is None or not self.probe.due(step):
+            return
+        scores = self._scores(policy.model, step)
+        if not scores:
+            return
+        g = self.cfg.grpo
+        metrics.update({f"heldout/{k}": v for k, v in scores.items()})
+        self._keep_best(step, scores, policy)
+        saved = checkpoint_due(step, g)
+        self.model_ids[step] = self.run.log_checkpoint_model(
+            f"grpo-step-{step:07d}", step, {f"heldout/{k}": v for k, v in scores.items()},
+            {"grpo.step": step, "grpo.run_hash": self.run_hash, "grpo.keep_metric": g.keep_metric,
+             "grpo.checkpoint": str(self.paths.grpo_checkpoints / f"step-{step:07d}") if saved else "none"})
+
+    def _scores(self, model, step: int) -> dict[str, float] | None:
+        """The held-out metrics, or None (said once) when a reward failed on them: evaluation never stops
+        training; the training steps meet the same reward and handle its failures by their own rule."""
+        try:
+            return self.probe(model)
+        except RewardError as err:
+            self.say(f"grpo: held-out evaluation at step {step} skipped ({err})")
+            return None
+
+    def _keep_best(self, step: int, scores: dict[str, float], policy: Policy) -> None:
+        """With `grpo.keep: best`, save the weights when this evaluation beats every earlier one (ties keep the
+        earlier)."""
+        g = self.cfg.grpo
+        value = scores[g.keep_metric]
+        if g.keep != "best" or (self.best is not None and value <= self.best["value"]):
+            return
+        save_best(self.paths.grpo_checkpoints, step, self.run_hash, policy.model, g.keep_metric, value)
+        self.say(f"grpo: step {step}: new best held-out {g.keep_metric} {value:.4f}", flush=True)
+        self.best = {"step": step, "metric": g.keep_metric, "value": value}
+
+
+class StepWatch:
+    """Everything that reads a finished step: the step log (MLflow windows, the progress line), and on rank 0 the
+    early no-signal warning, the monitors, the callers' callbacks and the sample reports."""
+
+    def __init__(self, cfg: PipelineConfig, run, log: StepLog, history: list[dict[str, Any]], monitors: Monitors,
+                 reporter: GRPOReporter, callbacks: Sequence[StepCallback], is_main: bool, say):
+        self.cfg, self.run, self.log, self.history, self.monitors = cfg, run, log, history, monitors
+        self.reporter, self.callbacks, self.is_main, self.say = reporter, callbacks, is_main, say
+
+    def __call__(self, step: int, metrics: dict[str, float], batch: Batch, trajectory: Trajectory, model) -> None:
+        self.log.record(step, metrics)
+        if not self.is_main:
+            return
+        self._warn_if_no_signal(batch)
+        for breach in self.monitors.check(self.history):
+            self.say(f"grpo: monitor breached: {breach.text()}", flush=True)
+            self.run.set_tags({f"monitor.{breach.signal}": breach.text()})
+        for callback in self.callbacks:
+            callback(step, model, metrics)
+        self.reporter.on_step(step, batch.rollout, batch.first_scores, trajectory.advantages,
+                              final=step == self.cfg.grpo.steps)
+
+    def _warn_if_no_signal(self, batch: Batch) -> None:
+        """Once, early: the first steps' groups scored every completion alike (two samples shown to say why)."""
+        cfg = self.cfg
+        silent = no_signal(self.history, cfg.monitors.no_signal, cfg.grpo.steps, cfg.grpo.max_completion_length)
+        if silent:
+            step = self.history[-1]["step"]
+            self.say(f"grpo: WARNING at step {step}: {silent}\n"
+                     + self.reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
+            self.run.set_tags({"warning.no_signal": f"step {step}: {silent}"})
