@@ -143,6 +143,27 @@ class Channel:
         return self._in.readline().strip()
 
 
+def peak_rss_mb() -> float:
+    """The process's peak resident memory since the last `reset_peak_rss` (Linux: VmHWM), else since it started."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak from the current resident memory (Linux: writing 5 to clear_refs resets VmHWM), so the
+    training steps' peak and the held-out evaluation's are told apart; False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 class Gate:
     """Runs inside a worker: times each step, and between rounds hands control back to the controller.
 
@@ -160,8 +181,10 @@ class Gate:
     def wait(self, model) -> None:
         while True:
             command = self.channel.receive()
-            if command == "eval":
-                self.send({"event": "eval", **self.evaluate(model)})
+            if command == "eval":  # the evaluation's own peak, apart from the training steps'
+                self.send({"event": "eval", "peak_apart": reset_peak_rss(), **self.evaluate(model),
+                           "eval_peak_rss_mb": peak_rss_mb()})
+                reset_peak_rss()
             elif command in ("go", ""):
                 return
 
@@ -169,7 +192,7 @@ class Gate:
         self.steps.append({"seconds": time.perf_counter() - self.resumed, **parts})
         if step % self.round_steps == 0:
             self.send({"event": "round", "step": step, "steps": self.steps,
-                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+                       "peak_rss_mb": peak_rss_mb()})
             self.steps = []
             self.wait(model)
         self.resumed = time.perf_counter()
@@ -367,7 +390,8 @@ def worker_main(spec_json: str) -> int:
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{Path(spec['root']) / 'mlflow.db'}"
     channel = Channel(spec["fd_in"], spec["fd_out"])
     {"ours": run_ours, "trl": run_trl}[spec["engine"]](spec, channel)
-    channel.send({"event": "finished", "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    channel.send({"event": "finished",
+                  "process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     return 0
 
 
@@ -489,7 +513,9 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     curve: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
     clock = {e: 0.0 for e in ENGINES}
     final_eval: dict[str, dict[str, Any]] = {}
-    peak = {e: 0.0 for e in ENGINES}
+    peak = {e: 0.0 for e in ENGINES}  # the training steps' (start-up included), apart from the evaluations'
+    eval_peak = {e: 0.0 for e in ENGINES}
+    process_peak = {e: 0.0 for e in ENGINES}
     started = time.perf_counter()
     for r in range(rounds):
         order = ENGINES if r % 2 == 0 else tuple(reversed(ENGINES))
@@ -509,6 +535,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
             if args.eval_every_round or r == rounds - 1:
                 w.command("eval")
                 result = w.expect("eval")
+                eval_peak[engine] = max(eval_peak[engine], result["eval_peak_rss_mb"])
                 curve[engine].append({"completions": (r + 1) * round_steps * per_step,
                                       "train_seconds": round(clock[engine], 2), "heldout": round(result["mean"], 4)})
                 if r == rounds - 1:
@@ -523,7 +550,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
               + f" ({elapsed / 60:.1f} min, ETA {elapsed / (r + 1) * (rounds - r - 1) / 60:.1f} min)", flush=True)
     for engine, w in workers.items():
         w.command("go")
-        peak[engine] = max(peak[engine], w.expect("finished")["peak_rss_mb"])
+        process_peak[engine] = w.expect("finished")["process_peak_rss_mb"]
         w.proc.wait(timeout=120)
 
     import torch
@@ -550,6 +577,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                 "step_seconds_median": round(statistics.median(s["seconds"] for s in rows), 4),
                 "step_seconds_p90": round(percentile([s["seconds"] for s in rows], 0.9), 4),
                 "time_share": shares, "peak_rss_mb": round(peak[engine], 1),
+                "eval_peak_rss_mb": round(eval_peak[engine], 1), "process_peak_rss_mb": round(process_peak[engine], 1),
                 "heldout_reward": round(final_eval[engine]["mean"], 4), "heldout_curve": curve[engine],
                 "train_seconds": round(clock[engine], 1),
                 "distinct_completion_frac": round(statistics.mean(s.get("distinct", 1.0) for s in rows), 3),
@@ -609,8 +637,8 @@ def markdown(report: dict[str, Any]) -> str:
                 "(2N a token forward; the update 4N with LoRA, 6N full) over prompt + completion tokens of every row, "
                 "and decode bytes as the weights once a decode step.", ""] if ceiling else []),
              "| row | parameters | speedup (median of per-round completions/s ratios) | per-round range | "
-             "tokens/s ratio | peak RSS ours / TRL | held-out after equal completions: ours, TRL | "
-             "ours - TRL (95% CI) | commit |",
+             "tokens/s ratio | peak RSS of the training steps ours / TRL | held-out after equal completions: "
+             "ours, TRL | ours - TRL (95% CI) | commit |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         o, t, d = r["engines"]["ours"], r["engines"]["trl"], r["heldout_ours_minus_trl"]
@@ -639,10 +667,13 @@ def markdown(report: dict[str, Any]) -> str:
         rows = [("completions/s (median of rounds)", "completions_per_s", "{:.1f}"),
                 ("generated tokens/s", "generated_tokens_per_s", "{:.0f}"),
                 ("s/step median", "step_seconds_median", "{:.3f}"), ("s/step p90", "step_seconds_p90", "{:.3f}"),
-                ("peak RSS (MB)", "peak_rss_mb", "{:.0f}"), ("training seconds", "train_seconds", "{:.1f}"),
+                ("peak RSS, training steps (MB)", "peak_rss_mb", "{:.0f}"),
+                ("peak RSS, held-out evaluation (MB)", "eval_peak_rss_mb", "{:.0f}"),
+                ("training seconds", "train_seconds", "{:.1f}"),
                 (f"held-out reward (n={r['heldout_n']})", "heldout_reward", "{:.3f}")]
         for label, key, fmt in rows:
-            lines.append(f"| {label} | {fmt.format(o[key])} | {fmt.format(t[key])} |")
+            if key in o and key in t:  # rows measured before the evaluation's peak was kept apart lack it
+                lines.append(f"| {label} | {fmt.format(o[key])} | {fmt.format(t[key])} |")
         for part in ("generation", "reward", "reference", "policy"):
             lines.append(f"| share: {part} | {o['time_share'][part]:.0%} | {t['time_share'][part]:.0%} |")
         if "distinct_completion_frac" in o:

@@ -90,3 +90,22 @@ def test_phase_shares_of_the_ceiling_are_worked_out_from_the_parameter_count():
     full = phase_utilisation(1_000_000_000, 1_000_000_000, 4_000_000_000,
                              [{**s, "prompt_tokens": 20.0} for s in steps], machine)
     assert full["policy_flops_frac"] == 3.75 and full["gflops_by_phase"]["policy"] == 375.0  # 6N
+
+
+def test_the_evaluation_peak_is_kept_apart_from_the_training_peak():
+    """A freed 400 MB block raises the peak; after a reset the peak is back near the current resident memory."""
+    import sys
+
+    import pytest
+
+    from benchmarks.grpo_vs_trl import peak_rss_mb, reset_peak_rss
+
+    if not sys.platform.startswith("linux") or not reset_peak_rss():
+        pytest.skip("resetting the peak needs Linux's /proc/self/clear_refs")
+    base = peak_rss_mb()
+    block = bytearray(400 * 2**20)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+    del block
+    assert peak_rss_mb() > base + 350
+    assert reset_peak_rss()
+    assert peak_rss_mb() < base + 100

@@ -119,3 +119,48 @@ def test_dapo_dynamic_sampling_overlong_and_truncation_masking_in_training(tmp_p
         # A random model rarely emits EOS within 4 tokens: the overlong penalty is active.
         assert float(r["reward/overlong_penalty/mean"]) < 0
     assert any(float(r["sampled_completions"]) > 64 for r in rows), "batch filling never sampled extra prompts"
+
+
+def test_a_fast_path_that_cannot_be_built_leaves_training_on_the_plain_forward(tmp_path, mlflow_store, monkeypatch,
+                                                                               capsys):
+    """A transformers release that renames an attribute the fast path reads (here the decoder, `model` ->
+    `transformer`) must not take training down: one warning naming the reason, the run completes on the plain
+    Hugging Face forward."""
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    import components.engine.grpo.policy as policy_module
+
+    class RenamedDecoderLlama(LlamaForCausalLM):
+        def get_decoder(self):
+            return self.transformer
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=None, **kwargs):
+            out = self.transformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache)
+            return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state),
+                                          past_key_values=out.past_key_values)
+
+    load, built = policy_module.load_policy_model, []
+
+    def load_renamed(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.__class__ = RenamedDecoderLlama
+        model.transformer = model.model
+        del model.model
+        return model
+
+    fast_path = policy_module.fast_path
+    monkeypatch.setattr(policy_module, "load_policy_model", load_renamed)
+    monkeypatch.setattr(policy_module, "fast_path", lambda *a, **k: built.append(fast_path(*a, **k)) or built[-1])
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=3", "grpo.prefix_sharing=true"])
+    summary = train_grpo(cfg, paths)
+    out = capsys.readouterr().out
+    assert built == [None]
+    warning = [line for line in out.splitlines() if "prefix sharing off" in line]
+    assert len(warning) == 1, out
+    assert warning[0].startswith("grpo: prefix sharing off: building or checking the prompt-once forward failed "
+                                 "(AttributeError: ") and "has no attribute 'model'" in warning[0], warning
+    assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["reward_mean_last10pct"]))
