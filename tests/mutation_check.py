@@ -14,6 +14,8 @@ Not collected by pytest (not named test_*); the source files are restored whatev
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "mutation_check.md"
 TESTS = ["tests/engine/test_objectives.py", "tests/engine/test_engine_variants.py", "tests/engine/test_engine_audit.py",
          "tests/engine/test_fastlm.py", "tests/engine/test_matmul.py", "tests/engine/test_rmsnorm.py",
          "tests/stages/test_sft.py"]
@@ -237,13 +240,21 @@ def main() -> int:
     if stale:  # before any test runs: a pattern that applies nowhere checks nothing
         print("mutations that apply nowhere (update them to the code):\n  " + "\n  ".join(stale))
         return 1
-    rows, survived = [], 0
+    rows, survived, started = [], 0, time.perf_counter()
     for i, (name, rel, old, new) in enumerate(chosen, 1):
         caught, seconds = run_mutation(name, rel, old, new)
         survived += caught == "SURVIVED" or caught.startswith("NOT APPLIED")
         rows.append(f"| {name} | `{rel}` | {caught} |")
         print(f"[{i}/{len(chosen)}] {name}: {caught} ({seconds:.0f}s)", flush=True)
-    print("\n| mutation | file | first test that failed |\n|---|---|---|\n" + "\n".join(rows))
+    table = "| mutation | file | first test that failed |\n|---|---|---|\n" + "\n".join(rows)
+    print("\n" + table)
+    if not args.k:  # a whole run: its record, with the count it produced
+        minutes = (time.perf_counter() - started) / 60
+        RESULTS.write_text(
+            "# Mutations of the GRPO maths and the test that catches each\n\n"
+            f"`python tests/mutation_check.py`: {len(chosen) - survived} of {len(chosen)} mutations caught, "
+            f"{minutes:.0f} min on {platform.machine()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}.\n\n"
+            + table + "\n")
     return 1 if survived else 0
 
 

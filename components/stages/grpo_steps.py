@@ -18,7 +18,7 @@ from components.engine.evaluation.heldout import HeldoutProbe
 from components.engine.evaluation.monitors import Monitors, no_signal
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.sampling import Batch
-from components.engine.grpo.trajectory import Trajectory
+from components.engine.grpo.trajectory import Trajectory, by_group
 from components.engine.grpo.update import UpdateStats
 from components.engine.models.modeling import load_policy_model
 from components.engine.parallel.distributed import DistContext
@@ -46,7 +46,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
     """One step's row of plots/grpo_steps.csv (MLflow groups them: tracking/step_log.py)."""
     rollout, first = batch.rollout, torch.tensor(batch.first_scores.total)
     advantages, scorable = trajectory.advantages, trajectory.scorable
-    grouped = first.view(-1, g.group_size)
+    grouped = by_group(first, g.group_size)
     metrics = {
         "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl,
         "reward_mean": float(first.mean()), "reward_std": float(first.std()) if len(first) > 1 else 0.0,

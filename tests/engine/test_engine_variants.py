@@ -10,8 +10,8 @@ import torch
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
 from components.engine.grpo.objectives import group_advantages, policy_loss
 from components.engine.grpo.policy import Policy, attach_lora, update_reference
-from components.engine.grpo.sampling import informative_groups, rows_of
-from components.engine.grpo.trajectory import Trajectory
+from components.engine.grpo.sampling import informative_groups
+from components.engine.grpo.trajectory import Trajectory, group_rows
 from components.engine.grpo.update import policy_updates
 from components.engine.models.rollout import Rollout, concat_rollouts
 
@@ -116,7 +116,7 @@ def test_static_reference_never_changes():
 
 def test_informative_groups_and_rows():
     assert informative_groups([1, 1, 0, 1, 0, 0, 0.5, 0.2], 2) == [1, 3]
-    assert rows_of([1, 3], 2) == [2, 3, 6, 7]
+    assert group_rows([1, 3], 2) == [2, 3, 6, 7]
 
 
 def test_concat_rollouts_repads_both_sides():

@@ -45,7 +45,7 @@ from components.engine.fast.rows import SHARED_PREFIX_MIN, distinct_rows, full_a
 from components.engine.models.logprobs import head_token_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# On CPU, softmax over fewer values than this is ~10x slower per row (2560 rows of 12: 181 us, of 16: 20 us).
+# On the CPU, softmax over fewer values than this is far slower per row (docs/performance.md): rows are padded.
 SOFTMAX_MIN_WIDTH = 16
 SMALL_DECODE_KEYS = 16  # up to this many cached keys, decoding attention is a broadcast multiply-sum (measured)
 
@@ -243,10 +243,8 @@ class PrefixSharedLM:
         [B, 1, 1, L, K]; returns [B, H, L, d].
 
         The H / Hkv query heads that share a key/value head are folded into the query rows ([B, Hkv, rep * L,
-        d]), so one batched matmul serves them all: broadcasting [B, Hkv, rep, L, d] against the keys makes
-        matmul copy them rep times. Measured on 2 cores, SmolLM2's 3 kv heads x 3: a decode step over 64 cached
-        keys 0.72 -> 0.20 ms, over 400 keys 39.9 -> 1.5 ms; forward + backward of 15 completion tokens over 62
-        keys 19.8 -> 9.8 ms (as fast as scaled_dot_product_attention, which is 4x slower on the tiny model).
+        d]), so one batched matmul serves them all: broadcasting [B, Hkv, rep, L, d] against the keys would make
+        matmul copy them rep times (docs/performance.md has what that cost).
         """
         b, heads, length, d = q.shape
         kv, rep = self.num_kv_heads, heads // self.num_kv_heads

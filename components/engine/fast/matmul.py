@@ -2,18 +2,14 @@
 
 PyTorch sends float32 matrix products on the CPU to MKL's sgemm, which picks its kernels by CPU vendor:
 on AMD processors with AVX-512 (Zen 4, Zen 5) it runs its AVX2 code. oneDNN, also inside PyTorch
-(`torch.ops.mkldnn._linear_pointwise`), picks by instruction set. Measured alone on a 2-core AMD EPYC
-(Zen 5), float32, 2 threads, rows x in x out: 1024 x 1024 x 1024 203 -> 452 GFLOP/s; SmolLM2's
-128 x 576 x 1536 1085 -> 486 us; the tiny default's 414 x 128 x 384 196 -> 375 GFLOP/s; the backward's
-products (grad . W and grad^T . x, read as strided views) alike. Each oneDNN call costs about 12 us more,
-so small products lose (break-even near 1.5M multiply-adds alone), and inside the tiny default's decode
-loop its 4-6M products lost too (a rollout 9.09 -> 9.52 ms): `ONEDNN_MIN_WORK` sends only products of
-8M multiply-adds or more. Both sum in float32; only the order of the sums, so the rounding, differs.
-On Intel processors MKL already runs AVX-512 kernels, so expect little gain there.
+(`torch.ops.mkldnn._linear_pointwise`), picks by instruction set, about twice as fast on such products, forward
+and backward (grad . W and grad^T . x, read as strided views). Each oneDNN call costs more to start, so small
+products lose: `ONEDNN_MIN_WORK` sends only products of 8M multiply-adds or more. Both sum in float32; only the
+order of the sums, so the rounding, differs. On Intel processors MKL already runs AVX-512 kernels.
 
-oneDNN compiles a kernel per shape the first time it meets it (0.3-0.6 ms) and caches it. Row counts
-change every step (packed tokens, finished rows), so rows are padded up to a few sizes per power of two
-(`padded_rows`): without that, 855 shapes in 300 tiny-default steps cost 1.2 ms a step.
+oneDNN compiles a kernel per shape the first time it meets it and caches it. Row counts change every step
+(packed tokens, finished rows), so rows are padded up to a few sizes per power of two (`padded_rows`), and a run
+meets a few dozen shapes. The figures behind these choices: docs/performance.md ("oneDNN for large products").
 """
 
 from __future__ import annotations

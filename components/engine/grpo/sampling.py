@@ -19,6 +19,7 @@ import torch
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
 from components.engine.grpo.policy import Policy
+from components.engine.grpo.trajectory import by_group, group_rows
 from components.engine.models.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
 from components.engine.parallel.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
 from components.engine.rewards.rewards import RewardError, RewardModel, RewardResult
@@ -98,15 +99,11 @@ def informative_groups(total: list[float], group_size: int) -> list[int]:
 
     NaN (unscored) rewards are ignored, so a group needs two scored completions that differ.
     """
-    grouped = torch.tensor(total).view(-1, group_size)
+    grouped = by_group(torch.tensor(total), group_size)
     scored = ~torch.isnan(grouped)
     highest = torch.where(scored, grouped, torch.full_like(grouped, -math.inf)).max(1).values
     lowest = torch.where(scored, grouped, torch.full_like(grouped, math.inf)).min(1).values
     return torch.nonzero(highest > lowest).flatten().tolist()
-
-
-def rows_of(groups: list[int], group_size: int) -> list[int]:
-    return [g * group_size + j for g in groups for j in range(group_size)]
 
 
 def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: PromptSchedule, step: int, g: GRPOConfig,
@@ -118,8 +115,8 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
         return Batch(first.rollout, first_totals, first.rewards, len(first.completions), first.reward_seconds)
     parts, totals, sampled, reward_seconds = [], [], len(first.completions), first.reward_seconds
     keep = informative_groups(first_totals, g.group_size)
-    parts.append(first.rollout.select(rows_of(keep, g.group_size)))
-    totals += [first_totals[i] for i in rows_of(keep, g.group_size)]
+    parts.append(first.rollout.select(group_rows(keep, g.group_size)))
+    totals += [first_totals[i] for i in group_rows(keep, g.group_size)]
     attempt, kept = 0, len(keep)
     while g.dynamic_sampling.fill_batch and kept < g.prompts_per_step and attempt < g.dynamic_sampling.max_tries:
         extra = sample_and_score(policy, [records[i] for i in schedule.extra(step, attempt, g.prompts_per_step - kept)],
@@ -128,8 +125,8 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
         reward_seconds += extra.reward_seconds
         extra_totals = extra.rewards.advantage_rewards()
         more = informative_groups(extra_totals, g.group_size)
-        parts.append(extra.rollout.select(rows_of(more, g.group_size)))
-        totals += [extra_totals[i] for i in rows_of(more, g.group_size)]
+        parts.append(extra.rollout.select(group_rows(more, g.group_size)))
+        totals += [extra_totals[i] for i in group_rows(more, g.group_size)]
         kept += len(more)
         attempt += 1
     return Batch(concat_rollouts(parts, policy.tokenizer.pad_token_id), totals, first.rewards, sampled,

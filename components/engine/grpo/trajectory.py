@@ -7,6 +7,7 @@ is rows k*G .. k*G+G-1, a layout every consumer reads from here (`group_size`, `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,6 +15,16 @@ import torch
 from components.config import GRPOConfig
 from components.engine.grpo.objectives import GRPOLoss
 from components.engine.models.rollout import Rollout
+
+
+def group_rows(groups: Iterable[int], group_size: int) -> list[int]:
+    """The rows of the given groups, in order: group k is rows k*G .. k*G+G-1, the layout of every rollout."""
+    return [k * group_size + j for k in groups for j in range(group_size)]
+
+
+def by_group(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A row per group: [N] -> [N / G, G]."""
+    return values.view(-1, group_size)
 
 
 @dataclass
@@ -37,7 +48,7 @@ class Trajectory:
 
     def rows_of(self, groups: list[int]) -> list[int]:
         """The rows of the given groups, in order."""
-        return [k * self.group_size + j for k in groups for j in range(self.group_size)]
+        return group_rows(groups, self.group_size)
 
     def group_of(self, row: int) -> int:
         return row // self.group_size
