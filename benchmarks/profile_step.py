@@ -39,7 +39,15 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from benchmarks.grpo_vs_trl import BENCH_OVERRIDES, ROWS, grpo_run_dir, prepare_start, row_config
+    from benchmarks.grpo_vs_trl import (
+        BENCH_OVERRIDES,
+        ROWS,
+        grpo_run_dir,
+        peak_rss_mb,
+        prepare_start,
+        reset_peak_rss,
+        row_config,
+    )
     from components.data.paths import Paths
     from components.stages.grpo import train_grpo
 
@@ -54,9 +62,12 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
     state: dict[str, Any] = {}
 
     def on_step(step: int, _model, metrics: dict[str, float]) -> None:
+        if step == warmup:
+            reset_peak_rss()  # the measured steps' peak, apart from start-up's
         if warmup < step <= warmup + steps:
             rows.append(metrics)
         if step == warmup + steps:
+            state["peak_rss_mb"] = peak_rss_mb()
             state["profiler"] = torch_profile(activities=[ProfilerActivity.CPU])
             state["profiler"].__enter__()
         elif step == total:
@@ -77,6 +88,7 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
                        f"torch {torch.__version__}",
             "measured_steps": steps, "step_seconds": round(step_seconds, 4),
             "completions_per_s": round(statistics.median(r["completions_per_s"] for r in rows), 2),
+            "peak_rss_mb": round(state["peak_rss_mb"]),
             "phases_seconds": {k: round(v, 4) for k, v in phases.items()},
             "top_ops": [{"op": e.key, "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
                          "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
@@ -98,7 +110,9 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
                   "|---|" + "---|" * len(names),
                   "| s/step (median) | " + " | ".join(f"**{seconds(labels[n]['step_seconds'])}**" for n in names)
                   + " |",
-                  "| completions/s | " + " | ".join(f"{labels[n]['completions_per_s']:.1f}" for n in names) + " |"]
+                  "| completions/s | " + " | ".join(f"{labels[n]['completions_per_s']:.1f}" for n in names) + " |",
+                  "| peak RSS, measured steps | " + " | ".join(f"{labels[n]['peak_rss_mb']} MB" if "peak_rss_mb" in
+                                                           labels[n] else "-" for n in names) + " |"]
         phases = list(dict.fromkeys(p for n in names for p in labels[n]["phases_seconds"]))
         for phase in phases:
             cells = []
