@@ -127,3 +127,14 @@ def test_a_failing_or_disagreeing_onednn_op_is_probed_once_and_turned_off(monkey
         assert torch.allclose(matmul.linear(x, weight), torch.nn.functional.linear(x, weight), atol=1e-4)
     assert len(calls) == probed  # probed once, then never called again
     assert capsys.readouterr().out.count("oneDNN's matrix product is off") == 1
+
+
+@needs_onednn
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_the_probe_passes_where_it_first_runs_inside_sampling(monkeypatch, capsys, context):
+    """Sampling (inference mode, no gradient) is usually the first user of a product: the probe's own forward and
+    backward must still run there, or a working oneDNN would be turned off."""
+    monkeypatch.setattr(matmul, "_onednn_works", None)
+    with torch.inference_mode() if context == "inference_mode" else torch.no_grad():
+        assert matmul.onednn_usable()
+    assert "is off" not in capsys.readouterr().out

@@ -77,7 +77,8 @@ def onednn_usable() -> bool:
     once, so a torch release that changes or drops the op turns it off (one line said) instead of failing a run."""
     global _onednn_works
     if _onednn_works is None:
-        _onednn_works = ONEDNN_BUILT and _probe()
+        with torch.inference_mode(False), torch.enable_grad():  # first use may be inside sampling's no-grad
+            _onednn_works = ONEDNN_BUILT and _probe()
     return _onednn_works
 
 
