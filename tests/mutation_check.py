@@ -24,8 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "mutation_check.md"
-TESTS = ["tests/engine/test_objectives.py", "tests/engine/test_engine_variants.py", "tests/engine/test_engine_audit.py",
-         "tests/engine/test_fastlm.py", "tests/engine/test_matmul.py", "tests/engine/test_rmsnorm.py",
+TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_variants.py",
+         "tests/engine/grpo/test_engine_audit.py", "tests/engine/fast/test_fastlm.py", "tests/engine/fast/test_matmul.py",
+         "tests/engine/fast/test_rmsnorm.py",
          "tests/stages/test_sft.py"]
 
 # (name, file, original text, mutated text): the original must occur exactly once.
@@ -103,7 +104,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("bnpo: minibatch means summed, not averaged", "components/engine/grpo/update.py",
      'return 1.0 / (minibatches * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0',
      "return 1.0"),
-    # the training loop (tests/engine/test_engine_audit.py composes the same step by hand)
+    # the training loop (tests/engine/grpo/test_engine_audit.py composes the same step by hand)
     ("loop: scale_rewards ignored", "components/engine/grpo/objectives.py",
      "return group_advantages(rewards, self.group_size, self.scale_rewards) if len(rewards) else rewards",
      "return group_advantages(rewards, self.group_size, \"group\") if len(rewards) else rewards"),

@@ -59,7 +59,7 @@ def config_value(cfg: Any, dotted: str) -> Any:
 def trained_value(cfg: Any, key: str) -> Any:
     """A params value as it bears on what is trained. `distributed` reduces to whether sampling is seeded
     per group: the process count, backend and sharding change where it runs, not the result (N
-    processes give one process's weights, tests/engine/test_distributed.py), so a run may resume on other hardware."""
+    processes give one process's weights, tests/engine/parallel/test_distributed.py), so a run may resume on other hardware."""
     if key == "distributed":
         d = cfg.distributed
         return {"per_group_sampling": d.per_group_sampling or d.nproc > 1}

@@ -174,9 +174,8 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                 update_reference(policy.reference, policy.model, g.reference.mode, step, g.reference.ema_alpha,
                                  g.reference.sync_every)
             # 6. log: the step's metrics, held-out ones when due, then everything that watches a step
-            seconds = phase_seconds(t_step, t_sampled, t_advantages, t_reference, t_policy, time.perf_counter(),
-                                    batch.reward_seconds)
-            metrics = step_metrics(batch, stats, trajectory, optimizer.param_groups[0]["lr"], seconds, g)
+            metrics = step_metrics(batch, stats, trajectory, optimizer.param_groups[0]["lr"], g, phase_seconds(
+                t_step, t_sampled, t_advantages, t_reference, t_policy, time.perf_counter(), batch.reward_seconds))
             heldout(step + 1, metrics, policy)
             watch(step + 1, metrics, batch, trajectory, policy.model)
             # 7. checkpoint (never inside a non-finite streak)

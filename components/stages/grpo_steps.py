@@ -41,8 +41,8 @@ def phase_seconds(t_step: float, t_sampled: float, t_advantages: float, t_refere
             "reference": t_reference - t_advantages, "policy": t_policy - t_reference, "step": t_end - t_step}
 
 
-def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: float, seconds: dict[str, float],
-                 g: GRPOConfig) -> dict[str, float]:
+def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: float, g: GRPOConfig,
+                 seconds: dict[str, float]) -> dict[str, float]:
     """One step's row of plots/grpo_steps.csv (MLflow groups them: tracking/step_log.py)."""
     rollout, first = batch.rollout, torch.tensor(batch.first_scores.total)
     advantages, scorable = trajectory.advantages, trajectory.scorable

@@ -79,8 +79,18 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     ckpts = dirs["killed"] / "checkpoints" / "grpo"
     proc = subprocess.Popen(_grpo_cmd(steps), cwd=dirs["killed"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    marker = ckpts.parent / "grpo.running.json"
+
+    def checkpointed() -> bool:  # a checkpoint on disk, and the run's note has recorded it (written just after)
+        if not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+            return False
+        try:
+            return bool(json.loads(marker.read_text()).get("last_checkpoint"))
+        except (OSError, ValueError):
+            return False
+
     deadline = time.time() + 120
-    while time.time() < deadline and not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+    while time.time() < deadline and not checkpointed():
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -1,7 +1,7 @@
 """GRPO objective: advantages, KL estimators and the clipped surrogate, as pure tensor math.
 
 Nothing here knows about models or data, so every formula is unit-tested against hand-computed
-numbers (tests/engine/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
+numbers (tests/engine/grpo/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
 real completion tokens and 0 on padding.
 """
 

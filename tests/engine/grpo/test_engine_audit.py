@@ -148,7 +148,7 @@ def test_reward_result_marks_unscored_completions():
     def half(prompts, completions, **_):
         return [None if c == "x" else 1.0 for c in completions]
 
-    result = RewardModel([type("S", (), {"name": "tests.engine.test_engine_audit:_only_y", "weight": 1.0})(),
+    result = RewardModel([type("S", (), {"name": "tests.engine.grpo.test_engine_audit:_only_y", "weight": 1.0})(),
                           type("S", (), {"name": "exact_match", "weight": 1.0})()])(
         ["p"] * 3, ["x", "y", "z"], {"answer": [None, None, "z"]})
     assert result.scorable == [False, True, True]

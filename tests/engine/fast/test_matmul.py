@@ -80,7 +80,7 @@ def test_padded_products_match_f_linear_with_and_without_a_gradient(every_produc
 def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on_onednn, arch):
     from components.engine.fast.fastlm import PrefixSharedLM
     from components.engine.models.rollout import completion_logprobs
-    from tests.engine.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
+    from tests.engine.fast.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES[arch]()
     fast = PrefixSharedLM.for_model(model)
@@ -96,7 +96,7 @@ def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on
 @needs_onednn
 def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
     from components.engine.fast.fastlm import PrefixSharedLM
-    from tests.engine.test_fastlm import ARCHITECTURES, _logprobs_and_grads, _rollout
+    from tests.engine.fast.test_fastlm import ARCHITECTURES, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES["llama"]()
     fast = PrefixSharedLM.for_model(model, onednn_matmul=False)
