@@ -86,11 +86,14 @@ def test_full_attention_rules():
     assert full_attention(C(sliding_window=8, layer_types=["full_attention", "full_attention"]), 17)
 
 
-def test_attention_dropout_falls_back_to_the_plain_forward():
+@pytest.mark.parametrize("rate", [0.1, 1e-6])
+def test_attention_dropout_falls_back_to_the_plain_forward(rate):
+    """Refused on the config, not left to the self-check: a rate too small for a check to notice (1e-6) would
+    otherwise let a forward that applies no attention dropout train in its place."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.1))
+                                         num_attention_heads=4, max_position_embeddings=64, attention_dropout=rate))
     assert PrefixSharedLM.for_model(model, VOCAB) is None
 
 
