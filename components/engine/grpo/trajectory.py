@@ -50,9 +50,6 @@ class Trajectory:
         """The rows of the given groups, in order."""
         return group_rows(groups, self.group_size)
 
-    def group_of(self, row: int) -> int:
-        return row // self.group_size
-
     def select(self, rows: list[int]) -> "Trajectory":
         """The given rows (itself when they are all rows in order: no copies)."""
         if rows == list(range(len(self))):

@@ -55,23 +55,24 @@ class UpdatePlan:
     steps: list[list[int]]  # minibatch indices accumulated into one optimizer step
 
     @classmethod
-    def of(cls, trajectory: Trajectory, g: GRPOConfig, ctx: DistContext) -> "UpdatePlan":
-        n, size = len(trajectory), g.minibatch_size or len(trajectory)
+    def of(cls, n: int, g: GRPOConfig, ctx: DistContext) -> "UpdatePlan":
+        """The plan of an n-row step (groups of `g.group_size` adjacent rows)."""
+        size = g.minibatch_size or n
         minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         per_step = g.gradient_accumulation_steps or len(minibatches)
         steps = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
-        return cls(minibatches, [local_rows(mb, trajectory, ctx) for mb in minibatches], steps)
+        return cls(minibatches, [local_rows(mb, g.group_size, ctx) for mb in minibatches], steps)
 
     def rows(self, step: list[int]) -> list[int]:
         return [r for k in step for r in self.minibatches[k]]
 
 
-def local_rows(rows: list[int], trajectory: Trajectory, ctx: DistContext) -> list[int]:
+def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
     """This process's rows of a global minibatch: its groups, round-robin, each group whole on one process."""
     if not ctx.active:
         return rows
-    groups = set(sorted({trajectory.group_of(r) for r in rows})[ctx.rank::ctx.world])
-    return [r for r in rows if trajectory.group_of(r) in groups]
+    groups = set(sorted({r // group_size for r in rows})[ctx.rank::ctx.world])
+    return [r for r in rows if r // group_size in groups]
 
 
 def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOConfig,
@@ -86,7 +87,7 @@ def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOCon
     global normalisers (`forward_backward`, `optimizer_step`). `loss` is the trainer's (built once from config).
     """
     loss_fn = build_loss(g) if loss is None else loss
-    plan = UpdatePlan.of(trajectory, g, ctx)
+    plan = UpdatePlan.of(len(trajectory), g, ctx)
     if g.num_iterations > 1 or len(plan.steps) > 1:
         trajectory.old_logp = old_logprobs(policy, trajectory, plan, g.temperature, ctx)
     stats = UpdateStats()
@@ -199,9 +200,7 @@ def reference_logprobs(policy: Policy, rollout: Rollout, g: GRPOConfig, ctx: Dis
     """Reference log-probs of the rows this process trains on (all rows in one process; zeros elsewhere)."""
     if not ctx.active:
         return policy.reference_logprobs(rollout, g.temperature)
-    trajectory = Trajectory(rollout, g.group_size, torch.zeros(len(rollout)), rollout.completion_mask)
-    plan = UpdatePlan.of(trajectory, g, ctx)
-    mine = sorted({r for rows in plan.mine for r in rows})
+    mine = sorted({r for rows in UpdatePlan.of(len(rollout), g, ctx).mine for r in rows})
     ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
     if mine or ctx.lockstep:  # fsdp2: a process without rows still joins the forward
         part = policy.reference_logprobs(rollout.select(mine or [0]), g.temperature)
