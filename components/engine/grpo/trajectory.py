@@ -2,7 +2,7 @@
 
 Sampling fills the tokens; scoring adds the advantages and which tokens the loss sees; the reference (when the
 loss has a KL term) and, with several passes, the old policy add their log-probs. Rows are prompt-major: group k
-is rows k*G .. k*G+G-1, a layout every consumer reads from here (`group_size`, `groups`, `rows_of`).
+is rows k*G .. k*G+G-1, a layout every consumer reads from here (`group_size`, `group_rows`, `by_group`).
 """
 
 from __future__ import annotations
@@ -41,14 +41,6 @@ class Trajectory:
 
     def __len__(self) -> int:
         return len(self.rollout)
-
-    @property
-    def groups(self) -> int:
-        return len(self) // self.group_size
-
-    def rows_of(self, groups: list[int]) -> list[int]:
-        """The rows of the given groups, in order."""
-        return group_rows(groups, self.group_size)
 
     def select(self, rows: list[int]) -> "Trajectory":
         """The given rows (itself when they are all rows in order: no copies)."""
