@@ -116,9 +116,30 @@ class GRPOConfig:
     """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
     epsilon_high: float | None = None
     """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
     """Loss aggregation: per-sequence mean (`grpo`); token mean over the whole accumulated batch (`dapo`) or over
-    each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`)."""
+    each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`). Two more
+    change the surrogate itself, as TRL's loss types of the same names: `cispo` (MiniMax-M1: the importance weight
+    is capped at `cispo_max_ratio` and detached, times A * log-prob, so clipped tokens still get a gradient;
+    aggregated as dapo) and `sapo` (a soft gate sigmoid(tau * (ratio - 1)) * 4 / tau in place of the hard clip;
+    aggregated as grpo). Both differ from the plain surrogate only when the ratio moves off 1: with several
+    passes (`num_iterations`) or optimizer steps (`gradient_accumulation_steps`) per rollout."""
+    cispo_max_ratio: float = 5.0
+    """`loss_type: cispo`: the cap on the importance weight (ScaleRL's epsilon_max, 5.0 as it recommends). TRL
+    reads this from `epsilon_high`; here `epsilon_high` keeps its one meaning (the clip range) and is refused with
+    cispo."""
+    sapo_temperature_pos: float = 1.0
+    """`loss_type: sapo`: the gate's temperature for tokens with a positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """`loss_type: sapo`: the gate's temperature for the other tokens (TRL's default; higher fades faster)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """With several rewards: sum them by weight, then form advantages (`scale_rewards`); or (GDPO, TRL's option of
+    the same name) normalise each reward within its group first, sum by weight, and scale the sums by the batch's
+    std, so a reward of a large scale does not drown the others. Needs two rewards or more and groups."""
+    top_entropy_quantile: float = 1.0
+    """The policy-gradient term on the top q of each minibatch's completion tokens by entropy only, the rest
+    masked ("Beyond the 80/20 rule", 2506.01939, which recommends 0.2; TRL's option of the same name): 1 keeps
+    every token, 0 only the highest. The KL term and the loss normalisers still count every token, as in TRL."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Advantage scaling: divide by group std, batch std, or nothing (Dr. GRPO)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -225,6 +246,7 @@ def check_grpo(g: GRPOConfig) -> None:
     _require(0 < g.epsilon < 1, "grpo.epsilon", "must be in (0, 1)")
     _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", "must be > 0")
     _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    _check_variants(g)
     _require(0 < g.reference.ema_alpha <= 1, "grpo.reference.ema_alpha", "must be in (0, 1]")
     _require(g.reference.sync_every >= 1, "grpo.reference.sync_every", "must be >= 1")
     _require(g.checkpoint_every >= 0, "grpo.checkpoint_every", "must be >= 0")
@@ -233,3 +255,34 @@ def check_grpo(g: GRPOConfig) -> None:
     _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
     _require(g.reward_timeout_s >= 0, "grpo.reward_timeout_s", "must be >= 0")
     _require(g.max_reward_failures >= 0, "grpo.max_reward_failures", "must be >= 0")
+
+
+def _check_variants(g: GRPOConfig) -> None:
+    """CISPO, SAPO, multi-reward normalisation and entropy masking: refused where they are undefined or would
+    silently be something else."""
+    ratio_free = g.algorithm == "reinforce"
+    _require(not (g.loss_type in ("cispo", "sapo") and ratio_free), "grpo.loss_type",
+             f"{g.loss_type} reshapes the importance ratio, which grpo.algorithm: reinforce never moves off 1 "
+             "(one on-policy sample, no baseline): use loss_type dapo or grpo with it")
+    _require(not (g.loss_type == "cispo" and g.epsilon_high is not None), "grpo.epsilon_high",
+             "has no meaning with grpo.loss_type: cispo, which caps the weight at grpo.cispo_max_ratio (TRL reads "
+             "that cap from epsilon_high; set cispo_max_ratio instead)")
+    _require(g.cispo_max_ratio > 0, "grpo.cispo_max_ratio", "must be > 0")
+    _require(g.sapo_temperature_pos > 0, "grpo.sapo_temperature_pos", "must be > 0")
+    _require(g.sapo_temperature_neg > 0, "grpo.sapo_temperature_neg", "must be > 0")
+    _require(0 <= g.top_entropy_quantile <= 1, "grpo.top_entropy_quantile", "must be in [0, 1] (1 = every token)")
+    _require(not (g.top_entropy_quantile < 1 and g.importance_sampling_level == "sequence"
+                  and g.loss_type != "cispo"), "grpo.top_entropy_quantile",
+             "must be 1 with grpo.importance_sampling_level: sequence: the sequence ratio's gradient runs through "
+             "every token, so masking tokens would only reweight sequences by how many high-entropy tokens they "
+             "hold, not train on those tokens")
+    if g.multi_objective_aggregation == "normalize_then_sum":
+        count = len(g.rewards) + int(g.overlong.enabled)
+        _require(count >= 2, "grpo.multi_objective_aggregation",
+                 f"normalize_then_sum needs two rewards or more (grpo.rewards has {count}): with one it only "
+                 "scales the advantages twice")
+        _require(not ratio_free, "grpo.multi_objective_aggregation",
+                 "normalize_then_sum normalises each reward within its group: grpo.algorithm: reinforce has none")
+        _require(g.scale_rewards != "none", "grpo.scale_rewards",
+                 "cannot be none with normalize_then_sum, which scales the summed rewards by the batch's std "
+                 "(as TRL); use sum_then_normalize for Dr. GRPO's unscaled advantages")

@@ -76,6 +76,11 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
                       "evaluate.pass_k_temperature", "evaluate.pass_k_top_p", "evaluate.pass_k_top_k",
                       "evaluate.pass_k_samples", "evaluate.correct_at", "grpo.log_every", "grpo.metrics_every"}
 
+# Options added after the band was measured that change nothing at their default: left out while at it, so that a
+# new option does not retire the band (one away from its default is in the fingerprint like any other key).
+NEUTRAL_AT_DEFAULT = {"grpo.cispo_max_ratio": 5.0, "grpo.sapo_temperature_pos": 1.0, "grpo.sapo_temperature_neg": 1.05,
+                      "grpo.multi_objective_aggregation": "sum_then_normalize", "grpo.top_entropy_quantile": 1.0}
+
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:
     """Hash of the params that bear on the held-out reward before and after GRPO (not the seed, the monitors
@@ -88,6 +93,10 @@ def default_fingerprint(cfg: "PipelineConfig") -> str:
         section, _, field_name = dotted.partition(".")
         if isinstance(values.get(section), dict):
             values[section].pop(field_name, None)
+    for dotted, default in NEUTRAL_AT_DEFAULT.items():
+        section, _, field_name = dotted.partition(".")
+        if values[section].get(field_name) == default:
+            values[section].pop(field_name)
     return section_hash(values)
 
 

@@ -8,19 +8,26 @@ from typing import Literal
 from components.config.rules import _require
 
 
+LOGPROB_GAP_LIMIT = 1e-3
+"""The on-policy check's default threshold: the mean gap measured on the default and the SmolLM2 example
+(docs/engine.md, "On-policy check") times about 100."""
+
+
 @dataclass
 class MonitorSpec:
     """One reward-hacking check: a signal (components/engine/evaluation/monitors.py) against a threshold."""
 
     signal: Literal["kl", "entropy", "completion_length", "completion_length_growth", "reward_mean",
-                    "zero_std_group_frac", "reward_heldout_gap", "heldout_drop", "heldout_flat"] = "heldout_drop"
+                    "zero_std_group_frac", "reward_heldout_gap", "heldout_drop", "heldout_flat",
+                    "logprob_gap"] = "heldout_drop"
     """kl, entropy, completion_length, reward_mean, zero_std_group_frac: means over the last `window` steps;
     completion_length_growth: that mean over step 1's (sampled from the start policy), minus 1;
     reward_heldout_gap: training reward minus the last held-out `reward`; heldout_drop: how far the held-out
     `grpo.keep_metric` fell over the last `evaluations` evaluations while the training reward rose (0
     otherwise); heldout_flat: judged once, at the last step: the training reward's rise over the run when the
     held-out `grpo.keep_metric` did not rise over the start model by more than its noise (1.96 paired
-    standard errors), 0 otherwise."""
+    standard errors), 0 otherwise; logprob_gap: the newest step's mean |sampler log-prob - trainer log-prob| over
+    the sampled tokens (the on-policy check: the same weights and maths give rounding only)."""
     above: float | None = None
     """Breached when the signal exceeds this."""
     below: float | None = None
@@ -65,7 +72,8 @@ class MonitorsConfig:
     checks: list[MonitorSpec] = field(default_factory=lambda: [
         MonitorSpec("heldout_drop", above=0.05, action="block"),
         MonitorSpec("heldout_flat", above=0.1, action="warn"),
-        MonitorSpec("completion_length_growth", above=1.0, action="warn")])
+        MonitorSpec("completion_length_growth", above=1.0, action="warn"),
+        MonitorSpec("logprob_gap", above=LOGPROB_GAP_LIMIT, action="warn")])
     """The checks; every breach is recorded with its step and value."""
     not_learning: NotLearningConfig = field(default_factory=NotLearningConfig)
     """The not-learning warning."""

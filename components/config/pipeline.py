@@ -62,6 +62,9 @@ def validate_config(cfg: PipelineConfig) -> None:
         _require(cfg.grpo.prompts_per_step % cfg.distributed.nproc == 0, "grpo.prompts_per_step",
                  f"must be divisible by distributed.nproc ({cfg.distributed.nproc}) with fsdp2, so every "
                  "process samples the same number of groups in lockstep")
+    _require(not (cfg.grpo.top_entropy_quantile < 1 and cfg.distributed.nproc > 1), "grpo.top_entropy_quantile",
+             "must be 1 with several processes (distributed.nproc > 1): the entropy quantile is taken over one "
+             "process's tokens only, so the masked tokens would depend on the process count")
     check_register(cfg.register)
     _check_context_length(cfg)
 
@@ -98,11 +101,18 @@ def config_warnings(cfg: PipelineConfig) -> list[str]:
     """Settings that run but probably do not do what their names suggest; printed before training."""
     g = cfg.grpo
     warnings = []
-    if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":
+    minibatches = -(-g.prompts_per_step * g.group_size // (g.minibatch_size or g.prompts_per_step * g.group_size))
+    one_update = g.num_iterations == 1 and (g.gradient_accumulation_steps or minibatches) >= minibatches
+    if g.importance_sampling_level == "sequence" and g.loss_type not in ("grpo", "sapo"):
         warnings.append(
             f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} is not GSPO: "
             f"{g.loss_type} sums per-token terms, so each sequence is weighted by its length; set "
             "grpo.loss_type: grpo for the GSPO paper's per-sequence objective")
+    if g.loss_type in ("cispo", "sapo") and one_update:
+        warnings.append(
+            f"grpo.loss_type: {g.loss_type} with one pass and one optimizer step per rollout: the importance ratio "
+            f"is exactly 1, so the update is {'dapo' if g.loss_type == 'cispo' else 'grpo'}'s; set "
+            "grpo.num_iterations >= 2 (or several optimizer steps per rollout) for it to act")
     held_out = [c.signal for c in cfg.monitors.checks
                 if c.signal in ("heldout_drop", "reward_heldout_gap", "heldout_flat")]
     if held_out and (cfg.evaluate.every == 0 or cfg.distributed.strategy == "fsdp2"):

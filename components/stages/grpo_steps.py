@@ -67,6 +67,9 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
         "time/policy_forward": stats.forward_seconds, "time/policy_backward": stats.backward_seconds,
         "time/optimizer": stats.optimizer_seconds,
     }
+    if stats.gap_tokens:  # the on-policy check (absent where the rollout carries no sampler log-probs)
+        metrics["logprob_gap_mean"] = stats.gap_sum / stats.gap_tokens
+        metrics["logprob_gap_max"] = stats.gap_max
     metrics.update({f"reward/{k}/mean": v for k, v in batch.first_scores.component_means().items()})
     return metrics
 

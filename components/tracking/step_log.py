@@ -21,7 +21,8 @@ METRIC_GROUPS = {
     "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
               "clip_high_frac"),
     "rollout": ("truncated_frac", "distinct_completion_frac", "zero_std_group_frac", "all_fail_group_frac",
-                "kept_completions", "sampled_completions", "unscored_completions", "reward_failures"),
+                "kept_completions", "sampled_completions", "unscored_completions", "reward_failures",
+                "logprob_gap_mean", "logprob_gap_max"),
     "time": ("step_seconds", "completions_per_s"),
 }
 _GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}

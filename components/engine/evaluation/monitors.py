@@ -61,6 +61,8 @@ def signal_values(history: Sequence[dict[str, Any]], end: int, window: int, eval
     evals = [i for i in range(end) if key in history[i]] if evals is None else evals
     run = generalisation(history, end, window, keep_metric, evals) if final else None
     judged = {"heldout_flat": 0.0 if run["heldout_rose"] else max(0.0, run["train_gain"])} if run else {}
+    if "logprob_gap_mean" in history[end - 1]:  # judged every step: a kernel or cache bug shows from the first
+        judged["logprob_gap"] = history[end - 1]["logprob_gap_mean"]
     if end < window:
         return judged
     rows = history[end - window:end]

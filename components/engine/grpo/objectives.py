@@ -15,7 +15,9 @@ import torch
 if TYPE_CHECKING:
     from components.config import GRPOConfig
 
-LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"]
+Aggregation = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+MultiObjective = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -66,6 +68,41 @@ def _nan_aware_advantages(rewards: torch.Tensor, group_size: int, scale: ScaleRe
     return torch.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
+def normalize_then_sum(scores: torch.Tensor, weights: torch.Tensor, group_size: int,
+                       eps: float = 1e-4) -> torch.Tensor:
+    """GDPO (TRL's `multi_objective_aggregation: normalize_then_sum`): each reward [N, K] column centred and scaled
+    within its group, then the weighted sum [N].
+
+    A reward of a large scale then cannot drown the others. NaN (a reward that did not apply) is left out of its
+    group's statistics and counts 0 in the sum; a row that no reward scored stays NaN (advantage 0 later).
+    """
+    grouped = scores.view(-1, group_size, scores.shape[-1])
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    std = _nanstd(grouped, dim=1, keepdim=True)
+    normalised = ((grouped - mean) / (std + eps)).view(-1, scores.shape[-1])
+    total = (normalised * weights.to(scores.dtype)).nansum(dim=1)
+    return total.masked_fill(torch.isnan(scores).all(dim=1), float("nan"))
+
+
+def batch_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(r - batch mean) / (batch std + eps), NaN-aware; NaN rows get 0. GDPO's last step over normalised sums."""
+    centred = (rewards - rewards.nanmean()) / (_nanstd(rewards) + eps)
+    return torch.nan_to_num(centred, nan=0.0)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The completion tokens whose entropy is in the top `quantile` of the tokens under `mask` ("Beyond the 80/20
+    rule", 2506.01939; TRL's `top_entropy_quantile`): entropy >= the (1 - quantile) quantile, padding never.
+
+    `quantile` 1 keeps every token; 0 keeps only the highest-entropy token(s)."""
+    real = mask.bool()
+    values = entropy.detach()[real].float()
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropy.detach() >= threshold) & real
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL").
 
@@ -93,6 +130,12 @@ class LossOutput:
     ratio_mean: torch.Tensor
 
 
+def aggregation_of(loss_type: LossType) -> Aggregation:
+    """How a loss type reduces its per-token terms: CISPO as DAPO (token mean over the accumulated batch), SAPO as
+    GRPO (mean per sequence), as TRL does."""
+    return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # type: ignore[return-value]
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, max_completion_length: int,
               num_sequences: float | None = None, num_tokens: float | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
@@ -104,6 +147,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, 
     """
     mask = mask.to(per_token.dtype)
     n_seq = float(per_token.shape[0]) if num_sequences is None else num_sequences
+    loss_type = aggregation_of(loss_type)
     if loss_type == "grpo":
         per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         return per_seq.sum() / n_seq
@@ -115,16 +159,38 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, 
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def surrogate(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, loss_type: LossType, epsilon_low: float,
+              epsilon_high: float, cispo_max_ratio: float, sapo_temperatures: tuple[float, float]) -> torch.Tensor:
+    """The per-token policy-gradient loss of importance ratio `ratio` and advantage `adv` ([B, 1] or [B, T]).
+
+    - clipped (GRPO/DAPO/...): -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A);
+    - `cispo` (MiniMax-M1): -sg(min(rho, max_ratio)) * A * logp: the weight is clipped, not the update, so a
+      clipped token still has a gradient;
+    - `sapo` (2511.20347): -(4 / tau) * sigmoid(tau * (rho - 1)) * A, tau = sapo_temperatures[0] for A > 0 and
+      [1] otherwise: a soft gate whose gradient is 1 at rho = 1 and fades smoothly away from it.
+    """
+    if loss_type == "cispo":
+        return -torch.clamp(ratio, max=cispo_max_ratio).detach() * adv * logp
+    if loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperatures[0], sapo_temperatures[1])
+        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    return -torch.minimum(ratio * adv, clipped * adv)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 loss_type: LossType = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                 importance_sampling_level: Literal["token", "sequence"] = "token",
                 ref_logp: torch.Tensor | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
                 max_completion_length: int | None = None, num_sequences: float | None = None,
-                num_tokens: float | None = None) -> LossOutput:
-    """Clipped importance-ratio surrogate plus beta * KL, aggregated by `loss_type`.
+                num_tokens: float | None = None, cispo_max_ratio: float = 5.0,
+                sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+                token_mask: torch.Tensor | None = None) -> LossOutput:
+    """The policy-gradient surrogate (`surrogate`) plus beta * KL, aggregated by `loss_type`.
 
-    per-token loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * KL, where rho
-    is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence.
+    rho is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence. `token_mask` (entropy
+    masking) keeps the policy-gradient term on those tokens only; the KL term and every normaliser still count all
+    of `mask`'s tokens, as in TRL.
     """
     maskf = mask.to(logp.dtype)
     log_ratio = logp - old_logp
@@ -133,9 +199,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     elif importance_sampling_level != "token":
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     adv = advantages.unsqueeze(-1)
-    pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)
+    pg_per_token = surrogate(ratio, logp, adv, loss_type, epsilon_low, epsilon_high, cispo_max_ratio,
+                             sapo_temperatures).expand_as(logp)
+    if token_mask is not None:
+        pg_per_token = pg_per_token * token_mask.to(logp.dtype)
     max_len = max_completion_length if max_completion_length is not None else logp.shape[-1]
     agg = dict(loss_type=loss_type, max_completion_length=max_len, num_sequences=num_sequences,
                num_tokens=num_tokens)
@@ -151,8 +219,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         loss = pg_loss
     with torch.no_grad():
         ratio_tok = ratio.expand_as(logp)
-        low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)
-        high = ((ratio_tok > 1.0 + epsilon_high) & (adv > 0)).to(logp.dtype)
+        if loss_type == "cispo":  # TRL's cispo_clip_ratio: weights capped where the advantage is positive
+            low, high = torch.zeros_like(ratio_tok), ((ratio_tok > cispo_max_ratio) & (adv > 0)).to(logp.dtype)
+        elif loss_type == "sapo":  # no hard clip
+            low = high = torch.zeros_like(ratio_tok)
+        else:
+            low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)
+            high = ((ratio_tok > 1.0 + epsilon_high) & (adv > 0)).to(logp.dtype)
         n = maskf.sum().clamp(min=1.0)
         stats = dict(clip_low_frac=(low * maskf).sum() / n, clip_high_frac=(high * maskf).sum() / n,
                      ratio_mean=(ratio_tok * maskf).sum() / n)
@@ -183,25 +256,40 @@ class GRPOLoss:
     group_size: int
     scale_rewards: ScaleRewards
     baseline: bool  # False for REINFORCE: the advantage is the reward itself
+    cispo_max_ratio: float = 5.0
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # (positive advantage, otherwise)
+    multi_objective: MultiObjective = "sum_then_normalize"
+    top_entropy_quantile: float = 1.0
 
     @property
     def uses_reference(self) -> bool:
         return self.beta > 0.0
 
+    @property
+    def masks_by_entropy(self) -> bool:
+        """The policy-gradient term sees only the highest-entropy tokens (the update then needs entropies)."""
+        return self.top_entropy_quantile < 1.0
+
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Group-relative advantages (NaN rewards: unscored, advantage 0), or the raw reward without a baseline."""
+        """Group-relative advantages (NaN rewards: unscored, advantage 0), the raw reward without a baseline, or
+        (normalize_then_sum: rewards already normalised per group and summed) the sums scaled over the batch."""
         if not self.baseline:
             return torch.nan_to_num(rewards, nan=0.0)
-        return group_advantages(rewards, self.group_size, self.scale_rewards) if len(rewards) else rewards
+        if not len(rewards):
+            return rewards
+        if self.multi_objective == "normalize_then_sum":
+            return batch_advantages(rewards)
+        return group_advantages(rewards, self.group_size, self.scale_rewards)
 
     def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  ref_logp: torch.Tensor | None = None, num_sequences: float | None = None,
-                 num_tokens: float | None = None) -> LossOutput:
+                 num_tokens: float | None = None, token_mask: torch.Tensor | None = None) -> LossOutput:
         return policy_loss(logp, old_logp, advantages, mask, loss_type=self.loss_type, epsilon_low=self.epsilon_low,
                            epsilon_high=self.epsilon_high, importance_sampling_level=self.importance_sampling_level,
                            ref_logp=ref_logp if self.uses_reference else None, beta=self.beta,
                            kl_estimator=self.kl_estimator, max_completion_length=self.max_completion_length,
-                           num_sequences=num_sequences, num_tokens=num_tokens)
+                           num_sequences=num_sequences, num_tokens=num_tokens, cispo_max_ratio=self.cispo_max_ratio,
+                           sapo_temperatures=self.sapo_temperatures, token_mask=token_mask)
 
 
 def build_loss(g: "GRPOConfig") -> GRPOLoss:
@@ -210,4 +298,7 @@ def build_loss(g: "GRPOConfig") -> GRPOLoss:
                     epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
                     importance_sampling_level=g.importance_sampling_level, beta=g.kl_beta,
                     kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
-                    group_size=g.group_size, scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce")
+                    group_size=g.group_size, scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce",
+                    cispo_max_ratio=g.cispo_max_ratio,
+                    sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
+                    multi_objective=g.multi_objective_aggregation, top_entropy_quantile=g.top_entropy_quantile)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
+from components.engine.grpo.objectives import normalize_then_sum
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import by_group, group_rows
 from components.engine.models.rollout import Rollout, concat_rollouts, decode_completions, sample_groups
@@ -94,6 +95,17 @@ def sample_and_score(policy: Policy, records: list[dict[str, Any]], g: GRPOConfi
     return ScoredRollout(rollout, completions, scores, time.perf_counter() - t0)
 
 
+def advantage_rewards(scores: RewardResult, g: GRPOConfig) -> list[float]:
+    """What a step's advantages are formed from, per completion (NaN: no reward scored it): the weighted sum of
+    the rewards, or (`multi_objective_aggregation: normalize_then_sum`) each reward normalised within its group
+    first, then summed by weight (GDPO). Groups are whole in every scored round, so this is per round."""
+    if g.multi_objective_aggregation == "sum_then_normalize":
+        return scores.advantage_rewards()
+    table = torch.tensor([[math.nan if s is None else s for s in column] for column in scores.scores],
+                         dtype=torch.float32).T
+    return normalize_then_sum(table, torch.tensor(scores.weights), g.group_size).tolist()
+
+
 def informative_groups(total: list[float], group_size: int) -> list[int]:
     """Indices of groups whose scored rewards are not all equal (DAPO: the others have zero advantage).
 
@@ -110,7 +122,7 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
                   rewards: RewardModel, generator: torch.Generator) -> Batch:
     """The step's rollout and rewards; with dynamic sampling, only (and, when filling, enough) informative groups."""
     first = sample_and_score(policy, [records[i] for i in schedule.indices(step)], g, rewards, generator)
-    first_totals = first.rewards.advantage_rewards()
+    first_totals = advantage_rewards(first.rewards, g)
     if not g.dynamic_sampling.enabled:
         return Batch(first.rollout, first_totals, first.rewards, len(first.completions), first.reward_seconds)
     parts, totals, sampled, reward_seconds = [], [], len(first.completions), first.reward_seconds
@@ -123,7 +135,7 @@ def collect_batch(policy: Policy, records: list[dict[str, Any]], schedule: Promp
                                  g, rewards, generator)
         sampled += len(extra.completions)
         reward_seconds += extra.reward_seconds
-        extra_totals = extra.rewards.advantage_rewards()
+        extra_totals = advantage_rewards(extra.rewards, g)
         more = informative_groups(extra_totals, g.group_size)
         parts.append(extra.rollout.select(group_rows(more, g.group_size)))
         totals += [extra_totals[i] for i in group_rows(more, g.group_size)]
@@ -137,13 +149,13 @@ def _trim(rollout: Rollout) -> Rollout:
     """Drop trailing all-padding completion columns (decoding in lockstep runs past this group's EOS)."""
     used = rollout.completion_mask.any(0).nonzero()
     width = int(used[-1]) + 1 if len(used) else 0
-    return Rollout(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids[:, :width],
-                   rollout.completion_mask[:, :width], rollout.truncated)
+    return replace(rollout, completion_ids=rollout.completion_ids[:, :width],
+                   completion_mask=rollout.completion_mask[:, :width],
+                   sampling_logp=None if rollout.sampling_logp is None else rollout.sampling_logp[:, :width])
 
 
 def _on(rollout: Rollout, device: torch.device | str) -> Rollout:
-    return Rollout(rollout.prompt_ids.to(device), rollout.prompt_mask.to(device), rollout.completion_ids.to(device),
-                   rollout.completion_mask.to(device), rollout.truncated.to(device))
+    return rollout.map(lambda t: t.to(device))
 
 
 @dataclass
@@ -152,8 +164,9 @@ class GroupSample:
 
     position: int
     rollout: Rollout  # on the CPU, so it can travel between ranks
-    totals: list[float]
+    totals: list[float]  # what the advantages are formed from (`advantage_rewards`)
     components: dict[str, list[float | None]]
+    weighted: list[float]  # the weighted sums, as `RewardResult.total` (the logged reward)
 
 
 def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[int], g: GRPOConfig,
@@ -189,10 +202,11 @@ def sample_round(policy: Policy, records: list[dict[str, Any]], indices: list[in
             columns = reward_columns(recs, g.group_size)
             columns["completion_token_lengths"] = [int(x) for part in parts for x in part.completion_mask.sum(-1)]
             scored = rewards([r["prompt"] for r in recs for _ in range(g.group_size)], completions, columns)
-            size = g.group_size
+            size, totals = g.group_size, advantage_rewards(scored, g)
             for i, (p, part) in enumerate(zip(positions, parts)):
-                local.append(GroupSample(p, _on(part, "cpu"), scored.advantage_rewards()[i * size:(i + 1) * size],
-                                         {k: v[i * size:(i + 1) * size] for k, v in scored.components.items()}))
+                rows = slice(i * size, (i + 1) * size)
+                local.append(GroupSample(p, _on(part, "cpu"), totals[rows],
+                                         {k: v[rows] for k, v in scored.components.items()}, scored.total[rows]))
     except RewardError as err:  # every rank must learn of it, or the others would wait forever
         error = str(err)
     gathered = all_gather_objects(ctx, (local, error))
@@ -212,7 +226,7 @@ def collect_batch_sharded(policy: Policy, records: list[dict[str, Any]], schedul
     are global too.
     """
     groups = sample_round(policy, records, schedule.indices(step), g, rewards, seed, step, 0, ctx)
-    first = RewardResult(total=[0.0 if math.isnan(x) else x for s in groups for x in s.totals],  # as RewardModel's
+    first = RewardResult(total=[x for s in groups for x in s.weighted],
                          components={k: [x for s in groups for x in s.components[k]] for k in groups[0].components})
     sampled = len(first.total)
 

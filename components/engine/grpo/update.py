@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from components.config import GRPOConfig
-from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, masked_mean
+from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, high_entropy_mask, masked_mean
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.models.rollout import Rollout
 from components.engine.parallel.distributed import (
     DistContext,
+    all_gather_objects,
     all_reduce_sum,
     full_value,
     no_sync,
@@ -40,6 +41,9 @@ class UpdateStats:
     skipped_updates: int = 0
     updates: int = 0
     tokens_seen: float = 0.0  # loss tokens of the first pass (the entropy and log-prob means' weight)
+    gap_sum: float = 0.0  # on-policy check: |sampler's log-prob - trainer's| summed over sampled tokens
+    gap_max: float = 0.0
+    gap_tokens: float = 0.0
     forward_seconds: float = 0.0  # where the update's time goes (logged as time/policy_forward, ...)
     backward_seconds: float = 0.0
     optimizer_seconds: float = 0.0
@@ -88,9 +92,10 @@ def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOCon
     """
     loss_fn = build_loss(g) if loss is None else loss
     plan = UpdatePlan.of(len(trajectory), g, ctx)
+    stats = UpdateStats()
     if g.num_iterations > 1 or len(plan.steps) > 1:
         trajectory.old_logp = old_logprobs(policy, trajectory, plan, g.temperature, ctx)
-    stats = UpdateStats()
+        record_gap(stats, trajectory.old_logp, trajectory.rollout, sorted({r for rows in plan.mine for r in rows}))
     for iteration in range(g.num_iterations):
         for step in plan.steps:
             whole = trajectory.select(plan.rows(step))
@@ -127,10 +132,15 @@ def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq:
     tokens' entropy and log-prob. Several processes: DDP averages gradients, so each scales its part of the
     global sum by the world size."""
     t0 = time.perf_counter()
-    logp, entropy = policy.logprobs(part.rollout, temperature, with_entropy=first_pass, module=policy.train_module)
+    logp, entropy = policy.logprobs(part.rollout, temperature, with_entropy=first_pass or loss_fn.masks_by_entropy,
+                                    module=policy.train_module)
+    if part.old_logp is None:  # the weights that sampled: the on-policy check compares its log-probs here
+        record_gap(stats, logp.detach(), part.rollout)
     old_logp = part.old_logp if part.old_logp is not None else logp.detach()
+    token_mask = high_entropy_mask(entropy, part.loss_mask, loss_fn.top_entropy_quantile) \
+        if loss_fn.masks_by_entropy else None
     out = loss_fn(logp, old_logp, part.advantages, part.loss_mask, ref_logp=part.ref_logp, num_sequences=n_seq,
-                  num_tokens=num_tokens)
+                  num_tokens=num_tokens, token_mask=token_mask)
     scaled = out.loss * share
     t1 = time.perf_counter()
     (scaled * float(ctx.world) if ctx.active else scaled).backward()
@@ -142,6 +152,22 @@ def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq:
         stats.logprob_mean += float((logp.detach() * part.loss_mask).sum())
         stats.tokens_seen += weight
     return out, scaled
+
+
+def record_gap(stats: UpdateStats, trainer_logp: torch.Tensor, rollout: Rollout, rows: list[int] | None = None) -> None:
+    """The on-policy check: how far the log-probs the update computes for the sampled tokens, with the weights
+    that sampled them, are from those the sampler drew them with (the same model and maths: rounding only, unless
+    a kernel, dtype or cache disagrees)."""
+    if rollout.sampling_logp is None:
+        return
+    sampled, mask = rollout.sampling_logp, rollout.completion_mask.bool()
+    if rows is not None:
+        sampled, mask, trainer_logp = sampled[rows], mask[rows], trainer_logp[rows]
+    gap = (trainer_logp.float() - sampled)[mask].abs()
+    if gap.numel():
+        stats.gap_sum += float(gap.sum())
+        stats.gap_max = max(stats.gap_max, float(gap.max()))
+        stats.gap_tokens += gap.numel()
 
 
 def record(stats: UpdateStats, out: LossOutput, share: float, rows: int, total_rows: int) -> None:
@@ -178,6 +204,8 @@ def finish(stats: UpdateStats, num_iterations: int, ctx: DistContext) -> UpdateS
                                     stats.entropy, stats.logprob_mean, stats.tokens_seen])
         stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
         stats.entropy, stats.logprob_mean, stats.tokens_seen = sums[4:]
+        stats.gap_sum, stats.gap_tokens = all_reduce_sum(ctx, [stats.gap_sum, stats.gap_tokens])
+        stats.gap_max = max(all_gather_objects(ctx, stats.gap_max))
     passes = max(1, stats.updates)
     stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
     stats.clip_low_frac /= num_iterations

@@ -25,19 +25,23 @@ class Rollout:
     completion_ids: torch.Tensor  # [N, T] right-padded with pad after EOS
     completion_mask: torch.Tensor  # [N, T] 1 on tokens up to and including EOS
     truncated: torch.Tensor  # [N] bool: no EOS within the budget
+    sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Rollout":
+        """Every tensor through `fn` (rows, device, copies)."""
+        return Rollout(fn(self.prompt_ids), fn(self.prompt_mask), fn(self.completion_ids), fn(self.completion_mask),
+                       fn(self.truncated), None if self.sampling_logp is None else fn(self.sampling_logp))
+
     def clone(self) -> "Rollout":
         """Fresh copies; made outside `torch.inference_mode`, they are ordinary tensors autograd can save."""
-        return Rollout(self.prompt_ids.clone(), self.prompt_mask.clone(), self.completion_ids.clone(),
-                       self.completion_mask.clone(), self.truncated.clone())
+        return self.map(torch.clone)
 
     def select(self, rows: torch.Tensor | list[int]) -> "Rollout":
         """The given rows (same padding widths)."""
-        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-                       self.completion_mask[rows], self.truncated[rows])
+        return self.map(lambda t: t[rows])
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -134,9 +138,14 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     # Only rows that have not emitted EOS draw a token, so every decoder consumes the generator alike.
+    sampling_logp = None if greedy else torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     open_rows, logits, length = torch.arange(n, device=device), decoder.logits, 0
     for t in range(max_new_tokens):
-        drawn = logits.argmax(-1) if greedy else _draw(logits, temperature, top_k, top_p, generator)
+        if greedy:
+            drawn = logits.argmax(-1)
+        else:
+            drawn, logp = _draw(logits, temperature, top_k, top_p, generator)
+            sampling_logp[open_rows, t] = logp
         tokens[open_rows, t] = drawn
         length = t + 1
         still_open = drawn != eos_id
@@ -153,18 +162,25 @@ def _sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_ne
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     completion_mask = (~after_eos).long()
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens,
-                   completion_mask=completion_mask, truncated=~is_eos.any(-1))
+                   completion_mask=completion_mask, truncated=~is_eos.any(-1),
+                   sampling_logp=None if sampling_logp is None else sampling_logp[:, :length] * completion_mask)
 
 
 def _draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-          generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: top-k, then top-p over what is left (Hugging Face's order), at `temperature`."""
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: top-k, then top-p over what is left (Hugging Face's order), at `temperature`; and its
+    log-prob under the full distribution at `temperature` (what the loss scores: the on-policy check compares)."""
     scaled = logits.float() / temperature
+    filtered = scaled
     if top_k > 0:
-        scaled = _filter_top_k(scaled, top_k)
+        filtered = _filter_top_k(filtered, top_k)
     if top_p < 1.0:
-        scaled = _filter_top_p(scaled, top_p)
-    return sample_from(torch.softmax(scaled, -1), generator)
+        filtered = _filter_top_p(filtered, top_p)
+    probs = torch.softmax(filtered, -1)
+    drawn = sample_from(probs, generator)
+    if filtered is scaled:  # no filter: the softmax drawn from is the full one
+        return drawn, probs.gather(-1, drawn[:, None]).squeeze(-1).log()
+    return drawn, scaled.gather(-1, drawn[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
 
 
 class HFDecoder:
@@ -212,11 +228,13 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     def right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
+    sampled = all(r.sampling_logp is not None for r in parts)
     return Rollout(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
                    prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
                    completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
                    completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
-                   truncated=torch.cat([r.truncated for r in parts]))
+                   truncated=torch.cat([r.truncated for r in parts]),
+                   sampling_logp=torch.cat([right(r.sampling_logp, c_width, 0) for r in parts]) if sampled else None)
 
 
 def decoder_and_head(model) -> tuple[Any, Any] | None:

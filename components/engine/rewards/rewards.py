@@ -17,7 +17,7 @@ import re
 import signal
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from components.config import ConfigError, RewardSpec
@@ -147,6 +147,33 @@ bleu = _against_answer(_bleu)
 f1rougebleu = _against_answer(lambda c, r: (_f1(c, r) + _rouge_l(c, r) + _bleu(c, r)) / 3)
 
 
+def _ngrams(tokens: list[str], n: int) -> set[tuple[str, ...]]:
+    """The distinct n-grams of `tokens`; a text shorter than n is one n-gram of its own."""
+    if len(tokens) < n:
+        return {tuple(tokens)} if tokens else set()
+    return {tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)}
+
+
+def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int = 2, **_: Any) -> list[float | None]:
+    """Diversity within a group (the seeds' "diversity" component): the share of a completion's distinct word
+    n-grams that no other completion of the same prompt contains. 1 for a completion unlike the rest, 0 for a
+    copy or an empty one; None (not applicable) for a completion alone with its prompt, as in a greedy evaluation."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    grams = [_ngrams(_tokens(c), n) for c in completions]
+    by_prompt: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_prompt.setdefault(prompt, []).append(i)
+    scores: list[float | None] = [None] * len(completions)
+    for rows in by_prompt.values():
+        if len(rows) < 2:
+            continue
+        counts = Counter(gram for i in rows for gram in grams[i])
+        for i in rows:
+            scores[i] = sum(counts[gram] == 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0
+    return scores
+
+
 def length_penalty(prompts: Sequence[str], completions: Sequence[str], max_chars: int = 200,
                    **_: Any) -> list[float | None]:
     """0 up to `max_chars`, then minus the overshoot as a fraction of `max_chars`."""
@@ -222,6 +249,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match, "numeric_match": numeric_match, "regex_format": regex_format,
     "token_f1": token_f1, "rouge_l": rouge_l, "bleu": bleu, "f1rougebleu": f1rougebleu,
     "length_penalty": length_penalty, "overlong_penalty": overlong_penalty, "code_execution": code_execution,
+    "distinct_ngrams": distinct_ngrams,
     "judge_model": judge_model, "math_verify": math_verify,
 }
 OPTIONAL_PACKAGES = {"math_verify": ("math_verify", "pip install -c constraints.txt -e '.[math]'")}
@@ -272,6 +300,8 @@ class RewardResult:
 
     total: list[float]
     components: dict[str, list[float | None]]
+    scores: list[list[float | None]] = field(default_factory=list)  # per component, in config order
+    weights: list[float] = field(default_factory=list)  # each component's weight, in the same order
 
     @property
     def scorable(self) -> list[bool]:
@@ -321,6 +351,7 @@ class RewardModel:
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> RewardResult:
         total = [0.0] * len(completions)
         per_component: dict[str, list[float | None]] = {}
+        ordered: list[list[float | None]] = []
         for name, fn, weight, options in self.components:
             try:
                 with time_limit(self.timeout_s, f"reward {name!r}"):
@@ -336,4 +367,6 @@ class RewardModel:
                     raise RewardError(f"reward {name!r} returned {score} for completion {i}")
                 total[i] += weight * float(score)
             per_component[name] = [None if s is None else float(s) for s in scores]
-        return RewardResult(total=total, components=per_component)
+            ordered.append(per_component[name])
+        return RewardResult(total=total, components=per_component, scores=ordered,
+                            weights=[weight for _, _, weight, _ in self.components])
