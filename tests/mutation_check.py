@@ -28,6 +28,11 @@ TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_
          "tests/engine/grpo/test_engine_audit.py", "tests/engine/fast/test_fastlm.py", "tests/engine/fast/test_matmul.py",
          "tests/engine/fast/test_rmsnorm.py",
          "tests/stages/test_sft.py"]
+# The newer variants' tests, run first for their own mutations (the TRL reference takes ~10 s to import, so the
+# other mutations do not pay for it unless everything else passed).
+VARIANT_TESTS = ["tests/engine/grpo/test_against_trl.py", "tests/engine/grpo/test_variants_in_the_update.py",
+                 "tests/engine/rewards/test_rewards_builtin.py"]
+VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:")
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -72,11 +77,9 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)",
      "clipped = torch.clamp(ratio, 1.0 - epsilon_high, 1.0 + epsilon_high)"),
     ("clip: min becomes max", "components/engine/grpo/objectives.py",
-     "pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)",
-     "pg_per_token = -torch.maximum(ratio * adv, clipped * adv).expand_as(logp)"),
+     "return -torch.minimum(ratio * adv, clipped * adv)", "return -torch.maximum(ratio * adv, clipped * adv)"),
     ("clip: unclipped surrogate", "components/engine/grpo/objectives.py",
-     "pg_per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logp)",
-     "pg_per_token = -(ratio * adv).expand_as(logp)"),
+     "return -torch.minimum(ratio * adv, clipped * adv)", "return -(ratio * adv)"),
     ("clip stats: low side swapped", "components/engine/grpo/objectives.py",
      "low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)",
      "low = ((ratio_tok < 1.0 - epsilon_low) & (adv > 0)).to(logp.dtype)"),
@@ -106,8 +109,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "return 1.0"),
     # the training loop (tests/engine/grpo/test_engine_audit.py composes the same step by hand)
     ("loop: scale_rewards ignored", "components/engine/grpo/objectives.py",
-     "return group_advantages(rewards, self.group_size, self.scale_rewards) if len(rewards) else rewards",
-     "return group_advantages(rewards, self.group_size, \"group\") if len(rewards) else rewards"),
+     "return group_advantages(rewards, self.group_size, self.scale_rewards)",
+     "return group_advantages(rewards, self.group_size, \"group\")"),
     ("loop: unscored completions treated as scored", "components/engine/grpo/trajectory.py",
      "scorable = ~torch.isnan(rewards)", "scorable = torch.ones_like(rewards, dtype=torch.bool)"),
     # (their advantage's value is never used: loss_mask drops their tokens; a NaN would poison the loss)
@@ -143,14 +146,14 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "return section_hash({key: trained_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)",
      "return section_hash(cfg.grpo, cfg.seed, *inputs)"),
     ("defect 5: unscored completions scored 0, as before", "components/engine/grpo/sampling.py",
-     "first_totals = first.rewards.advantage_rewards()", "first_totals = first.rewards.total"),
+     "        return scores.advantage_rewards()", "        return scores.total"),
     ("defect 4: reinforce with dynamic sampling accepted", "components/config/grpo.py",
      '_require(not (g.dynamic_sampling.enabled and g.algorithm == "reinforce"), "grpo.dynamic_sampling.enabled",',
      '_require(True, "grpo.dynamic_sampling.enabled",'),
     ("defect 6: k1 accepted as a loss term", "components/config/grpo.py",
      '_require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",', '_require(True, "grpo.kl_estimator",'),
     ("defect 7: GSPO with a token-sum loss not warned", "components/config/pipeline.py",
-     'if g.importance_sampling_level == "sequence" and g.loss_type != "grpo":', "if False:"),
+     'if g.importance_sampling_level == "sequence" and g.loss_type not in ("grpo", "sapo"):', "if False:"),
     # the warm start's stop rule (the robust default rests on it)
     ("sft: stop rule ignored", "components/stages/sft.py",
      "if check_reward >= s.stop_at_reward:", "if False:"),
@@ -204,6 +207,66 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "/ torch.bincount(inverse)[inverse, None], None if entropy is None else entropy.index_select(0, inverse)"),
     ("rmsnorm: backward without the normalisation's own term", "components/engine/fast/rmsnorm.py",
      "grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)).mul_(rstd)", "grad_x = g.mul(rstd)"),
+    # CISPO, SAPO, GDPO, entropy masking, the on-policy check, the diversity reward
+    ("cispo: the capped weight not detached", "components/engine/grpo/objectives.py",
+     "return -torch.clamp(ratio, max=cispo_max_ratio).detach() * adv * logp",
+     "return -torch.clamp(ratio, max=cispo_max_ratio) * adv * logp"),
+    ("cispo: the weight not capped", "components/engine/grpo/objectives.py",
+     "return -torch.clamp(ratio, max=cispo_max_ratio).detach() * adv * logp", "return -ratio.detach() * adv * logp"),
+    ("cispo: aggregated per sequence, not per token", "components/engine/grpo/objectives.py",
+     'return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)',
+     'return {"cispo": "grpo", "sapo": "grpo"}.get(loss_type, loss_type)'),
+    ("sapo: aggregated per token, not per sequence", "components/engine/grpo/objectives.py",
+     'return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)',
+     'return {"cispo": "dapo", "sapo": "dapo"}.get(loss_type, loss_type)'),
+    ("sapo: temperatures swapped", "components/engine/grpo/objectives.py",
+     "tau = torch.where(adv > 0, sapo_temperatures[0], sapo_temperatures[1])",
+     "tau = torch.where(adv > 0, sapo_temperatures[1], sapo_temperatures[0])"),
+    ("sapo: the gate without its 4 / tau", "components/engine/grpo/objectives.py",
+     "return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv", "return -torch.sigmoid(tau * (ratio - 1.0)) * adv"),
+    ("gdpo: rewards not centred in their group", "components/engine/grpo/objectives.py",
+     "normalised = ((grouped - mean) / (std + eps)).view(-1, scores.shape[-1])",
+     "normalised = (grouped / (std + eps)).view(-1, scores.shape[-1])"),
+    ("gdpo: rewards not scaled in their group", "components/engine/grpo/objectives.py",
+     "normalised = ((grouped - mean) / (std + eps)).view(-1, scores.shape[-1])",
+     "normalised = (grouped - mean).view(-1, scores.shape[-1])"),
+    ("gdpo: weights ignored", "components/engine/grpo/objectives.py",
+     "total = (normalised * weights.to(scores.dtype)).nansum(dim=1)", "total = normalised.nansum(dim=1)"),
+    ("gdpo: a row no reward scored gets a share", "components/engine/grpo/objectives.py",
+     'return total.masked_fill(torch.isnan(scores).all(dim=1), float("nan"))', "return total"),
+    ("gdpo: sums not scaled by the batch std", "components/engine/grpo/objectives.py",
+     "centred = (rewards - rewards.nanmean()) / (_nanstd(rewards) + eps)", "centred = rewards - rewards.nanmean()"),
+    ("gdpo: sums formed group-relative again", "components/engine/grpo/objectives.py",
+     "            return batch_advantages(rewards)",
+     "            return group_advantages(rewards, self.group_size, self.scale_rewards)"),
+    ("gdpo: the sampler sums before normalising", "components/engine/grpo/sampling.py",
+     'if g.multi_objective_aggregation == "sum_then_normalize":', "if True:"),
+    ("entropy mask: the bottom quantile kept", "components/engine/grpo/objectives.py",
+     "threshold = torch.quantile(values, 1.0 - quantile)", "threshold = torch.quantile(values, quantile)"),
+    ("entropy mask: padding kept", "components/engine/grpo/objectives.py",
+     "return (entropy.detach() >= threshold) & real", "return entropy.detach() >= threshold"),
+    ("entropy mask: ignored by the loss", "components/engine/grpo/objectives.py",
+     "pg_per_token = pg_per_token * token_mask.to(logp.dtype)", "pg_per_token = pg_per_token"),
+    ("entropy mask: never passed by the update", "components/engine/grpo/update.py",
+     "num_tokens=num_tokens, token_mask=token_mask)", "num_tokens=num_tokens)"),
+    ("on-policy gap: the sampler's log-prob from the filtered distribution", "components/engine/models/rollout.py",
+     "if filtered is scaled:  # no filter", "if True:  # no filter"),
+    ("on-policy gap: the sampler's log-prob without the temperature", "components/engine/models/rollout.py",
+     "return drawn, scaled.gather(-1, drawn[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)",
+     "return drawn, torch.log_softmax(logits.float(), -1).gather(-1, drawn[:, None]).squeeze(-1)"),
+    ("on-policy gap: not measured with mu > 1", "components/engine/grpo/update.py",
+     "        record_gap(stats, trajectory.old_logp, trajectory.rollout, sorted({r for rows in plan.mine for r in rows}))",
+     "        pass"),
+    ("on-policy gap: padding counted", "components/engine/grpo/update.py",
+     "sampled, mask = rollout.sampling_logp, rollout.completion_mask.bool()",
+     "sampled, mask = rollout.sampling_logp, torch.ones_like(rollout.completion_mask, dtype=torch.bool)"),
+    ("on-policy gap: the monitor never sees it", "components/engine/evaluation/monitors.py",
+     'judged["logprob_gap"] = history[end - 1]["logprob_gap_mean"]', "pass"),
+    ("diversity: shared n-grams counted as the completion's own", "components/engine/rewards/rewards.py",
+     "scores[i] = sum(counts[gram] == 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0",
+     "scores[i] = sum(counts[gram] >= 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0"),
+    ("diversity: groups not by prompt", "components/engine/rewards/rewards.py",
+     "by_prompt.setdefault(prompt, []).append(i)", 'by_prompt.setdefault("all", []).append(i)'),
 ]
 
 
@@ -215,7 +278,8 @@ def run_mutation(name: str, rel: str, old: str, new: str) -> tuple[str, float]:
     path.write_text(source.replace(old, new))
     started = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+        tests = VARIANT_TESTS + TESTS if name.startswith(VARIANT_PREFIXES) else TESTS
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                               cwd=ROOT, capture_output=True, text=True, timeout=1800)
     finally:
         path.write_text(source)

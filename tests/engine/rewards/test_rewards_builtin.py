@@ -66,3 +66,24 @@ def test_judge_model_scores_with_a_frozen_classifier(tmp_path):
     assert scores == pytest.approx(expected, abs=1e-6) and all(0 < s < 1 for s in scores)
     with pytest.raises(ValueError, match="needs options.path"):
         judge_model(["p"], ["c"])
+
+
+def test_distinct_ngrams_by_hand():
+    """Bigrams within each prompt's group: 'a b c' shares 'a b' with 'a b d' -> 1 of 2 own; a copy scores 0; a
+    completion alone with its prompt is not applicable; an empty one scores 0; shorter than n is one n-gram."""
+    from components.engine.rewards.rewards import distinct_ngrams
+
+    prompts = ["p", "p", "p", "q", "r", "r", "r"]
+    completions = ["a b c", "a b d", "x y", "alone here", "", "same", "same"]
+    assert distinct_ngrams(prompts, completions, n=2) == [0.5, 0.5, 1.0, None, 0.0, 0.0, 0.0]
+    assert distinct_ngrams(["p", "p"], ["A b", "a B"], n=1) == [0.0, 0.0]  # words, case-insensitive
+    assert distinct_ngrams(["p", "p"], ["a b", "c"], n=3) == [1.0, 1.0]
+
+
+def test_distinct_ngrams_is_a_builtin_and_refuses_a_bad_n():
+    from components.engine.rewards.rewards import RewardError, RewardModel
+    from components.config import RewardSpec
+
+    model = RewardModel([RewardSpec("distinct_ngrams", 1.0, {"n": 0})])
+    with pytest.raises(RewardError, match="distinct_ngrams.*n must be >= 1"):
+        model(["p", "p"], ["a", "b"], {})
