@@ -1,19 +1,30 @@
-"""Report: do `grpo`, `dapo` and `dr_grpo` each raise held-out reward from the same warm start?
+"""Report: what each GRPO variant does to held-out reward here, from one warm start, over seeds.
 
-One SFT warm start is built once; each variant then runs the real grpo stage from it with the same
-number of sampled completions (reinforce samples one completion per prompt, so it sees G times more
-prompts per step), and the real evaluate stage scores it on the held-out split. Prints a table and
-writes benchmarks/results/grpo_variants.{json,md}. Not a test: it reports, it does not assert.
+For a task (`--task default`: the embedded default; `--task smollm2`: configs/examples/smollm2_addition.yaml) the
+data, the base model and (where the task has one) the SFT warm start are built once; each variant then runs the
+real grpo stage from them with the same number of sampled completions, once per seed, and the real evaluate stage
+scores it on the held-out split. Seeds vary the GRPO run only (sampling, prompt order), so the spread is GRPO's.
+Each run's on-policy check (the mean and largest |sampler log-prob - trainer log-prob|, from plots/grpo_steps.csv)
+is recorded beside it. Not a test: it reports, it does not assert; it is not a contest either.
 
-    python benchmarks/grpo_variants.py --steps 600          # about 8 minutes on 2 CPU cores
+    python benchmarks/grpo_variants.py --task default --seeds 1 2 3          # about 25 minutes on 2 CPU cores
+    python benchmarks/grpo_variants.py --task smollm2 --seeds 1 2 3          # about an hour
+
+Every variant, the baseline included, runs two optimizer steps per rollout (each on half of its groups), so the
+importance ratio moves off 1 for half of the rows: CISPO and SAPO reshape that ratio and would otherwise equal
+DAPO and GRPO exactly. Results go to benchmarks/results/grpo_variants_<task>.{json,md}, a row as soon as it ends
+(`--resume` skips the runs already there).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -22,18 +33,85 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {
-    "grpo": ["grpo.loss_type=grpo", "grpo.scale_rewards=group"],
-    "dapo": ["grpo.loss_type=dapo", "grpo.scale_rewards=group"],
+MULTI_REWARD = ["grpo.rewards=[{name: exact_match, weight: 1.0, options: {extract: %s}}, "
+                "{name: distinct_ngrams, weight: 0.5, options: {n: 2}}]"]
+VARIANTS: dict[str, list[str]] = {
+    "dapo": [],
+    "cispo": ["grpo.loss_type=cispo"],
+    "sapo": ["grpo.loss_type=sapo"],
+    "dapo, top 20% entropy tokens": ["grpo.top_entropy_quantile=0.2"],
+    "exact + 0.5 diversity, summed": MULTI_REWARD,
+    "exact + 0.5 diversity, GDPO": MULTI_REWARD + ["grpo.multi_objective_aggregation=normalize_then_sum"],
+    # the aggregation variants of an earlier table (docs/engine.md), on request: --variants grpo dr_grpo reinforce
+    "grpo": ["grpo.loss_type=grpo"],
     "dr_grpo": ["grpo.loss_type=dr_grpo", "grpo.scale_rewards=none"],
     "reinforce": ["grpo.algorithm=reinforce", "grpo.group_size=1", "grpo.kl_beta=0", "grpo.prompts_per_step=128"],
 }
+DEFAULT_VARIANTS = list(VARIANTS)[:6]
+TASKS = {
+    "default": {"params": None, "steps": 600, "extract": "null",
+                "common": ["grpo.minibatch_size=64", "grpo.gradient_accumulation_steps=1"]},
+    "smollm2": {"params": "configs/examples/smollm2_addition.yaml", "steps": 40, "extract": "last_number",
+                "common": ["grpo.minibatch_size=32", "grpo.gradient_accumulation_steps=1", "task.n_heldout=200",
+                           "evaluate.metrics=[reward]"]},
+}
+
+
+def gap(paths) -> dict[str, float]:
+    """The run's on-policy check over its steps: the mean of each step's mean gap, and the largest token gap."""
+    with open(paths.plots / "grpo_steps.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("logprob_gap_mean")]
+    if not rows:
+        return {}
+    return {"gap_mean": statistics.fmean(float(r["logprob_gap_mean"]) for r in rows),
+            "gap_max": max(float(r["logprob_gap_max"]) for r in rows)}
+
+
+def summary(rows: list[dict], variant: str) -> dict | None:
+    runs = [r for r in rows if r["variant"] == variant]
+    if not runs:
+        return None
+    gains = [r["improvement_mean"] for r in runs]
+    return {"n": len(runs), "final": statistics.median(r["final"] for r in runs),
+            "gain": statistics.median(gains), "low": min(gains), "high": max(gains),
+            "ci_low_min": min(r["improvement_ci95_low"] for r in runs),
+            "seconds": statistics.median(r["grpo_seconds"] for r in runs),
+            "gap_mean": max(r.get("gap_mean", 0.0) for r in runs), "gap_max": max(r.get("gap_max", 0.0) for r in runs)}
+
+
+def render(task: str, rows: list[dict], meta: dict) -> str:
+    lines = [f"# GRPO variants from one warm start: {task}", "",
+             f"`python benchmarks/grpo_variants.py --task {task} --seeds {' '.join(map(str, meta['seeds']))}` on "
+             f"{meta['machine']}. {meta['completions']} sampled completions a run, two optimizer steps per rollout "
+             "for every row (see the script). Held-out reward after GRPO; improvement over the warm start with its "
+             "paired 95% CI; median and range over the seeds. The on-policy gap is the largest over the runs "
+             "(per-step mean |sampler - trainer log-prob|, and the largest single token).", "",
+             "| variant | seeds | held-out after (median) | improvement: median (range) | lowest CI low | GRPO s "
+             "| on-policy gap mean / max |", "|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        s = summary(rows, variant)
+        if s:
+            lines.append(f"| {variant} | {s['n']} | {s['final']:.3f} | {s['gain']:+.3f} ({s['low']:+.3f} .. "
+                         f"{s['high']:+.3f}) | {s['ci_low_min']:+.3f} | {s['seconds']:.0f} | "
+                         f"{s['gap_mean']:.1e} / {s['gap_max']:.1e} |")
+    lines += ["", "Runs:", "", "| variant | seed | before | after | improvement (95% CI) | on-policy gap mean / max |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['seed']} | {r['baseline']:.3f} | {r['final']:.3f} | "
+                     f"{r['improvement_mean']:+.3f} ({r['improvement_ci95_low']:+.3f} .. "
+                     f"{r['improvement_ci95_high']:+.3f}) | {r.get('gap_mean', 0):.1e} / {r.get('gap_max', 0):.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--task", choices=sorted(TASKS), default="default")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=0, help="GRPO steps (0: the task's)")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                        help="which variants (default: the first six)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra params overrides")
+    parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,44 +123,56 @@ def main() -> int:
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
+    from components.stages.validate import validate
 
+    task = TASKS[args.task]
+    params = ROOT / (task["params"] or "params.yaml")
+    steps = args.steps or task["steps"]
+    common = [f"grpo.steps={steps}", "grpo.checkpoint_every=0", f"grpo.log_every={max(1, steps // 4)}",
+              "evaluate.every=0", *task["common"], *args.overrides]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result_file = out / f"grpo_variants_{args.task}.json"
+    rows = json.loads(result_file.read_text())["rows"] if args.resume and result_file.exists() else []
     work = Path(tempfile.mkdtemp(prefix="grpo-variants-"))
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    common = [f"grpo.steps={args.steps}", "grpo.checkpoint_every=0", f"grpo.log_every={max(1, args.steps // 4)}",
-              *args.overrides]
-    base_cfg = load_config(ROOT / "params.yaml", common)
-    configs = {name: load_config(ROOT / "params.yaml", common + overrides) for name, overrides in VARIANTS.items()}
+    base_cfg = load_config(params, common)
     shared = Paths(root=work / "shared")
     prepare(base_cfg, shared)
     build_base_model(base_cfg, shared)
+    validate(base_cfg, shared)
     train_sft(base_cfg, shared)
-    rows = []
-    for name, cfg in configs.items():
-        paths = Paths(root=work / name)
-        for sub in ("data/prepared", "models/base", "models/sft"):
-            shutil.copytree(shared.root / sub, paths.root / sub)
-        started = time.perf_counter()
-        train_grpo(cfg, paths)
-        seconds = time.perf_counter() - started
-        report = evaluate(cfg, paths)
-        g = cfg.grpo
-        rows.append({"variant": name, "steps": g.steps, "completions": g.steps * g.prompts_per_step * g.group_size,
-                     "grpo_seconds": round(seconds, 1), "baseline": report["baseline"]["mean_reward"],
-                     "final": report["candidate"]["mean_reward"], **{f"improvement_{k}": v
-                                                                      for k, v in report["improvement"].items()}})
-    header = "| variant | steps | completions | GRPO s | held-out before | after | improvement (95% CI) |"
-    lines = [header, "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['variant']} | {r['steps']} | {r['completions']} | {r['grpo_seconds']} | "
-                     f"{r['baseline']:.3f} | {r['final']:.3f} | {r['improvement_mean']:+.3f} "
-                     f"({r['improvement_ci95_low']:+.3f} .. {r['improvement_ci95_high']:+.3f}) |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grpo_variants.json").write_text(json.dumps({"rows": rows, "overrides": common}, indent=2) + "\n")
-    (out / "grpo_variants.md").write_text(f"# GRPO variants from one warm start\n\n`python benchmarks/grpo_variants.py "
-                                          f"--steps {args.steps}`\n\n{table}\n")
+    g0 = base_cfg.grpo
+    meta = {"seeds": args.seeds, "steps": steps, "overrides": common, "completions": steps * g0.prompts_per_step
+            * g0.group_size, "machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs), "
+            f"torch threads {base_cfg.threads}, {time.strftime('%Y-%m-%d')}"}
+    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                       if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    if model_name:
+        meta["machine"] = f"{model_name} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}"
+    for name in args.variants:
+        overrides = [o % task["extract"] if "%s" in o else o for o in VARIANTS[name]]
+        for seed in args.seeds:
+            if any(r["variant"] == name and r["seed"] == seed for r in rows):
+                continue
+            cfg = load_config(params, common + overrides + [f"seed={seed}"])
+            paths = Paths(root=work / f"{name}-{seed}".replace(" ", "_").replace(",", "").replace("%", ""))
+            for sub in ("data/prepared", "models/base", "models/sft"):
+                if (shared.root / sub).exists():
+                    shutil.copytree(shared.root / sub, paths.root / sub)
+            started = time.perf_counter()
+            train_grpo(cfg, paths)
+            seconds = time.perf_counter() - started
+            report = evaluate(cfg, paths)
+            rows.append({"variant": name, "seed": seed, "grpo_seconds": round(seconds, 1),
+                         "baseline": report["baseline"]["mean_reward"], "final": report["candidate"]["mean_reward"],
+                         **{f"improvement_{k}": v for k, v in report["improvement"].items()}, **gap(paths)})
+            print(f"{name} seed {seed}: {rows[-1]['baseline']:.3f} -> {rows[-1]['final']:.3f} "
+                  f"({seconds:.0f} s)", flush=True)
+            result_file.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+            (out / f"grpo_variants_{args.task}.md").write_text(render(args.task, rows, meta))
+            shutil.rmtree(paths.root, ignore_errors=True)
+    print("\n" + render(args.task, rows, meta))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
