@@ -22,7 +22,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -114,6 +113,8 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="keep the runs already in the results file")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    import torch
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from components.config import load_config
@@ -124,6 +125,7 @@ def main() -> int:
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
     from components.stages.validate import validate
+    from components.tracking.run_environment import cpu_model
 
     task = TASKS[args.task]
     params = ROOT / (task["params"] or "params.yaml")
@@ -143,13 +145,10 @@ def main() -> int:
     validate(base_cfg, shared)
     train_sft(base_cfg, shared)
     g0 = base_cfg.grpo
-    meta = {"seeds": args.seeds, "steps": steps, "overrides": common, "completions": steps * g0.prompts_per_step
-            * g0.group_size, "machine": f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs), "
-            f"torch threads {base_cfg.threads}, {time.strftime('%Y-%m-%d')}"}
-    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    if model_name:
-        meta["machine"] = f"{model_name} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d')}"
+    meta = {"seeds": args.seeds, "steps": steps, "overrides": common,
+            "completions": steps * g0.prompts_per_step * g0.group_size,
+            "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
+                       f"{time.strftime('%Y-%m-%d')}"}
     for name in args.variants:
         overrides = [o % task["extract"] if "%s" in o else o for o in VARIANTS[name]]
         for seed in args.seeds:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGES = [ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "docs" / "evaluation.md"]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "docs" / "evaluation.md",
+         ROOT / "docs" / "engine.md"]
 
 # What each results file measured, in a user's words (the figures come from the file).
 LEARNING_ROWS = [
@@ -296,10 +297,29 @@ def heldout_table() -> str:
     return "\n".join(lines)
 
 
+def variants_table(task: str) -> str:
+    """docs/engine.md: benchmarks/grpo_variants.py's runs of a task, one row per variant, spread over the seeds."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.grpo_variants import VARIANTS, summary
+
+    d = _load(f"grpo_variants_{task}")
+    lines = [f"| variant ({d['meta']['completions']:,} completions a run; {_machine(d['meta']['machine'])}) | seeds "
+             "| held-out after | improvement over the warm start | lowest 95% CI low | GRPO s | on-policy gap, "
+             "mean / largest token |", "|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        r = summary(d["rows"], variant)
+        if r:
+            lines.append(f"| {variant} | {r['n']} | {r['final']:.3f} | {_signed(r['gain'])} ({_signed(r['low'])} .. "
+                         f"{_signed(r['high'])}) | {_signed(r['ci_low_min'])} | {r['seconds']:.0f} | "
+                         f"{r['gap_mean']:.1e} / {r['gap_max']:.1e} |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
     "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
+    "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
 }
 
 

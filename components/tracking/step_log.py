@@ -59,7 +59,8 @@ class StepLog:
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """`step` is 1-based: the number of steps done."""
-        self.history.append({"step": step, **{k: round(v, 6) for k, v in metrics.items()}})
+        # 7 significant digits: small figures (the on-policy gap, ~1e-7) keep theirs, large ones their sense
+        self.history.append({"step": step, **{k: float(f"{v:.7g}") for k, v in metrics.items()}})
         heldout = {k: v for k, v in metrics.items() if k.startswith("heldout/")}  # MLflow: with its LoggedModel
         self.window.append({k: v for k, v in metrics.items() if k not in heldout})
         if step % self.g.metrics_every == 0:
