@@ -13,7 +13,8 @@ is recorded beside it. Not a test: it reports, it does not assert; it is not a c
 Every variant, the baseline included, runs two optimizer steps per rollout (each on half of its groups), so the
 importance ratio moves off 1 for half of the rows: CISPO and SAPO reshape that ratio and would otherwise equal
 DAPO and GRPO exactly. Results go to benchmarks/results/grpo_variants_<task>.{json,md}, a row as soon as it ends
-(`--resume` skips the runs already there).
+(`--resume` skips the runs already there). Each run's GRPO seconds are in the JSON, not the table: what the
+variants change is the reward, and runs may share the machine.
 """
 
 from __future__ import annotations
@@ -85,13 +86,13 @@ def render(task: str, rows: list[dict], meta: dict) -> str:
              "for every row (see the script). Held-out reward after GRPO; improvement over the warm start with its "
              "paired 95% CI; median and range over the seeds. The on-policy gap is the largest over the runs "
              "(per-step mean |sampler - trainer log-prob|, and the largest single token).", "",
-             "| variant | seeds | held-out after (median) | improvement: median (range) | lowest CI low | GRPO s "
-             "| on-policy gap mean / max |", "|---|---|---|---|---|---|---|"]
+             "| variant | seeds | held-out after (median) | improvement: median (range) | lowest CI low "
+             "| on-policy gap mean / max |", "|---|---|---|---|---|---|"]
     for variant in VARIANTS:
         s = summary(rows, variant)
         if s:
             lines.append(f"| {variant} | {s['n']} | {s['final']:.3f} | {s['gain']:+.3f} ({s['low']:+.3f} .. "
-                         f"{s['high']:+.3f}) | {s['ci_low_min']:+.3f} | {s['seconds']:.0f} | "
+                         f"{s['high']:+.3f}) | {s['ci_low_min']:+.3f} | "
                          f"{s['gap_mean']:.1e} / {s['gap_max']:.1e} |")
     lines += ["", "Runs:", "", "| variant | seed | before | after | improvement (95% CI) | on-policy gap mean / max |",
               "|---|---|---|---|---|---|"]

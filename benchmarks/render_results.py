@@ -304,13 +304,13 @@ def variants_table(task: str) -> str:
 
     d = _load(f"grpo_variants_{task}")
     lines = [f"| variant ({d['meta']['completions']:,} completions a run; {_machine(d['meta']['machine'])}) | seeds "
-             "| held-out after | improvement over the warm start | lowest 95% CI low | GRPO s | on-policy gap, "
-             "mean / largest token |", "|---|---|---|---|---|---|---|"]
+             "| held-out after | improvement over the warm start | lowest 95% CI low | on-policy gap, "
+             "mean / largest token |", "|---|---|---|---|---|---|"]
     for variant in VARIANTS:
         r = summary(d["rows"], variant)
         if r:
             lines.append(f"| {variant} | {r['n']} | {r['final']:.3f} | {_signed(r['gain'])} ({_signed(r['low'])} .. "
-                         f"{_signed(r['high'])}) | {_signed(r['ci_low_min'])} | {r['seconds']:.0f} | "
+                         f"{_signed(r['high'])}) | {_signed(r['ci_low_min'])} | "
                          f"{r['gap_mean']:.1e} / {r['gap_max']:.1e} |")
     return "\n".join(lines)
 

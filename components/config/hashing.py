@@ -78,8 +78,9 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
-NEUTRAL_AT_DEFAULT = {"grpo.cispo_max_ratio": 5.0, "grpo.sapo_temperature_pos": 1.0, "grpo.sapo_temperature_neg": 1.05,
-                      "grpo.multi_objective_aggregation": "sum_then_normalize", "grpo.top_entropy_quantile": 1.0}
+NEUTRAL_AT_DEFAULT = {"grpo.cispo_max_ratio": 5.0, "grpo.sapo_temperature_pos": 1.0,
+                      "grpo.sapo_temperature_neg": 1.05, "grpo.multi_objective_aggregation": "sum_then_normalize",
+                      "grpo.top_entropy_quantile": 1.0}
 
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:
