@@ -150,9 +150,9 @@ def main() -> int:
             "completions": steps * g0.prompts_per_step * g0.group_size,
             "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
                        f"{time.strftime('%Y-%m-%d')}"}
-    for name in args.variants:
-        overrides = [o % task["extract"] if "%s" in o else o for o in VARIANTS[name]]
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed-major: a run cut short still has every variant on its first seeds
+        for name in args.variants:
+            overrides = [o % task["extract"] if "%s" in o else o for o in VARIANTS[name]]
             if any(r["variant"] == name and r["seed"] == seed for r in rows):
                 continue
             cfg = load_config(params, common + overrides + [f"seed={seed}"])
