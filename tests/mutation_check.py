@@ -31,7 +31,7 @@ TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_
 # The newer variants' tests, run first for their own mutations (the TRL reference takes ~10 s to import, so the
 # other mutations do not pay for it unless everything else passed).
 VARIANT_TESTS = ["tests/engine/grpo/test_against_trl.py", "tests/engine/grpo/test_variants_in_the_update.py",
-                 "tests/engine/rewards/test_rewards_builtin.py"]
+                 "tests/engine/rewards/test_rewards_builtin.py", "tests/engine/evaluation/test_monitors.py"]
 VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:")
 
 # (name, file, original text, mutated text): the original must occur exactly once.
@@ -267,7 +267,13 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "scores[i] = sum(counts[gram] == 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0",
      "scores[i] = sum(counts[gram] >= 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0"),
     ("diversity: groups not by prompt", "components/engine/rewards/rewards.py",
-     "by_prompt.setdefault(prompt, []).append(i)", 'by_prompt.setdefault("all", []).append(i)'),
+     "by_prompt.setdefault(key, []).append(i)", 'by_prompt.setdefault("all", []).append(i)'),
+    ("diversity: sampled groups ignored", "components/engine/rewards/rewards.py",
+     "keys = list(group_index) if group_index is not None else list(prompts)", "keys = list(prompts)"),
+    ("on-policy gap: the float32 threshold kept in bfloat16", "components/engine/evaluation/monitors.py",
+     "    if dtype == torch.float32:\n        return m, None", "    if True:\n        return m, None"),
+    ("on-policy gap: a rollout without sampler log-probs concatenated silently", "components/engine/models/rollout.py",
+     "    if any(sampled) and not all(sampled):", "    if False:"),
 ]
 
 

@@ -262,8 +262,9 @@ def _check_variants(g: GRPOConfig) -> None:
     silently be something else."""
     ratio_free = g.algorithm == "reinforce"
     _require(not (g.loss_type in ("cispo", "sapo") and ratio_free), "grpo.loss_type",
-             f"{g.loss_type} reshapes the importance ratio, which grpo.algorithm: reinforce never moves off 1 "
-             "(one on-policy sample, no baseline): use loss_type dapo or grpo with it")
+             f"{g.loss_type} is a GRPO objective (TRL defines it over group-relative advantages); grpo.algorithm: "
+             "reinforce is the plain one-sample, baseline-free policy gradient the variants are compared against, "
+             "and mixed with it would be neither: use loss_type dapo or grpo with reinforce")
     _require(not (g.loss_type == "cispo" and g.epsilon_high is not None), "grpo.epsilon_high",
              "has no meaning with grpo.loss_type: cispo, which caps the weight at grpo.cispo_max_ratio (TRL reads "
              "that cap from epsilon_high; set cispo_max_ratio instead)")

@@ -100,6 +100,10 @@ def split_path(data_dir: str | Path, split: str) -> Path:
 
 
 def reward_columns(records: list[dict[str, Any]], group_size: int) -> dict[str, list[Any]]:
-    """Every column except prompt, repeated per completion, passed to reward functions as keywords."""
+    """Every column except prompt, repeated per completion, passed to reward functions as keywords; and
+    `group_index`, which completions share a prompt's group (the group rewards such as `distinct_ngrams` compare
+    within, even when one prompt is drawn twice)."""
     keys = sorted({k for r in records for k in r} - {"prompt"})
-    return {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}
+    columns = {k: [r.get(k) for r in records for _ in range(group_size)] for k in keys}
+    columns["group_index"] = [i for i in range(len(records)) for _ in range(group_size)]
+    return columns

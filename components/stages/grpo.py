@@ -25,7 +25,7 @@ from components.data.checkpoints import BEST, best_meta, discard_foreign, latest
 from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.evaluation.heldout import HeldoutProbe
-from components.engine.evaluation.monitors import Monitors, generalisation, generalisation_text
+from components.engine.evaluation.monitors import Monitors, for_dtype, generalisation, generalisation_text
 from components.engine.grpo.host_memory import configure_allocator
 from components.engine.grpo.memory_estimate import GiB, ModelShape, StepMemory, estimate_step_memory, knobs
 from components.engine.grpo.objectives import build_loss
@@ -132,7 +132,10 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
     # Held-out evaluation during training (rank 0; not with a sharded model) and the monitors reading it.
     probe = HeldoutProbe(cfg, paths, policy.tokenizer) if ctx.is_main and not ctx.lockstep and cfg.evaluate.every \
         else None
-    monitors = Monitors(cfg.monitors, g.keep_metric, g.steps)
+    checks, unchecked = for_dtype(cfg.monitors, next(policy.model.parameters()).dtype)
+    if unchecked:
+        say(f"grpo: {unchecked}")
+    monitors = Monitors(checks, g.keep_metric, g.steps)
     monitors.replay(history)
 
     with tracking_run(ctx.is_main, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:

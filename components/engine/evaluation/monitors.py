@@ -6,10 +6,13 @@ that ran a held-out evaluation), so a resumed run replays them and reaches the s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
+import torch
+
 from components.config import MonitorsConfig, MonitorSpec, NoSignalConfig, NotLearningConfig
+from components.config.monitors import LOGPROB_GAP_LIMIT
 
 WINDOW_SIGNALS = ("kl", "entropy", "completion_length", "reward_mean", "zero_std_group_frac")
 
@@ -102,6 +105,20 @@ def _breached(check: MonitorSpec, value: float) -> bool:
 
 def _rule(check: MonitorSpec) -> str:
     return f"> {check.above:g}" if check.above is not None else f"< {check.below:g}"
+
+
+def for_dtype(m: MonitorsConfig, dtype: torch.dtype) -> tuple[MonitorsConfig, str | None]:
+    """The checks a run in `dtype` keeps: the on-policy check's default threshold was measured in float32, so a
+    bfloat16 or float16 run leaves that check out (saying so) unless the user set its threshold themselves."""
+    if dtype == torch.float32:
+        return m, None
+    dropped = [c for c in m.checks if c.signal == "logprob_gap" and c.above == LOGPROB_GAP_LIMIT]
+    if not dropped:
+        return m, None
+    kept = replace(m, checks=[c for c in m.checks if c not in dropped])
+    return kept, (f"monitor logprob_gap not checked: its default threshold ({LOGPROB_GAP_LIMIT:g}) is float32's and "
+                  f"this run computes in {str(dtype).removeprefix('torch.')}; the gap is still logged: set "
+                  "monitors.checks' logprob_gap `above` from a few steps' values to check it")
 
 
 class Monitors:

@@ -66,7 +66,7 @@ class Batch:
     """What a step trains on, and what it logs about the sampling."""
 
     rollout: Rollout  # the kept groups' prompts and completions
-    totals: list[float]  # the kept completions' total rewards (NaN: no reward scored it)
+    totals: list[float]  # what the kept completions' advantages are formed from (`advantage_rewards`; NaN: unscored)
     first_scores: RewardResult  # the first round's scores, every group (what the reward curves show)
     sampled: int  # completions sampled, refills included
     reward_seconds: float  # time in the reward functions (kept apart from generation in the step timings)

@@ -228,7 +228,10 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     def right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
-    sampled = all(r.sampling_logp is not None for r in parts)
+    sampled = [r.sampling_logp is not None for r in parts]
+    if any(sampled) and not all(sampled):  # a part lost its sampler log-probs: say so, not a silent on-policy check
+        raise ValueError("concat_rollouts: some rollouts carry the sampler's log-probs and some do not")
+    sampled = all(sampled)
     return Rollout(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
                    prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
                    completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),

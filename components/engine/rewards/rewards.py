@@ -154,16 +154,19 @@ def _ngrams(tokens: list[str], n: int) -> set[tuple[str, ...]]:
     return {tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)}
 
 
-def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int = 2, **_: Any) -> list[float | None]:
+def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int = 2,
+                    group_index: Sequence[int] | None = None, **_: Any) -> list[float | None]:
     """Diversity within a group (the seeds' "diversity" component): the share of a completion's distinct word
-    n-grams that no other completion of the same prompt contains. 1 for a completion unlike the rest, 0 for a
-    copy or an empty one; None (not applicable) for a completion alone with its prompt, as in a greedy evaluation."""
+    n-grams that no other completion of its group contains. 1 for a completion unlike the rest, 0 for a copy or an
+    empty one; None (not applicable) for a completion alone in its group, as in a greedy evaluation. Groups are
+    GRPO's sampled groups (`group_index`, which training passes), else the completions of the same prompt."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     grams = [_ngrams(_tokens(c), n) for c in completions]
-    by_prompt: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        by_prompt.setdefault(prompt, []).append(i)
+    keys = list(group_index) if group_index is not None else list(prompts)
+    by_prompt: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        by_prompt.setdefault(key, []).append(i)
     scores: list[float | None] = [None] * len(completions)
     for rows in by_prompt.values():
         if len(rows) < 2:

@@ -137,3 +137,18 @@ def test_no_signal_is_judged_once_on_the_first_steps():
     assert no_signal(starved[:10], NoSignalConfig(steps=0), 40, 16) is None  # off
     solved = steps(10, zero_std_group_frac=1.0, all_fail_group_frac=0.0)
     assert no_signal(solved, c, 40, 16).endswith("already solves most prompts alike: harder prompts or a stricter reward")
+
+
+def test_the_on_policy_check_keeps_its_float32_threshold_out_of_bfloat16_runs():
+    import torch
+
+    from components.config import MonitorsConfig, MonitorSpec
+    from components.engine.evaluation.monitors import for_dtype
+
+    default = MonitorsConfig()
+    assert for_dtype(default, torch.float32) == (default, None)
+    kept, said = for_dtype(default, torch.bfloat16)
+    assert "logprob_gap" not in [c.signal for c in kept.checks] and "bfloat16" in said
+    assert len(kept.checks) == len(default.checks) - 1
+    own = MonitorsConfig(checks=[MonitorSpec("logprob_gap", above=0.05, action="warn")])
+    assert for_dtype(own, torch.bfloat16) == (own, None)  # a threshold the user set stays

@@ -18,6 +18,7 @@ from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import policy_updates
 from components.engine.models.rollout import completion_logprobs, sample_groups
+from components.engine.parallel.distributed import DistContext
 
 from conftest import ROOT
 
@@ -147,3 +148,47 @@ def test_the_default_keeps_every_token_and_one_sum():
     assert (g.loss_type, g.top_entropy_quantile, g.multi_objective_aggregation) == ("dapo", 1.0, "sum_then_normalize")
     assert GRPOConfig(rewards=[RewardSpec(), RewardSpec("distinct_ngrams")]).multi_objective_aggregation == \
         "sum_then_normalize"
+
+
+@pytest.mark.parametrize("collector", ["one sampler, refills", "a sampler per group"])
+def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny_model, collector):
+    """Row for row through dynamic sampling's refills and concatenation, or the per-group path's CPU round trip;
+    with GDPO the batch's totals are the normalised sums while the logged curve stays the weighted sums."""
+    from components.engine.grpo.sampling import PromptSchedule, collect_batch, collect_batch_sharded
+    from components.engine.rewards.rewards import RewardModel
+
+    tok, base = tiny_model
+    model = copy.deepcopy(base).eval()
+    records = [{"prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(8)]
+    g = GRPOConfig(group_size=4, prompts_per_step=4, max_completion_length=4, multi_objective_aggregation=
+                   "normalize_then_sum", rewards=[RewardSpec("exact_match"), RewardSpec("distinct_ngrams", 2.0,
+                                                                                            {"n": 1})])
+    g.dynamic_sampling.enabled = g.dynamic_sampling.fill_batch = True
+    rewards = RewardModel(g.rewards)
+    policy = Policy(tok, model, None, False)
+    if collector == "a sampler per group":
+        batch = collect_batch_sharded(policy, records, PromptSchedule(8, 4, 0), 0, g, rewards, seed=0,
+                                      ctx=DistContext())
+    else:
+        batch = collect_batch(policy, records, PromptSchedule(8, 4, 0), 0, g, rewards, torch.Generator().manual_seed(0))
+    rollout = batch.rollout
+    assert len(rollout) and rollout.sampling_logp.shape == rollout.completion_ids.shape
+    with torch.no_grad():
+        expected, _ = completion_logprobs(model, rollout, g.temperature)
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.sampling_logp[mask], expected[mask], rtol=0, atol=2e-5)
+    first = batch.first_scores
+    weighted = [sum(w * (s or 0.0) for w, s in zip([1.0, 2.0], col)) for col in zip(*first.components.values())]
+    assert first.total == pytest.approx(weighted)  # the raw weighted sums, not GDPO's normalised ones
+    assert max(first.total) > 1.0 and max(abs(t) for t in batch.totals) < 10  # sums up to 3; normalised sums
+
+
+def test_a_rollout_without_sampler_logprobs_is_not_concatenated_silently():
+    from components.engine.models.rollout import Rollout, concat_rollouts
+
+    ids, mask = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
+    a = Rollout(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))
+    b = Rollout(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sampler's log-probs"):
+        concat_rollouts([a, b], 0)
+    assert concat_rollouts([a, a], 0).sampling_logp.shape == (2, 2)

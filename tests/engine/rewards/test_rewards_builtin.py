@@ -87,3 +87,12 @@ def test_distinct_ngrams_is_a_builtin_and_refuses_a_bad_n():
     model = RewardModel([RewardSpec("distinct_ngrams", 1.0, {"n": 0})])
     with pytest.raises(RewardError, match="distinct_ngrams.*n must be >= 1"):
         model(["p", "p"], ["a", "b"], {})
+
+
+def test_distinct_ngrams_compares_within_sampled_groups_when_told():
+    """Two groups of the same prompt in one step (a prompt drawn twice) stay two groups with `group_index`."""
+    from components.engine.rewards.rewards import distinct_ngrams
+
+    prompts, completions = ["p"] * 4, ["a b", "c d", "a b", "e f"]
+    assert distinct_ngrams(prompts, completions) == [0.0, 1.0, 0.0, 1.0]
+    assert distinct_ngrams(prompts, completions, group_index=[0, 0, 1, 1]) == [1.0, 1.0, 1.0, 1.0]
