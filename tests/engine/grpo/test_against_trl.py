@@ -73,7 +73,8 @@ def trl_loss(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_hig
 def ours(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_high=0.28, beta=0.0, level="token",
          sapo=(1.0, 1.05), top_entropy_quantile=1.0, cispo_max_ratio=5.0) -> torch.Tensor:
     g = GRPOConfig(loss_type=loss_type, epsilon=epsilon_low,
-                   epsilon_high=None if loss_type == "cispo" else epsilon_high, kl_beta=beta, importance_sampling_level=level, sapo_temperature_pos=sapo[0],
+                   epsilon_high=None if loss_type == "cispo" else epsilon_high, kl_beta=beta,
+                   importance_sampling_level=level, sapo_temperature_pos=sapo[0],
                    sapo_temperature_neg=sapo[1], top_entropy_quantile=top_entropy_quantile,
                    cispo_max_ratio=cispo_max_ratio, max_completion_length=MASK.shape[1])
     loss = build_loss(g)
