@@ -267,7 +267,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "scores[i] = sum(counts[gram] == 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0",
      "scores[i] = sum(counts[gram] >= 1 for gram in grams[i]) / len(grams[i]) if grams[i] else 0.0"),
     ("diversity: groups not by prompt", "components/engine/rewards/rewards.py",
-     "by_prompt.setdefault(key, []).append(i)", 'by_prompt.setdefault("all", []).append(i)'),
+     "groups.setdefault(key, []).append(i)", 'groups.setdefault("all", []).append(i)'),
     ("diversity: sampled groups ignored", "components/engine/rewards/rewards.py",
      "keys = list(group_index) if group_index is not None else list(prompts)", "keys = list(prompts)"),
     ("on-policy gap: the float32 threshold kept in bfloat16", "components/engine/evaluation/monitors.py",

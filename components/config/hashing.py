@@ -78,9 +78,8 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
-NEUTRAL_AT_DEFAULT = {"grpo.cispo_max_ratio": 5.0, "grpo.sapo_temperature_pos": 1.0,
-                      "grpo.sapo_temperature_neg": 1.05, "grpo.multi_objective_aggregation": "sum_then_normalize",
-                      "grpo.top_entropy_quantile": 1.0}
+NEUTRAL_AT_DEFAULT = ("grpo.cispo_max_ratio", "grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg",
+                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile")
 
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:
@@ -94,9 +93,10 @@ def default_fingerprint(cfg: "PipelineConfig") -> str:
         section, _, field_name = dotted.partition(".")
         if isinstance(values.get(section), dict):
             values[section].pop(field_name, None)
-    for dotted, default in NEUTRAL_AT_DEFAULT.items():
+    defaults = type(cfg)()
+    for dotted in NEUTRAL_AT_DEFAULT:
         section, _, field_name = dotted.partition(".")
-        if values[section].get(field_name) == default:
+        if values[section].get(field_name) == getattr(getattr(defaults, section), field_name):
             values[section].pop(field_name)
     return section_hash(values)
 

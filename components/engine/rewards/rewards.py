@@ -164,11 +164,11 @@ def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int =
         raise ValueError(f"n must be >= 1, got {n}")
     grams = [_ngrams(_tokens(c), n) for c in completions]
     keys = list(group_index) if group_index is not None else list(prompts)
-    by_prompt: dict[Any, list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     for i, key in enumerate(keys):
-        by_prompt.setdefault(key, []).append(i)
+        groups.setdefault(key, []).append(i)
     scores: list[float | None] = [None] * len(completions)
-    for rows in by_prompt.values():
+    for rows in groups.values():
         if len(rows) < 2:
             continue
         counts = Counter(gram for i in rows for gram in grams[i])
