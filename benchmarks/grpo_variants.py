@@ -172,6 +172,7 @@ def main() -> int:
                          **{f"improvement_{k}": v for k, v in report["improvement"].items()}, **gap(paths)})
             print(f"{name} seed {seed}: {rows[-1]['baseline']:.3f} -> {rows[-1]['final']:.3f} "
                   f"({seconds:.0f} s)", flush=True)
+            meta["seeds"] = sorted({r["seed"] for r in rows})  # with --resume: every seed in the file
             result_file.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
             (out / f"grpo_variants_{args.task}.md").write_text(render(args.task, rows, meta))
             shutil.rmtree(paths.root, ignore_errors=True)
