@@ -34,7 +34,7 @@ PHASES = {"generation": "time/generation", "reward": "time/reward", "reference":
 
 
 def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, steps: int, profile_steps: int,
-                top: int) -> dict[str, Any]:
+                top: int, shapes: int = 0) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -68,7 +68,7 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
             rows.append(metrics)
         if step == warmup + steps:
             state["peak_rss_mb"] = peak_rss_mb()
-            state["profiler"] = torch_profile(activities=[ProfilerActivity.CPU])
+            state["profiler"] = torch_profile(activities=[ProfilerActivity.CPU], record_shapes=shapes > 0)
             state["profiler"].__enter__()
         elif step == total:
             state["profiler"].__exit__(None, None, None)
@@ -80,6 +80,8 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
     table = state["profiler"].key_averages()
     busy = sum(e.self_cpu_time_total for e in table)
     hot = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_shape = sorted(state["profiler"].key_averages(group_by_input_shape=True) if shapes else [],
+                      key=lambda e: e.self_cpu_time_total, reverse=True)[:shapes]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results"],
                            cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -92,7 +94,11 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
             "phases_seconds": {k: round(v, 4) for k, v in phases.items()},
             "top_ops": [{"op": e.key, "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
                          "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
-                        for e in hot]}
+                        for e in hot],
+            **({"top_shapes": [{"op": e.key, "shapes": str(e.input_shapes),
+                                "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
+                                "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
+                               for e in by_shape]} if shapes else {})}
 
 
 def seconds(value: float) -> str:
@@ -129,6 +135,12 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
                 cells.append(f"`{ops[i]['op']}` {seconds(ops[i]['self_cpu_s_per_step'])} s ({ops[i]['share']:.0%}, "
                              f"{ops[i]['calls_per_step']} calls)" if i < len(ops) else "")
             lines.append(f"| operator {i + 1} | " + " | ".join(cells) + " |")
+        for n in names:
+            if labels[n].get("top_shapes"):
+                lines += ["", f"Heaviest operator calls by input shapes, {n}:", "",
+                          "| operator | input shapes | s/step | share | calls/step |", "|---|---|---|---|---|"]
+                lines += [f"| `{e['op']}` | `{e['shapes']}` | {seconds(e['self_cpu_s_per_step'])} | {e['share']:.0%} | "
+                          f"{e['calls_per_step']} |" for e in labels[n]["top_shapes"]]
         overrides = {n: labels[n]["overrides"] for n in names if labels[n]["overrides"]}
         lines += ["", f"Machine: {labels[names[-1]]['machine']}, {labels[names[-1]]['threads']} threads."
                   + (f" Overrides: {overrides}." if overrides else ""), ""]
@@ -147,6 +159,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps whose phase timings are measured")
     parser.add_argument("--profile-steps", type=int, default=2, help="steps recorded by torch.profiler")
     parser.add_argument("--top", type=int, default=8, help="operators listed")
+    parser.add_argument("--shapes", type=int, default=0, help="also list the N heaviest (operator, input shapes)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
@@ -158,7 +171,8 @@ def main() -> int:
     results = json.loads(json_path.read_text()) if json_path.exists() else {}
     if not isinstance(results, dict) or "top5" in json.dumps(results)[:200]:  # the old single-row format
         results = {}
-    figures = profile_row(args.row, args.overrides, args.threads, args.warmup, args.steps, args.profile_steps, args.top)
+    figures = profile_row(args.row, args.overrides, args.threads, args.warmup, args.steps, args.profile_steps, args.top,
+                          args.shapes)
     results.setdefault(args.row, {})[args.label] = figures
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     text = markdown(results)
