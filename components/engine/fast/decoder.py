@@ -19,8 +19,7 @@ COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of t
 def start_decoding(lm: LM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                    max_new_tokens: int) -> Decoder:
     """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
-    no_grad = not torch.is_grad_enabled()
-    weights = lm.fused_weights(merge_lora=no_grad, by_columns=no_grad)  # LoRA merged; weights read by columns
+    weights = lm.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
     last, caches, cache_mask = lm.encode_prompts(prompt_ids, prompt_mask, weights)
     first = lm.head(last)
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)

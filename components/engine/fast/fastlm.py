@@ -126,7 +126,7 @@ class PrefixSharedLM:
         return (self.complex_rotary and dtype in (torch.float32, torch.float64)
                 and not hasattr(self.decoder.layers[0].self_attn, "q_norm"))
 
-    def fused_weights(self, merge_lora: bool = False, by_columns: bool = False) -> list[LayerWeights]:
+    def fused_weights(self, merge_lora: bool = False) -> list[LayerWeights]:
         """Per layer, each projection as a plain matmul where possible, q|k|v fused into one.
 
         A projection that is not a plain `nn.Linear` is called as a module, except that with `merge_lora`
@@ -135,9 +135,6 @@ class PrefixSharedLM:
         per projection and decode step, and the q|k|v fusion applies again. Built once per
         forward or decoding run; gradients flow back through the cat. `_qkv` rotates paired rows as
         complex numbers and the others with cos/sin, so the rows' order and the rotation cannot disagree.
-        With `by_columns` (decoding: a few rows a product) each matmul's weight is stored [in, out]
-        (`layers.stored_as_columns`), a copy of the layer's weights for the decoding run (no more where LoRA is
-        merged or q|k|v fused: those are copies already).
         """
         fused = []
         for layer in self.decoder.layers:
@@ -157,8 +154,6 @@ class PrefixSharedLM:
                 gate_up = (gate[0], up[0])
             fused.append(LayerWeights(qkv, plain_linear(attn.o_proj, merge_lora), gate_up,
                                       plain_linear(mlp.down_proj, merge_lora)))
-            if by_columns:
-                fused[-1] = fused[-1].by_columns()
         return fused
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:

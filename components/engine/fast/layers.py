@@ -66,30 +66,6 @@ class LayerWeights:
     gate_up: tuple[torch.Tensor, torch.Tensor] | None  # gate and up weights (no bias), two matmuls
     down: Linear | None
 
-    def by_columns(self) -> "LayerWeights":
-        """The same projections with each weight stored [in, out] (`stored_as_columns`)."""
-        def columns(linear: Linear | None) -> Linear | None:
-            return None if linear is None else (stored_as_columns(linear[0]), linear[1])
-
-        qkv = None if self.qkv is None else (stored_as_columns(self.qkv[0]), *self.qkv[1:])
-        gate_up = None if self.gate_up is None else (stored_as_columns(self.gate_up[0]),
-                                                     stored_as_columns(self.gate_up[1]))
-        return LayerWeights(qkv, columns(self.o), gate_up, columns(self.down))
-
-
-def stored_as_columns(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] as a view of an [in, out] copy: the same values and shape, read by MKL without transposing.
-
-    Decoding multiplies a few rows (the open completions) by each weight; MKL's kernel for x . W^T with W stored
-    [out, in] is 2-2.5x slower at 8-32 rows than the same product with W stored [in, out] (docs/performance.md,
-    "Decoding's weights stored by columns"); the results are the same numbers."""
-    return weight.t().contiguous().t()
-
-
-def is_stored_as_columns(weight: torch.Tensor) -> bool:
-    """Is `weight` [out, in] a view of [in, out] storage (`stored_as_columns`)?"""
-    return weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1 and weight.shape[0] > 1
-
 
 def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
     """(weight, bias) such that F.linear(x, weight, bias) == module(x), or None.

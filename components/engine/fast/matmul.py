@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from components.engine.fast.layers import is_stored_as_columns
-
 ONEDNN_MIN_WORK = 1 << 23  # multiply-adds (rows x in x out) from which a product goes to oneDNN
 ONEDNN_ROW_STEP = 16  # rows are padded up to a multiple of this, or of 1/16 of their power of two if larger
 ONEDNN_BUILT = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -114,11 +112,8 @@ def takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            onednn: bool = True) -> torch.Tensor:
-    """`torch.nn.functional.linear(x, weight, bias)`; with `onednn`, on oneDNN where `takes_onednn` says so.
-
-    A weight stored by columns (decoding's, `layers.stored_as_columns`) stays on PyTorch's product: MKL reads it
-    without transposing, and oneDNN was slower on such views (on the Intel Xeon, 1.1-1.5x at 32-240 rows)."""
-    if not (onednn and takes_onednn(x, weight)) or is_stored_as_columns(weight):
+    """`torch.nn.functional.linear(x, weight, bias)`; with `onednn`, on oneDNN where `takes_onednn` says so."""
+    if not (onednn and takes_onednn(x, weight)):
         return torch.nn.functional.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

@@ -79,11 +79,9 @@ def estimate_step_memory(shape: ModelShape, g: GRPOConfig, prompt_tokens: int, r
     prompts_per_forward = max(1, rows_per_forward // g.group_size)
     weights = shape.parameters * b * (2 if reference_copy else 1)
     optimizer = shape.trainable * b * 3  # gradient, AdamW's two moments
-    # sampling: every row's KV cache at full length, one row of logits and its sampling buffers, and the decoding
-    # run's copy of the layers' weights (LoRA merged, stored by columns: engine/fast/layers.py)
-    layer_weights = max(0, shape.parameters - shape.vocab * shape.hidden) * b
+    # sampling: every row's KV cache at full length, one row of logits and its sampling buffers
     generation = shape.layers * 2 * rows * shape.kv_heads * shape.head_dim * (prompt_tokens + length) * b \
-        + rows * shape.vocab * 16 + layer_weights
+        + rows * shape.vocab * 16
     tokens = rows_per_forward * length + prompts_per_forward * prompt_tokens
     per_token_layer = (ACTIVATION_WIDTHS[0] * shape.hidden + ACTIVATION_WIDTHS[1] * shape.intermediate) * b
     attention_layer = rows_per_forward * shape.heads * length * (prompt_tokens + length) * b

@@ -105,34 +105,6 @@ def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
     assert every_product_on_onednn == []
 
 
-@needs_onednn
-def test_decoding_reads_its_weights_by_columns_on_pytorchs_product(every_product_on_onednn):
-    """Decoding's weights are stored [in, out] (`stored_as_columns`): the same values and shape, and the product
-    stays on PyTorch's own even where every other product goes to oneDNN; training and the reference do not."""
-    from components.engine.fast.fastlm import PrefixSharedLM
-    from components.engine.fast.layers import is_stored_as_columns, stored_as_columns
-    from tests.engine.fast.test_fastlm import ARCHITECTURES
-
-    weight = torch.randn(24, 16)
-    columns = stored_as_columns(weight)
-    assert torch.equal(columns, weight) and columns.shape == weight.shape and columns.t().is_contiguous()
-    assert is_stored_as_columns(columns) and not is_stored_as_columns(weight)
-    x = torch.randn(5, 16)
-    assert torch.allclose(linear(x, columns), torch.nn.functional.linear(x, weight), rtol=1e-6, atol=1e-6)
-    assert every_product_on_onednn == []
-    linear(x, weight)
-    assert len(every_product_on_onednn) == 1
-
-    fast = PrefixSharedLM.for_model(ARCHITECTURES["llama"]())
-    prompts = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
-    with torch.no_grad():
-        decoder = fast.start_decoding(prompts, (prompts != 0).long(), group_size=2, max_new_tokens=3)
-        reference = fast.fused_weights(merge_lora=True)
-    stored = [w for layer in decoder.weights for w in (layer.qkv[0], layer.o[0], *layer.gate_up, layer.down[0])]
-    assert stored and all(is_stored_as_columns(w) for w in stored)
-    assert not any(is_stored_as_columns(w) for layer in reference for w in (layer.qkv[0], layer.o[0]))
-
-
 @pytest.mark.parametrize("failure", ["raises", "disagrees"])
 def test_a_failing_or_disagreeing_onednn_op_is_probed_once_and_turned_off(monkeypatch, capsys, failure):
     """A torch release that changes the op: `linear` falls back to PyTorch's own product, with one line said."""
