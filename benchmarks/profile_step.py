@@ -9,6 +9,7 @@ more steps for the top operators. Each invocation stores its figures under `--la
 
     python benchmarks/profile_step.py --row smollm2-lora --label after     # about 3 minutes on 2 CPU cores
     python benchmarks/profile_step.py --row tiny --label after --set grpo.prefix_sharing=false
+    python benchmarks/profile_step.py --row smollm2-long --shapes 12   # also the heaviest (operator, input shapes)
 
 Writes benchmarks/results/profile_step.{json,md}.
 """
@@ -80,6 +81,10 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
     table = state["profiler"].key_averages()
     busy = sum(e.self_cpu_time_total for e in table)
     hot = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    def figures(e: Any) -> dict[str, Any]:  # one profiler row, per measured step
+        return {"op": e.key, "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
+                "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
+
     by_shape = sorted(state["profiler"].key_averages(group_by_input_shape=True) if shapes else [],
                       key=lambda e: e.self_cpu_time_total, reverse=True)[:shapes]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
@@ -92,13 +97,8 @@ def profile_row(row_name: str, overrides: list[str], threads: int, warmup: int, 
             "completions_per_s": round(statistics.median(r["completions_per_s"] for r in rows), 2),
             "peak_rss_mb": round(state["peak_rss_mb"]),
             "phases_seconds": {k: round(v, 4) for k, v in phases.items()},
-            "top_ops": [{"op": e.key, "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
-                         "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
-                        for e in hot],
-            **({"top_shapes": [{"op": e.key, "shapes": str(e.input_shapes),
-                                "self_cpu_s_per_step": round(e.self_cpu_time_total / 1e6 / profile_steps, 4),
-                                "share": round(e.self_cpu_time_total / busy, 3), "calls_per_step": e.count // profile_steps}
-                               for e in by_shape]} if shapes else {})}
+            "top_ops": [figures(e) for e in hot],
+            **({"top_shapes": [{**figures(e), "shapes": str(e.input_shapes)} for e in by_shape]} if shapes else {})}
 
 
 def seconds(value: float) -> str:
