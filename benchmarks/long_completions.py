@@ -75,8 +75,9 @@ def memory_as_the_stage_fits_it(cfg: Any, policy: Any, records: list) -> dict[st
     return {"estimate_gb": memory.peak / GiB, "checkpointing": policy.gradient_checkpointing}
 
 
-def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[str, Any]:
-    """Build the policy as the grpo stage does and run `steps` full-length steps; report seconds and peak RSS."""
+def worker(start: Path, overrides: list[str], steps: int, threads: int, device: str = "cpu") -> dict[str, Any]:
+    """Build the policy as the grpo stage does and run `steps` full-length steps; report seconds and peak RSS
+    (and, on a GPU, the allocator's peak GPU memory)."""
     import torch
 
     from components.data.paths import Paths
@@ -98,33 +99,39 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int) -> dict[
     paths = Paths(root=start)
     records = read_jsonl(split_path(paths.data, "train"))[: g.prompts_per_step]
     loss = build_loss(g)
-    policy = build_policy(cfg, resolve_model_dir(paths.sft_model), torch.device("cpu"), records,
-                          with_reference=loss.uses_reference)
-    optimizer = make_optimizer(policy.model, g.learning_rate, g.weight_decay, torch.device("cpu"))
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    policy = build_policy(cfg, resolve_model_dir(paths.sft_model), dev, records, with_reference=loss.uses_reference)
+    optimizer = make_optimizer(policy.model, g.learning_rate, g.weight_decay, dev)
     estimate = memory_as_the_stage_fits_it(cfg, policy, records)
     built_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     prompts = [policy.format_prompt(r) for r in records]
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator(device=dev).manual_seed(cfg.seed)
+    clock = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
     timings: list[dict[str, float]] = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         rollout = sample_groups(policy.model, _NoEos(policy.tokenizer), prompts, g.group_size,
                                 g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
                                 generator=generator, fast=policy.fast)
-        t1 = time.perf_counter()
-        advantages = torch.randn(len(rollout), generator=generator)
+        t1 = clock()
+        advantages = torch.randn(len(rollout), generator=generator, device=dev)
         ref_logp = reference_logprobs(policy, rollout, g, DistContext()) if loss.uses_reference else None
-        t2 = time.perf_counter()
+        t2 = clock()
         policy_updates(policy, optimizer, Trajectory(rollout, g.group_size, advantages, rollout.completion_mask.float(),
                                                      ref_logp=ref_logp), g, loss=loss)
-        t3 = time.perf_counter()
+        t3 = clock()
         timings.append({"generation_s": t1 - t0, "reference_s": t2 - t1, "update_s": t3 - t2,
                         "tokens": int(rollout.completion_mask.sum())})
     last = {k: sorted(t[k] for t in timings[1:] or timings)[len(timings[1:] or timings) // 2] for k in timings[-1]}
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "built_rss_gb": built_gb,
             **estimate, **last,
             "completion_tokens_per_s": last["tokens"] / (last["generation_s"] + last["reference_s"] + last["update_s"]),
-            "fast_path": policy.fast is not None}
+            "fast_path": policy.fast is not None,
+            **({"peak_gpu_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30} if cuda else {})}
 
 
 # -------------------------------------------------------------------------------------------- controller
@@ -186,7 +193,7 @@ def table(results: list[dict[str, Any]]) -> str:
         secs = (lambda k: f"{r[k]:.1f} s" if k in r else "-")
         rate = f"{r['completion_tokens_per_s']:.0f}" if "completion_tokens_per_s" in r else "-"
         estimate = f"{r['estimate_gb']:.1f} GB" if r.get("estimate_gb") else "-"
-        setting = r["variant"] + (f" (on)" if r.get("checkpointing") else " (off)" if "checkpointing" in r else "")
+        setting = r["variant"] + (" (on)" if r.get("checkpointing") else " (off)" if "checkpointing" in r else "")
         lines.append(f"| {r['engine']} | {r['mode']} | {setting} | {r['length']} | {peak} | {estimate} | "
                      f"{secs('generation_s')} | {secs('update_s')} | {rate} |")
     return "\n".join(lines)

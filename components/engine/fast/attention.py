@@ -4,8 +4,9 @@ per completion over its prompt's cache). Each returns `attend(layer, heads)` ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -80,7 +80,7 @@ class PrefixSharedLM:
 
     @classmethod
     def for_model(cls, model: Any, vocab_size: int | None = None, max_length: int | None = None,
-                  completion_length: int | None = None, onednn_matmul: bool = True) -> "PrefixSharedLM | None":
+                  completion_length: int | None = None, onednn_matmul: bool = True) -> PrefixSharedLM | None:
         """A checked instance, or None when the architecture is unsupported or disagrees with Hugging Face.
 
         `max_length` is the longest row (prompt + completion tokens) it will see; the self-check runs
@@ -107,7 +107,7 @@ class PrefixSharedLM:
                 return None
         return fast if fast.trains_like_reference_forward(vocab) else None
 
-    def for_same_architecture(self, model: Any) -> "PrefixSharedLM":
+    def for_same_architecture(self, model: Any) -> PrefixSharedLM:
         """An instance over another model of this architecture (the frozen reference), with the settings
         this instance's self-check chose, so both rotate queries and keys the same way."""
         twin = type(self)(model)
@@ -248,6 +248,11 @@ class PrefixSharedLM:
         """
         b, heads, length, d = q.shape
         kv, rep = self.num_kv_heads, heads // self.num_kv_heads
+        if q.dtype not in (torch.float32, torch.float64):
+            # Half precision: PyTorch's fused attention, which sums in float32 as Hugging Face's forward does; scores
+            # rounded to bfloat16 before the softmax would be off by up to 1/8 at magnitudes near 30.
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, :, 0],
+                                                                    scale=self.scaling, enable_gqa=rep > 1)
         if length == 1 and keys.shape[2] <= SMALL_DECODE_KEYS:
             # One query over a very short cache: a broadcast multiply-sum beats tiny batched matmuls.
             qg, keys, values = q.view(b, kv, rep, 1, d), keys.unsqueeze(2), values.unsqueeze(2)
@@ -407,7 +412,7 @@ class PrefixSharedLM:
         first, packed, (fed_rows, fed_cols) = self._completion_states(prompt_ids, prompt_mask, completion_ids,
                                                                       completion_mask)
         n, width = completion_ids.shape
-        logits = lambda hidden: self._logits(hidden, temperature)  # noqa: E731 - computed chunk by chunk
+        logits = lambda hidden: self._logits(hidden, temperature)
         vocab = getattr(self.lm_head, "out_features", None) or self.decoder.embed_tokens.num_embeddings
         scored = [head_token_logprobs(logits, first, completion_ids[:, 0], vocab, with_entropy)]
         slots = [torch.arange(n, device=completion_ids.device) * width]

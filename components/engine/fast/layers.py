@@ -49,7 +49,7 @@ class Rotary:
             self._turn = torch.complex(self.cos[..., :half], self.sin[..., :half])
         return self._turn
 
-    def at(self, offset: int) -> "Rotary":
+    def at(self, offset: int) -> Rotary:
         """The rotation of one decoding position (all positions are computed once per decoding run)."""
         return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
 
@@ -89,5 +89,6 @@ def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
         if name in getattr(module, "lora_variant", {}) or type(module.lora_dropout[name]) is not torch.nn.Identity \
                 or module.lora_B[name].bias is not None:
             return None
-        weight = weight + module.get_delta_weight(name)
+        # peft keeps the adapters of a bfloat16 or float16 model in float32: the sum stays in the model's dtype
+        weight = weight + module.get_delta_weight(name).to(weight.dtype)
     return weight, base.bias
