@@ -146,13 +146,13 @@ def train_variant(args: argparse.Namespace, root: Path, variant: str) -> dict[st
             "heldout_after": evaluate, **gpu_peaks(args.device)}
 
 
-def length_sweep(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
-    """benchmarks/long_completions.py's worker on this device: every completion at the length budget."""
+def length_sweep(args: argparse.Namespace, root: Path, results: list[dict[str, Any]], save) -> None:
+    """benchmarks/long_completions.py's worker on this device: every completion at the length budget; `save` after
+    each row, so a run cut short keeps the rows it finished."""
     import torch
 
     from benchmarks.long_completions import MODES, worker
 
-    results = []
     for length in [int(x) for x in args.lengths.split(",")]:
         for mode in ("lora", "full"):
             if args.device == "cuda":
@@ -164,8 +164,7 @@ def length_sweep(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             except Exception as err:  # noqa: BLE001 - one failing length must not lose the others' figures
                 r = {"error": f"{type(err).__name__}: {err}"}
             results.append({"mode": mode, "length": length, **r})
-            print(json.dumps(results[-1]), flush=True)
-    return results
+            save()
 
 
 @contextlib.contextmanager
@@ -262,8 +261,7 @@ def main() -> int:
                 report["variants"].append({"variant": variant, "error": f"{type(err).__name__}: {err}"})
             save()
         if args.lengths:
-            report["sweep"] = length_sweep(args, root)
-            save()
+            length_sweep(args, root, report["sweep"], save)
     print(markdown(report))
     return 0
 

@@ -222,6 +222,22 @@ def long_row_table() -> str:
     return "\n".join(lines)
 
 
+def gpu_long_row_table() -> str:
+    """docs/performance.md: the long row in bfloat16 on a GPU (benchmarks/gpu_long_row.py), before and after."""
+    d = _load("gpu_long_row")
+    lines = [f"| {d['machine']}: run | variant | completion tokens/s (step) | generation tokens/s | completions/s | "
+             "peak GPU memory, allocated / reserved | held-out reward, start → after |", "|---|---|---:|---:|---:|---:|---|"]
+    for run in d["runs"]:
+        for r in run["variants"]:
+            if "error" in r:
+                continue
+            lines.append(f"| {run['label']} | {r['variant']} | {r['completion_tokens_per_s']:.0f} | "
+                         f"{r['generation_tokens_per_s']:.0f} | {r['completions_per_s']:.1f} | "
+                         f"{r['peak_gpu_allocated_gb']:.2f} / {r['peak_gpu_reserved_gb']:.2f} GiB | "
+                         f"{run['heldout_start']:.3f} → {r['heldout_after']:.3f} after {r['steps']} steps |")
+    return "\n".join(lines)
+
+
 def step_memory_detail_table() -> str:
     """docs/performance.md: peak memory, its estimate and the phases' seconds of one SmolLM2 step by length."""
     d = _load("long_completions")
@@ -317,7 +333,7 @@ def variants_table(task: str) -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
-    "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table,
+    "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table, "gpu-long-row": gpu_long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
     "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
 }
@@ -328,7 +344,8 @@ def render(page: str) -> str:
     def table(match: re.Match) -> str:
         return f"{match.group(1)}\n{TABLES[match.group(2)]()}\n{match.group(3)}"
 
-    return re.sub(r"(<!-- generated: ([\w-]+) -->)\n.*?\n(<!-- end generated -->)", table, page, flags=re.S)
+    # An empty block (the markers on consecutive lines) is filled too, never merged with the next block.
+    return re.sub(r"(<!-- generated: ([\w-]+) -->)\n(?:.*?\n)??(<!-- end generated -->)", table, page, flags=re.S)
 
 
 def main() -> int:

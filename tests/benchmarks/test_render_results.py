@@ -57,3 +57,11 @@ def test_a_changed_heldout_run_changes_the_evaluation_page(tmp_path, monkeypatch
     (results / "heldout_curves.json").write_text(json.dumps(data))
     text = (ROOT / "docs" / "evaluation.md").read_text()
     assert "| the default, seed 99 | +0.500 | +0.010 " in render(text) and "0.500, warned" in render(text)
+
+
+def test_an_empty_block_is_filled_and_the_next_block_and_text_between_stay():
+    page = ("<!-- generated: gpu-long-row -->\n<!-- end generated -->\n\nhand-written\n\n"
+            "<!-- generated: trl-long-row -->\nold\n<!-- end generated -->\n")
+    fresh = render(page)
+    assert "hand-written" in fresh and fresh.count("<!-- end generated -->") == 2
+    assert "completion tokens/s" in fresh.split("hand-written")[0] and "old" not in fresh
