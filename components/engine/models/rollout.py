@@ -82,19 +82,37 @@ def _filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+SAMPLE_BLOCK = 256  # tokens per block of `sample_from`'s two-level inversion
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of `probs` [N, V] (rows need not sum to 1), by inverting the cumulative distribution.
 
     It takes N uniforms where `torch.multinomial` takes N x V exponentials: with SmolLM2's 49,152-token
-    vocabulary those were 0.78 s of an 11 s GRPO step on 2 cores. Tokens of probability 0 (top-p) are
-    never drawn: their interval of the cumulative sum is empty.
+    vocabulary those were 0.78 s of an 11 s GRPO step on 2 cores. The inversion runs in two levels: which block
+    of `SAMPLE_BLOCK` tokens the uniform falls in (the blocks' sums, accumulated in float64), then which token of
+    that block (its own cumulative sum in float64), the same intervals as one float64 cumulative sum over the whole
+    vocabulary (64,000 draws alike in a test) at a third of its cost: that sum was a tenth of a decoding step at 32
+    rows. Tokens of probability 0 (top-p, top-k, the padding of the last block) are never drawn: their interval is
+    empty.
     """
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1:].contiguous()
+    n, vocab = probs.shape
+    width = -(-vocab // SAMPLE_BLOCK) * SAMPLE_BLOCK
+    blocks = (probs if width == vocab else torch.nn.functional.pad(probs, (0, width - vocab))).view(n, -1, SAMPLE_BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
+    total = block_cdf[:, -1:].contiguous()
     target = torch.rand(total.shape, generator=generator, device=probs.device, dtype=torch.float64) * total
-    drawn = torch.searchsorted(cdf, target, right=True)
-    # u * total can round up to total itself: take the last token of non-zero probability
-    return torch.where(drawn >= probs.shape[-1], torch.searchsorted(cdf, total), drawn).squeeze(-1)
+    block = _last_possible(block_cdf, total, torch.searchsorted(block_cdf, target, right=True))
+    below = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLE_BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
+    token = torch.searchsorted(inside, target - below, right=True)
+    return (block * SAMPLE_BLOCK + _last_possible(inside, inside[:, -1:].contiguous(), token)).squeeze(-1)
+
+
+def _last_possible(cdf: torch.Tensor, total: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """`drawn`, except past the end (u * total can round up to total itself, and a block's sum and its cumulative
+    sum can round apart): then the last entry of non-zero probability."""
+    return torch.where(drawn >= cdf.shape[-1], torch.searchsorted(cdf, total), drawn)
 
 
 def sample_groups(model, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int, *,
@@ -170,7 +188,7 @@ def _draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: top-k, then top-p over what is left (Hugging Face's order), at `temperature`; and its
     log-prob under the full distribution at `temperature` (what the loss scores: the on-policy check compares)."""
-    scaled = logits.float() / temperature
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # no copy of [rows, V] at 1
     filtered = scaled
     if top_k > 0:
         filtered = _filter_top_k(filtered, top_k)

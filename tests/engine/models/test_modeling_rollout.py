@@ -149,6 +149,34 @@ def test_sample_from_a_uniform_rounding_up_to_the_total_takes_the_last_possible_
     assert sample_from(probs).tolist() == [1]  # not the zero-probability tail
 
 
+def _one_cumulative_sum(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The inversion `sample_from` replaces: one float64 cumulative sum over the whole vocabulary."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    drawn = torch.searchsorted(cdf, torch.rand(total.shape, generator=generator, dtype=torch.float64) * total,
+                               right=True)
+    return torch.where(drawn >= probs.shape[-1], torch.searchsorted(cdf, total), drawn).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [5000, 5120, 300])
+def test_the_two_level_draw_takes_the_same_tokens_as_one_cumulative_sum(vocab):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, vocab, generator=gen) * 3
+    logits[:, 1000:2000] = float("-inf")  # whole blocks of probability 0 (top-k, top-p)
+    probs = torch.softmax(logits, -1)
+    for seed in range(100):
+        got = sample_from(probs, torch.Generator().manual_seed(seed))
+        assert torch.equal(got, _one_cumulative_sum(probs, torch.Generator().manual_seed(seed))), seed
+        assert bool((probs.gather(-1, got[:, None]) > 0).all())
+
+
+def test_a_uniform_rounding_up_past_the_last_block_takes_the_last_possible_token(monkeypatch):
+    probs = torch.zeros(1, 600)
+    probs[0, 3], probs[0, 300] = 0.5, 0.5  # blocks of 256: tokens 512-599 (the last block) have probability 0
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))
+    assert sample_from(probs).tolist() == [300]
+
+
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (1, 1.0), (5, 0.6), (0, 0.6), (12, 1.0)])
 def test_top_k_and_top_p_keep_the_tokens_hugging_face_keeps(top_k, top_p):
     """The sampler's filters against transformers' TopKLogitsWarper then TopPLogitsWarper (its order), ties included."""
