@@ -15,7 +15,8 @@ no-op runs (nothing measured here reads them); everything else is the stages' ow
     python benchmarks/gpu_long_row.py --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf --no-tracking --update
     python benchmarks/gpu_long_row.py --device cpu --dtype float32 --steps 2 --heldout 8 --lengths 32   # a smoke run
 
-Writes benchmarks/results/gpu_long_row.{json,md} with --update. Not a test: it reports figures.
+With --update, writes the run into benchmarks/results/gpu_long_row.{json,md} under `--label` (a run of the same
+label is replaced, the others kept: the page shows each). Not a test: it reports figures.
 """
 
 from __future__ import annotations
@@ -188,8 +189,13 @@ def machine(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, torch {torch.__version__} (CPU)"
 
 
+def _peak(r: dict[str, Any]) -> str:
+    return (f"{r['peak_gpu_allocated_gb']:.2f} / {r['peak_gpu_reserved_gb']:.2f} GB" if "peak_gpu_allocated_gb" in r
+            else "-")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# The long row on {report['machine']}\n",
+    lines = [f"# {report.get('label', 'The long row')}: {report['machine']}\n",
              f"`python benchmarks/gpu_long_row.py {report['command']}`: configs/examples/smollm2_reasoning.yaml in "
              f"{report['dtype']}, {report['steps']} GRPO steps a variant (the first not timed), greedy held-out reward "
              f"on {report['heldout_n']} prompts. Start: GGUF converted in {report['start'].get('model_seconds')} s, "
@@ -201,20 +207,19 @@ def markdown(report: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} |||||||")
             continue
-        peak = (f"{r['peak_gpu_allocated_gb']:.2f} / {r['peak_gpu_reserved_gb']:.2f} GB"
-                if "peak_gpu_allocated_gb" in r else "-")
+        peak = _peak(r)
         lines.append(f"| {r['variant']} | {r['completion_tokens_per_s']:.0f} | {r['generation_tokens_per_s']:.0f} | "
                      f"{r['completions_per_s']:.1f} | {r['mean_completion_tokens']:.0f} | "
                      f"{r['distinct_completion_frac']:.2f} | {peak} | {r['heldout_after']:.3f} |")
-    lines += ["", "Every completion at the length budget (EOS ignored), 64 completions a step, the second step timed:",
-              "", "| mode | length | completion tokens/s | generation | update | peak GPU allocated / reserved |",
-              "|---|---:|---:|---:|---:|---:|"]
+    if report["sweep"]:
+        lines += ["", "Every completion at the length budget (EOS ignored), 64 completions a step, the second step timed:",
+                  "", "| mode | length | completion tokens/s | generation | update | peak GPU allocated / reserved |",
+                  "|---|---:|---:|---:|---:|---:|"]
     for r in report["sweep"]:
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['length']} | failed: {r['error']} |||")
             continue
-        peak = (f"{r['peak_gpu_allocated_gb']:.2f} / {r['peak_gpu_reserved_gb']:.2f} GB"
-                if "peak_gpu_allocated_gb" in r else "-")
+        peak = _peak(r)
         lines.append(f"| {r['mode']} | {r['length']} | {r['completion_tokens_per_s']:.0f} | "
                      f"{r['generation_s']:.2f} s | {r['update_s']:.2f} s | {peak} |")
     return "\n".join(lines) + "\n"
@@ -235,19 +240,23 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for --update's files")
     parser.add_argument("--no-tracking", action="store_true", help="no MLflow runs (machines without MLflow)")
     parser.add_argument("--update", action="store_true", help="write gpu_long_row.{json,md} into --out")
+    parser.add_argument("--label", default="fast path", help="this run's name there (replaces a run of that name)")
     args = parser.parse_args()
     root = Path(args.work)
-    report: dict[str, Any] = {"machine": machine(args.device), "command": " ".join(sys.argv[1:]),
+    report: dict[str, Any] = {"label": args.label, "machine": machine(args.device), "command": " ".join(sys.argv[1:]),
                               "dtype": args.dtype, "steps": args.steps, "heldout_n": args.heldout, "variants": [],
                               "sweep": []}
 
     def save() -> None:  # after every phase: a later failure keeps what was measured
         print(json.dumps(report), flush=True)
-        if args.update:
+        if args.update:  # this run replaces the run of the same label; the others stay
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "gpu_long_row.json").write_text(json.dumps(report, indent=1) + "\n")
-            (out / "gpu_long_row.md").write_text(markdown(report))
+            path = out / "gpu_long_row.json"
+            runs = json.loads(path.read_text())["runs"] if path.exists() else []
+            runs = [r for r in runs if r.get("label") != args.label] + [report]
+            path.write_text(json.dumps({"machine": report["machine"], "runs": runs}, indent=1) + "\n")
+            (out / "gpu_long_row.md").write_text("\n".join(markdown(r) for r in runs))
 
     with no_tracking() if args.no_tracking else contextlib.nullcontext():
         report["start"] = build_start(args, root)
