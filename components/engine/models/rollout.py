@@ -91,10 +91,10 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     It takes N uniforms where `torch.multinomial` takes N x V exponentials: with SmolLM2's 49,152-token
     vocabulary those were 0.78 s of an 11 s GRPO step on 2 cores. The inversion runs in two levels: which block
     of `SAMPLE_BLOCK` tokens the uniform falls in (the blocks' sums, accumulated in float64), then which token of
-    that block (its own cumulative sum in float64), the same intervals as one float64 cumulative sum over the whole
-    vocabulary (64,000 draws alike in a test) at a third of its cost: that sum was a tenth of a decoding step at 32
-    rows. Tokens of probability 0 (top-p, top-k, the padding of the last block) are never drawn: their interval is
-    empty.
+    that block (its own cumulative sum in float64): the same tokens as one float64 cumulative sum over the whole
+    vocabulary (all of 64,000 draws over SmolLM2's vocabulary; the tests compare 9,600), in 2.4x less time (the long
+    reasoning row, where that sum was about 4% of generation). Tokens of probability 0 (top-p, top-k, the padding of
+    the last block) are never drawn: their interval is empty.
     """
     n, vocab = probs.shape
     width = -(-vocab // SAMPLE_BLOCK) * SAMPLE_BLOCK
