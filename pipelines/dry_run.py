@@ -19,12 +19,13 @@ from components.config import PipelineConfig
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
+    from components.engine.grpo.batch import PromptSchedule, collect_batch, one_process_round, reward_specs, \
+        sampling_params
     from components.engine.grpo.objectives import build_loss
     from components.engine.grpo.policy import build_policy
-    from components.engine.grpo.sampling import PromptSchedule, collect_batch, reward_specs
-    from components.engine.grpo.trajectory import loss_mask
+    from components.engine.grpo.trajectory import build_trajectory
     from components.engine.models.modeling import count_parameters, pick_device, seed_everything
-    from components.engine.models.rollout import decode_completions
+    from components.engine.models.rollouts import decode_completions
     from components.engine.rewards.rewards import RewardModel
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
@@ -43,20 +44,25 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             device = pick_device(cfg.device)
             records = read_jsonl(split_path(paths.data, "train"))
             loss = build_loss(g)  # the trainer's loss object, built the same way
-            policy = build_policy(cfg, paths.base_model.resolve(), device, records, with_reference=loss.uses_reference)
+            policy, _ = build_policy(cfg, paths.base_model.resolve(), device, records,
+                                     with_reference=loss.uses_reference)
             schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
-            batch = collect_batch(policy, records, schedule, 0, g, RewardModel(reward_specs(g)),
-                                  torch.Generator(device=device).manual_seed(cfg.seed + 1))
-            rollout, rewards = batch.rollout, torch.tensor(batch.totals)
+            sample_round = one_process_round(policy, records, sampling_params(g), RewardModel(reward_specs(g)), g,
+                                             torch.Generator(device=device).manual_seed(cfg.seed + 1))
+            batch = collect_batch(sample_round, schedule, 0, g, policy.tokenizer.pad_token_id)
+            rollouts = batch.rollouts
             with torch.no_grad():
-                logp, _ = policy.logprobs(rollout, g.temperature)
-                ref = policy.reference_logprobs(rollout, g.temperature) if loss.uses_reference else None
-                mask = loss_mask(rollout, ~torch.isnan(rewards), g.mask_truncated_completions)
-                out = loss(logp, logp, loss.advantages(rewards), mask, ref_logp=ref)
-            completions = decode_completions(policy.tokenizer, rollout)
+                ref = policy.reference_logprobs(rollouts, g.temperature) if loss.uses_reference else None
+                trajectory = build_trajectory(rollouts, batch.advantage_rewards, loss, g.mask_truncated_completions,
+                                              ref)
+                logp, _ = policy.logprobs(rollouts, g.temperature)
+                out = loss(logp, logp, trajectory.advantages, trajectory.loss_mask, ref_logp=ref)
+            completions = decode_completions(policy.tokenizer, rollouts)
+            rewards = torch.tensor(batch.advantage_rewards)
             report = {"parameters": count_parameters(policy.model), "completions": batch.sampled,
                       "reward_mean": float(rewards.nanmean()) if len(rewards) else 0.0, "loss": float(out.loss),
-                      "kl": float(out.kl), "examples": [{"prompt": records[i]["prompt"], "completion": completions[j]}
+                      "kl": float(out.kl), "examples": [{"prompt": records[i]["prompt"],
+                                                         "completion": completions[j * rollouts.group_size]}
                                                         for j, i in enumerate(schedule.indices(0)[:3])]}
         finally:
             if previous_uri is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from components.config.rules import _require
+from components.losses import LOSSES, LossName
 
 
 @dataclass
@@ -116,7 +117,7 @@ class GRPOConfig:
     """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
     epsilon_high: float | None = None
     """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "dapo"
+    loss_type: LossName = "dapo"
     """Loss aggregation: per-sequence mean (`grpo`); token mean over the whole accumulated batch (`dapo`) or over
     each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`). Two more
     change the surrogate itself, as TRL's loss types of the same names: `cispo` (MiniMax-M1: the importance weight
@@ -261,19 +262,21 @@ def _check_variants(g: GRPOConfig) -> None:
     """CISPO, SAPO, multi-reward normalisation and entropy masking: refused where they are undefined or would
     silently be something else."""
     ratio_free = g.algorithm == "reinforce"
-    _require(not (g.loss_type in ("cispo", "sapo") and ratio_free), "grpo.loss_type",
+    loss = LOSSES[g.loss_type]
+    _require(not (loss.equal_on_policy_to and ratio_free), "grpo.loss_type",
              f"{g.loss_type} is a GRPO objective (TRL defines it over group-relative advantages); grpo.algorithm: "
              "reinforce is the plain one-sample, baseline-free policy gradient the variants are compared against, "
              "and mixed with it would be neither: use loss_type dapo or grpo with reinforce")
-    _require(not (g.loss_type == "cispo" and g.epsilon_high is not None), "grpo.epsilon_high",
-             "has no meaning with grpo.loss_type: cispo, which caps the weight at grpo.cispo_max_ratio (TRL reads "
-             "that cap from epsilon_high; set cispo_max_ratio instead)")
+    _require(not (loss.replaces_epsilon_high and g.epsilon_high is not None), "grpo.epsilon_high",
+             f"has no meaning with grpo.loss_type: {g.loss_type}, which caps the weight at "
+             f"grpo.{loss.replaces_epsilon_high} (TRL reads that cap from epsilon_high; set "
+             f"{loss.replaces_epsilon_high} instead)")
     _require(g.cispo_max_ratio > 0, "grpo.cispo_max_ratio", "must be > 0")
     _require(g.sapo_temperature_pos > 0, "grpo.sapo_temperature_pos", "must be > 0")
     _require(g.sapo_temperature_neg > 0, "grpo.sapo_temperature_neg", "must be > 0")
     _require(0 <= g.top_entropy_quantile <= 1, "grpo.top_entropy_quantile", "must be in [0, 1] (1 = every token)")
     _require(not (g.top_entropy_quantile < 1 and g.importance_sampling_level == "sequence"
-                  and g.loss_type != "cispo"), "grpo.top_entropy_quantile",
+                  and loss.gradient_through_ratio), "grpo.top_entropy_quantile",
              "must be 1 with grpo.importance_sampling_level: sequence: the sequence ratio's gradient runs through "
              "every token, so masking tokens would only reweight sequences by how many high-entropy tokens they "
              "hold, not train on those tokens")

@@ -15,6 +15,7 @@ from components.config.operations import (DistributedConfig, OperationsConfig, R
                                           check_distributed, check_operations)
 from components.config.rules import _require
 from components.config.sft import SFTConfig, check_sft
+from components.losses import LOSSES
 
 
 @dataclass
@@ -103,15 +104,16 @@ def config_warnings(cfg: PipelineConfig) -> list[str]:
     warnings = []
     minibatches = -(-g.prompts_per_step * g.group_size // (g.minibatch_size or g.prompts_per_step * g.group_size))
     one_update = g.num_iterations == 1 and (g.gradient_accumulation_steps or minibatches) >= minibatches
-    if g.importance_sampling_level == "sequence" and g.loss_type not in ("grpo", "sapo"):
+    loss = LOSSES[g.loss_type]
+    if g.importance_sampling_level == "sequence" and not loss.per_sequence:
         warnings.append(
             f"grpo.importance_sampling_level: sequence with grpo.loss_type: {g.loss_type} is not GSPO: "
             f"{g.loss_type} sums per-token terms, so each sequence is weighted by its length; set "
             "grpo.loss_type: grpo for the GSPO paper's per-sequence objective")
-    if g.loss_type in ("cispo", "sapo") and one_update:
+    if loss.equal_on_policy_to and one_update:
         warnings.append(
             f"grpo.loss_type: {g.loss_type} with one pass and one optimizer step per rollout: the importance ratio "
-            f"is exactly 1, so the update is {'dapo' if g.loss_type == 'cispo' else 'grpo'}'s; set "
+            f"is exactly 1, so the update is {loss.equal_on_policy_to}'s; set "
             "grpo.num_iterations >= 2 (or several optimizer steps per rollout) for it to act")
     held_out = [c.signal for c in cfg.monitors.checks
                 if c.signal in ("heldout_drop", "reward_heldout_gap", "heldout_flat")]

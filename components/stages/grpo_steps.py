@@ -1,7 +1,8 @@
 """What the GRPO loop does after each update, behind three calls: the step's metrics (`step_metrics`), the
 held-out evaluation when it is due (`HeldoutDuringTraining`: the start model at step 0, the best weights kept
 aside) and everything that watches a step (`StepWatch`: MLflow and the progress line, the early no-signal
-warning, the monitors, callbacks and sample reports). Imported by stages/grpo.py only.
+warning, the monitors, callbacks and sample reports); and after the last step, the run's summary (`report_run`).
+Imported by stages/grpo.py only.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from components.config import GRPOConfig, PipelineConfig
 from components.data.checkpoints import save_best
 from components.data.paths import Paths
 from components.engine.evaluation.heldout import HeldoutProbe
-from components.engine.evaluation.monitors import Monitors, no_signal
+from components.engine.evaluation.monitors import Monitors, generalisation, generalisation_text, no_signal
+from components.engine.grpo.batch import Batch
 from components.engine.grpo.policy import Policy
-from components.engine.grpo.sampling import Batch
-from components.engine.grpo.trajectory import Trajectory, by_group
+from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import UpdateStats
 from components.engine.models.modeling import load_policy_model
 from components.engine.parallel.distributed import DistContext
 from components.engine.rewards.rewards import RewardError
 from components.tracking.reports import GRPOReporter
-from components.tracking.step_log import StepLog
+from components.tracking.step_log import StepLog, write_step_outputs
 
 StepCallback = Callable[[int, Any, dict[str, float]], None]
 
@@ -34,19 +35,20 @@ def checkpoint_due(step: int, g: GRPOConfig) -> bool:
     return bool(g.checkpoint_every) and step % g.checkpoint_every == 0 and step < g.steps
 
 
-def phase_seconds(t_step: float, t_sampled: float, t_advantages: float, t_reference: float, t_policy: float,
-                  t_end: float, reward_seconds: float) -> dict[str, float]:
-    """A step's seconds by phase from its timestamps (reward time measured inside sampling moved to `reward`)."""
-    return {"generation": t_sampled - t_step - reward_seconds, "reward": t_advantages - t_sampled + reward_seconds,
-            "reference": t_reference - t_advantages, "policy": t_policy - t_reference, "step": t_end - t_step}
+def phase_seconds(t_step: float, t_sampled: float, t_reference: float, t_policy: float, t_end: float,
+                  reward_seconds: float) -> dict[str, float]:
+    """A step's seconds by phase from its timestamps (reward time measured inside sampling moved to `reward`; the
+    policy phase holds the trajectory and any old log-probs)."""
+    return {"generation": t_sampled - t_step - reward_seconds, "reward": reward_seconds,
+            "reference": t_reference - t_sampled, "policy": t_policy - t_reference, "step": t_end - t_step}
 
 
-def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: float, g: GRPOConfig,
+def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: float,
                  seconds: dict[str, float]) -> dict[str, float]:
     """One step's row of plots/grpo_steps.csv (MLflow groups them: tracking/step_log.py)."""
-    rollout, first = batch.rollout, torch.tensor(batch.first_scores.total)
+    rollout, first = batch.rollouts, torch.tensor(batch.rewards.total)
     advantages, scorable = trajectory.advantages, trajectory.scorable
-    grouped = by_group(first, g.group_size)
+    grouped = rollout.by_group(first)
     metrics = {
         "loss": stats.loss, "pg_loss": stats.pg_loss, "kl": stats.kl,
         "reward_mean": float(first.mean()), "reward_std": float(first.std()) if len(first) > 1 else 0.0,
@@ -70,7 +72,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
     if stats.gap_tokens:  # the on-policy check (absent where the rollout carries no sampler log-probs)
         metrics["logprob_gap_mean"] = stats.gap_sum / stats.gap_tokens
         metrics["logprob_gap_max"] = stats.gap_max
-    metrics.update({f"reward/{k}/mean": v for k, v in batch.first_scores.component_means().items()})
+    metrics.update({f"reward/{k}/mean": v for k, v in batch.rewards.component_means().items()})
     return metrics
 
 
@@ -158,7 +160,7 @@ class StepWatch:
             self.run.set_tags({f"monitor.{breach.signal}": breach.text()})
         for callback in self.callbacks:
             callback(step, model, metrics)
-        self.reporter.on_step(step, batch.rollout, batch.first_scores, trajectory.advantages,
+        self.reporter.on_step(step, batch.rollouts, batch.rewards, trajectory.advantages,
                               final=step == self.cfg.grpo.steps)
 
     def _warn_if_no_signal(self, batch: Batch) -> None:
@@ -168,5 +170,39 @@ class StepWatch:
         if silent:
             step = self.history[-1]["step"]
             self.say(f"grpo: WARNING at step {step}: {silent}\n"
-                     + self.reporter.samples_text(batch.rollout, batch.first_scores), flush=True)
+                     + self.reporter.samples_text(batch.rollouts, batch.rewards), flush=True)
             self.run.set_tags({"warning.no_signal": f"step {step}: {silent}"})
+
+
+def report_run(cfg: PipelineConfig, paths: Paths, run, kept: dict[str, Any], history: list[dict[str, Any]],
+               probe: HeldoutProbe | None, monitors: Monitors, log: StepLog, heldout: HeldoutDuringTraining,
+               reporter: GRPOReporter, say) -> dict[str, Any]:
+    """After the last step (rank 0): the held-out evaluations and the verdict over the run, metrics/grpo.json and
+    the step table, the run's tags and figures. Returns the summary written."""
+    g = cfg.grpo
+    evaluations = [{"step": h["step"], **{k.removeprefix("heldout/"): v for k, v in h.items()
+                                          if k.startswith("heldout/")}} for h in history
+                   if any(k.startswith("heldout/") for k in h)]
+    if probe is not None:
+        evaluations.insert(0, {"step": 0, **{k: round(v, 6) for k, v in probe.origin_scores.items()}})
+    run_verdict = generalisation(history, len(history), cfg.monitors.window, g.keep_metric, monitors.evals)
+    if run_verdict:
+        run_verdict["text"] = generalisation_text(run_verdict, flat_threshold(cfg))
+        say(f"grpo: over the run: {run_verdict['text']}", flush=True)
+        run.set_tags({"grpo.generalisation": run_verdict["text"]})
+    summary = write_step_outputs(history, paths, {
+        "kept": kept, "monitors": monitors.summary(), "not_learning": log.warning,
+        "heldout_evaluations": evaluations, "generalisation": run_verdict})
+    if probe is not None:  # wall-clock: in MLflow, not in metrics/grpo.json (its hash must reproduce)
+        run.log_metrics({"time/heldout_evaluation_total": probe.seconds}, step=g.steps)
+    run.set_tags({"grpo.kept_step": kept["step"], "grpo.keep": g.keep})
+    if heldout.model_ids.get(kept["step"]):
+        run.set_model_tags(heldout.model_ids[kept["step"]], {"grpo.kept": f"models/grpo ({g.keep})"})
+    reporter.finish(history, paths.plots)
+    return summary
+
+
+def flat_threshold(cfg: PipelineConfig) -> float:
+    """The training-reward rise that counts as learning: the `heldout_flat` check's, else not-learning's."""
+    return next((c.above for c in cfg.monitors.checks if c.signal == "heldout_flat" and c.above is not None),
+                cfg.monitors.not_learning.min_reward_gain)

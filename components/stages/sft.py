@@ -27,7 +27,9 @@ from components.engine.models.modeling import (
 )
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollout import decode_completions, positions_from_mask, sample_groups
+from components.engine.models.rollouts import decode_completions, positions_from_mask
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -130,10 +132,11 @@ class WarmStartCheck:
         try:
             completions, lengths = [], []
             for start in range(0, len(self.prompts), 256):
-                rollout = sample_groups(model, self.tokenizer, self.prompts[start:start + 256], 1, self.max_new_tokens,
-                                        greedy=True, stop_together=stop_together)
-                completions += decode_completions(self.tokenizer, rollout)
-                lengths += rollout.completion_mask.sum(-1).tolist()
+                rollouts = sample_texts(model, self.tokenizer, self.prompts[start:start + 256],
+                                        SamplingParams(max_new_tokens=self.max_new_tokens, greedy=True),
+                                        stop_together=stop_together)
+                completions += decode_completions(self.tokenizer, rollouts)
+                lengths += rollouts.completion_lengths()
         finally:
             model.train(was_training)
         columns = dict(self.columns, completion_token_lengths=lengths)

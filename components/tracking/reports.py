@@ -34,14 +34,14 @@ def _pyplot():
 class GRPOReporter:
     """Collects what the figures and sample tables need, step by step; never touches training state."""
 
-    def __init__(self, run, tokenizer, group_size: int, reports: ReportsConfig):
-        self.run, self.tokenizer, self.group_size = run, tokenizer, group_size
+    def __init__(self, run, tokenizer, reports: ReportsConfig):
+        self.run, self.tokenizer = run, tokenizer
         self.samples_every, self.samples_rows = reports.samples_every, reports.samples_rows
         self.group_means: list[tuple[int, list[float]]] = []  # (step, mean reward of each group)
 
     def on_step(self, step: int, rollout, scores, advantages, final: bool = False) -> None:
         totals = list(scores.total)
-        g = self.group_size
+        g = rollout.group_size
         self.group_means.append((step, [sum(totals[i:i + g]) / g for i in range(0, len(totals) - g + 1, g)]))
         due = self.samples_every and (step % self.samples_every == 0 or final)
         if due and len(rollout):
@@ -49,9 +49,9 @@ class GRPOReporter:
 
     def samples_text(self, rollout, scores, groups: int = 2) -> str:
         """The first completion of the first `groups` groups with its score, one line each (for a warning)."""
-        from components.engine.models.rollout import decode_completions
+        from components.engine.models.rollouts import decode_completions
 
-        rows = [i * self.group_size for i in range(groups) if i * self.group_size < len(rollout)]
+        rows = [i * rollout.group_size for i in range(groups) if i * rollout.group_size < len(rollout)]
         part = rollout.select(rows)
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
@@ -62,13 +62,14 @@ class GRPOReporter:
 
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
-        from components.engine.models.rollout import decode_completions
+        from components.engine.models.rollouts import decode_completions
 
-        n = min(len(rollout), max(self.group_size, self.samples_rows // self.group_size * self.group_size))
+        size = rollout.group_size
+        n = min(len(rollout), max(size, self.samples_rows // size * size))
         part = rollout.select(list(range(n)))
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
-        table: dict[str, list[Any]] = {"group": [i // self.group_size for i in range(n)], "prompt": prompts,
+        table: dict[str, list[Any]] = {"group": [i // size for i in range(n)], "prompt": prompts,
                                        "completion": decode_completions(self.tokenizer, part)}
         if len(scores.total) == len(rollout):  # rows line up with the scored round (no dynamic sampling)
             for name, values in scores.components.items():

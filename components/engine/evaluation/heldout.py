@@ -27,8 +27,10 @@ from components.engine.models.modeling import (
     seed_everything,
 )
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollout import decode_completions, sample_groups
+from components.engine.models.rollouts import decode_completions
 from components.engine.rewards.rewards import RewardModel
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 
 
 def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
@@ -46,10 +48,11 @@ def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, A
                           batch_size: int) -> list[str]:
     """Greedy completions of an in-memory model (benchmarks evaluate mid-training without saving)."""
     prompts = [formatter(r) for r in records]
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], 1, max_new_tokens, greedy=True)
-        out += decode_completions(tokenizer, rollout)
+        rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], greedy)
+        out += decode_completions(tokenizer, rollouts)
     return out
 
 

@@ -23,7 +23,9 @@ import torch
 
 from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.models.rollout import decode_completions, sample_groups
+from components.engine.models.rollouts import decode_completions
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 from components.engine.rewards.rewards import RewardModel, resolve_reward
 
 
@@ -73,6 +75,8 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
              greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              generator: torch.Generator | None = None) -> Completions:
     """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode."""
+    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            greedy=greedy)
     was_training = model.training
     model.eval()
     texts: list[str] = []
@@ -80,12 +84,10 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
     ended: list[bool] = []
     try:
         for start in range(0, len(prompts), batch_size):
-            rollout = sample_groups(model, tokenizer, prompts[start: start + batch_size], n, max_new_tokens,
-                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    generator=generator)
-            texts += decode_completions(tokenizer, rollout)
-            lengths += rollout.completion_mask.sum(-1).tolist()
-            ended += (~rollout.truncated).tolist()
+            rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], params, generator)
+            texts += decode_completions(tokenizer, rollouts)
+            lengths += rollouts.completion_lengths()
+            ended += (~rollouts.truncated).tolist()
     finally:
         model.train(was_training)
     return Completions(texts, [int(x) for x in lengths], [bool(x) for x in ended])

@@ -5,31 +5,18 @@ per completion over its prompt's cache). Each returns `attend(layer, heads)` ove
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from components.engine.fast.pieces import ModelPieces
+from components.engine.fast.prompts import PromptPass, prompt_layer
 from components.engine.fast.rows import group_rows_extra_work
-
-LM = Any  # the `fastlm.PrefixSharedLM` whose pieces these functions use (not imported: it imports this module)
 
 # Group rows while the attention multiply-adds they add per layer stay under this (measured: docs/performance.md).
 GROUP_ROWS_EXTRA_WORK = 4_000_000
 
 
-@dataclass
-class PromptPass:
-    """Left-padded prompt ids [U, P] (after a shared prefix, if any) and what attending over them needs."""
-
-    ids: torch.Tensor
-    bias: torch.Tensor  # [U, 1, 1, P, prefix + P] additive attention mask
-    positions: torch.Tensor  # [U, P] rotary positions (after the prefix)
-    prefix: list | None  # per layer (K, V) [1, Hkv, prefix, d] of the prefix all prompts share, or None
-    cache_mask: torch.Tensor  # [U, prefix + P]: which cached positions are real tokens
-
-
-def attention_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: torch.Tensor,
+def attention_rows(pieces: ModelPieces, prompts: PromptPass, rows: torch.Tensor, counts: torch.Tensor,
                    fed_rows: torch.Tensor, fed_cols: torch.Tensor,
                    steps: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """Layer i's attention over the token list: `attend(i, heads [H + 2 Hkv, U*W + S, d])` -> [U*W + S, H * d].
@@ -43,14 +30,14 @@ def attention_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: torc
     u, w = prompts.ids.shape
     per_group = torch.bincount(rows[fed_rows], minlength=u)  # packed tokens of each prompt's group
     length = w + int(per_group.max())
-    extra = group_rows_extra_work(u, w, length, len(rows), steps, lm.num_heads * lm.head_dim)
-    if prompts.prefix is None and (lm.attention_rows == "group"
-                                   or lm.attention_rows == "auto" and extra <= GROUP_ROWS_EXTRA_WORK):
-        return group_rows(lm, prompts, rows, per_group, length, fed_rows, fed_cols)
-    return completion_rows(lm, prompts, rows, counts, fed_rows, fed_cols, steps)
+    extra = group_rows_extra_work(u, w, length, len(rows), steps, pieces.num_heads * pieces.head_dim)
+    if prompts.prefix is None and (pieces.options.attention_rows == "group"
+                                   or pieces.options.attention_rows == "auto" and extra <= GROUP_ROWS_EXTRA_WORK):
+        return group_rows(pieces, prompts, rows, per_group, length, fed_rows, fed_cols)
+    return completion_rows(pieces, prompts, rows, counts, fed_rows, fed_cols, steps)
 
 
-def group_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, per_group: torch.Tensor, length: int,
+def group_rows(pieces: ModelPieces, prompts: PromptPass, rows: torch.Tensor, per_group: torch.Tensor, length: int,
                fed_rows: torch.Tensor, fed_cols: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """Attention in one row of `length` slots per prompt: its W positions, then its group's packed tokens.
 
@@ -76,18 +63,18 @@ def group_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, per_group: torch
     order.view(-1)[slot[u * w:]] = w + fed_cols
     same_owner = owner[:, None, :] == owner[:, :, None]
     keep = (order[:, None, :] <= order[:, :, None]) & ((owner[:, None, :] == -1) | same_owner)
-    bias = lm._bias(keep, lm.decoder.embed_tokens.weight.dtype)[:, None, None]  # [U, 1, 1, L, L]
-    sizes = [lm.num_heads, lm.num_kv_heads, lm.num_kv_heads]
+    bias = pieces.bias(keep, pieces.dtype)[:, None, None]  # [U, 1, 1, L, L]
+    sizes = [pieces.num_heads, pieces.num_kv_heads, pieces.num_kv_heads]
 
     def attend(_i: int, heads: torch.Tensor) -> torch.Tensor:
         flat = torch.nn.functional.pad(heads.transpose(0, 1), (0, 0, 0, 0, 0, 1))  # [T + 1, h, d]
         q, k, v = flat.index_select(0, source).view(u, length, *flat.shape[1:]).transpose(1, 2).split(sizes, 1)
-        return lm._merge_heads(lm._attend(q, k, v, bias)).flatten(0, 1).index_select(0, slot)
+        return pieces.merge_heads(pieces.attend(q, k, v, bias)).flatten(0, 1).index_select(0, slot)
 
     return attend
 
 
-def completion_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: torch.Tensor,
+def completion_rows(pieces: ModelPieces, prompts: PromptPass, rows: torch.Tensor, counts: torch.Tensor,
                     fed_rows: torch.Tensor, fed_cols: torch.Tensor,
                     steps: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """Attention with the prompts as rows of their own and one row per completion over its prompt's cache.
@@ -105,11 +92,11 @@ def completion_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: tor
     causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
     keep = torch.cat([prompts.cache_mask.bool()[rows][:, None, :].expand(-1, steps, -1),
                       causal[None].expand(n, -1, -1)], dim=-1)
-    bias = lm._bias(keep, lm.decoder.embed_tokens.weight.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
+    bias = pieces.bias(keep, pieces.dtype)[:, None, None]  # [N, 1, 1, steps, P + steps]
     # each slot of the padded [N, steps] grid: its packed token, or the zero row appended after them
     source = torch.full((n * steps,), len(place), dtype=place.dtype, device=device)
     source[place] = torch.arange(len(place), device=device)
-    sizes = [lm.num_heads, lm.num_kv_heads, lm.num_kv_heads]
+    sizes = [pieces.num_heads, pieces.num_kv_heads, pieces.num_kv_heads]
 
     def unpack(t: torch.Tensor) -> torch.Tensor:  # [h, S, d] -> [N, h, steps, d], zeros in the padding
         flat = torch.nn.functional.pad(t.transpose(0, 1), (0, 0, 0, 0, 0, 1))  # one pass writes the grid
@@ -117,8 +104,8 @@ def completion_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: tor
 
     def attend(i: int, heads: torch.Tensor) -> torch.Tensor:
         prompt_part, packed = heads.split([u * w, heads.shape[1] - u * w], dim=1)
-        prompt_attn, (kp, vp) = lm._prompt_layer(
-            prompts, i, *prompt_part.unflatten(1, (u, w)).transpose(0, 1).split(sizes, dim=1))
+        prompt_attn, (kp, vp) = prompt_layer(
+            pieces, prompts, i, *prompt_part.unflatten(1, (u, w)).transpose(0, 1).split(sizes, dim=1))
         q, k, v = unpack(packed).split(sizes, dim=1)
         if even:  # [U, G, H, P + S, d] -> [N, H, P + S, d]: no gather, no scatter-add in backward
             keys = torch.cat([kp[:, None].expand(-1, group, -1, -1, -1), k.unflatten(0, (-1, group))], 3)
@@ -127,7 +114,7 @@ def completion_rows(lm: LM, prompts: PromptPass, rows: torch.Tensor, counts: tor
         else:
             keys = torch.cat([kp.index_select(0, rows), k], dim=2)
             values = torch.cat([vp.index_select(0, rows), v], dim=2)
-        attn = lm._merge_heads(lm._attend(q, keys, values, bias))  # [N, steps, H * d]
+        attn = pieces.merge_heads(pieces.attend(q, keys, values, bias))  # [N, steps, H * d]
         return torch.cat([prompt_attn.flatten(0, 1), attn.flatten(0, 1).index_select(0, place)])
 
     return attend

@@ -9,31 +9,26 @@ float32 values, Hugging Face's forward and this one alike), so a fixed tolerance
 lets real faults through. There the check runs twice: once with the weights in float32 (bfloat16 and float16 values
 are exact in float32, so the round trip changes nothing), where the forwards must agree to `CHECK_TOLERANCE`, then in
 the model's own dtype, where this forward may stray from those float32 values at most `HALF_PRECISION_MARGIN` times
-as far as Hugging Face's own forward in that dtype does."""
+as far as Hugging Face's own forward in that dtype does. `build.checked_prefix_shared_lm` runs these checks."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import torch
 
+from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.rows import SHARED_PREFIX_MIN
-from components.engine.models.rollout import Rollout, completion_logprobs
-
-LM = Any  # the `fastlm.PrefixSharedLM` whose pieces these functions use (not imported: it imports this module)
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import Rollouts
 
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules hold at any length)
 CHECK_TOLERANCE = 1e-3  # float32: the largest log-prob or entropy difference (gradients: of their largest value)
 HALF_PRECISION_MARGIN = 2.0  # half precision: distance from the float32 values, as a multiple of Hugging Face's own
 EXACT = (torch.float32, torch.float64)
-
-
-def model_dtype(lm: LM) -> torch.dtype:
-    """The dtype the model computes in: its embedding's (LoRA adapters may be kept in float32 beside it)."""
-    return lm.decoder.embed_tokens.weight.dtype
 
 
 @contextlib.contextmanager
@@ -74,7 +69,7 @@ def _rounds_like_hugging_face(ours: list[torch.Tensor], theirs: list[torch.Tenso
 
 
 @torch.no_grad()
-def matches_reference_forward(lm: LM, vocab_size: int, prompt_length: int = 5,
+def matches_reference_forward(lm: PrefixSharedLM, vocab_size: int, prompt_length: int = 5,
                               completion_length: int = 4) -> bool:
     """Compare token log-probs and entropies with the Hugging Face forward on small left-padded batches.
 
@@ -82,23 +77,23 @@ def matches_reference_forward(lm: LM, vocab_size: int, prompt_length: int = 5,
     real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
     so the packed forward is checked against padding too. When prompts this long can share a prefix
     worth encoding once, a second batch whose prompts share their first tokens checks that path. Both
-    attention layouts (`_attention_rows`) are checked, whichever "auto" would take. The entropies depend
+    attention layouts (`attention.attention_rows`) are checked, whichever "auto" would take. The entropies depend
     on every logit.
     """
     batches = [check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0)]
     if prompt_length - 3 >= SHARED_PREFIX_MIN:
         head = max(SHARED_PREFIX_MIN, (prompt_length - 2) // 2)
         batches.append(check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=head))
-    cases = [(batch, rows) for batch in batches for rows in ("group", "completion")]
-    was_training, chosen = lm.model.training, lm.attention_rows
+    layouts: tuple[Literal["group", "completion"], ...] = ("group", "completion")
+    cases = [(batch, rows) for batch in batches for rows in layouts]
+    was_training = lm.model.training
     lm.model.eval()
 
-    def both(batch: tuple, attention_rows: str) -> tuple[torch.Tensor, torch.Tensor]:
-        lm.attention_rows = attention_rows
-        return _both_forwards(lm, *batch)
+    def both(batch: tuple, attention_rows: Literal["group", "completion"]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _both_forwards(lm.with_options(attention_rows=attention_rows), *batch)
 
     try:
-        if model_dtype(lm) in EXACT:
+        if lm.pieces.dtype in EXACT:
             return all(_agrees(*both(*case)) for case in cases)
         with float32_weights(lm.model):  # the structure, exactly
             exact = [both(*case) for case in cases]
@@ -111,24 +106,23 @@ def matches_reference_forward(lm: LM, vocab_size: int, prompt_length: int = 5,
         return True
     finally:
         lm.model.train(was_training)
-        lm.attention_rows = chosen
 
 
-def trains_like_reference_forward(lm: LM, vocab_size: int) -> bool:
+def trains_like_reference_forward(lm: PrefixSharedLM, vocab_size: int) -> bool:
     """One training-mode forward and backward on a small batch with a repeated row (computed once here): the
     gradients of a weighted sum of its completion log-probs must agree with the Hugging Face forward's, for
     the first and last decoder layers' trainable weights (every layer's backward lies between them). Dropout
     is off for the check only, so both forwards compute the same function."""
     prompt, mask, completion, completion_mask = check_batch(lm, vocab_size, 5, 4, shared_head=0)
     rows = torch.tensor([0, 1, 2, 3, 4, 0], device=prompt.device)  # the last row repeats the first
-    checked = Rollout(prompt[rows], mask[rows], completion[rows], completion_mask[rows],
-                      torch.zeros(len(rows), dtype=torch.bool, device=prompt.device))
+    checked = Rollouts(prompt[rows], mask[rows], completion[rows], completion_mask[rows],
+                       torch.zeros(len(rows), dtype=torch.bool, device=prompt.device))
     weights = torch.linspace(-1.0, 1.0, len(rows), device=prompt.device)[:, None] * checked.completion_mask
-    layers = lm.decoder.layers
+    layers = lm.pieces.layers
     params = [p for layer in (layers[0], layers[-1]) for p in layer.parameters() if p.requires_grad]
     if not params:
         return True  # nothing trains in those layers: nothing to compare
-    was_training, rates = lm.model.training, [(m, m.p) for m in lm._dropouts]
+    was_training, rates = lm.model.training, [(m, m.p) for m in lm.pieces.dropouts]
 
     def gradients() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         plain = completion_logprobs(lm.model, checked)[0]  # Hugging Face's forward
@@ -141,7 +135,7 @@ def trains_like_reference_forward(lm: LM, vocab_size: int) -> bool:
         for module, _ in rates:
             module.p = 0.0
         exact = None
-        if model_dtype(lm) not in EXACT:
+        if lm.pieces.dtype not in EXACT:
             with float32_weights(lm.model):  # the structure, exactly; then the dtype's rounding against it
                 ours, exact = gradients()
                 if not all(_agrees(a, b, float(b.abs().max()) + 1e-6) for a, b in zip(ours, exact)):
@@ -156,7 +150,7 @@ def trains_like_reference_forward(lm: LM, vocab_size: int) -> bool:
     return all(_agrees(a, b, float(b.abs().max()) + 1e-6) for a, b in zip(ours, theirs))
 
 
-def check_batch(lm: LM, vocab_size: int, prompt_length: int, completion_length: int, shared_head: int):
+def check_batch(lm: PrefixSharedLM, vocab_size: int, prompt_length: int, completion_length: int, shared_head: int):
     device = next(lm.model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab_size, (3, prompt_length), generator=gen)
@@ -174,10 +168,10 @@ def check_batch(lm: LM, vocab_size: int, prompt_length: int, completion_length: 
     return tuple(t.to(device) for t in (prompt, mask, completion, completion_mask))
 
 
-def _both_forwards(lm: LM, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
+def _both_forwards(lm: PrefixSharedLM, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
                    completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this forward's, Hugging Face's) log-probs and entropies of the real completion tokens, side by side."""
-    checked = Rollout(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
+    checked = Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
     ref_logp, ref_entropy = completion_logprobs(lm.model, checked, with_entropy=True)  # Hugging Face's forward
     logp, entropy = lm.completion_logprobs(checked, with_entropy=True)
     real = completion_mask.bool()

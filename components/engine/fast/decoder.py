@@ -4,24 +4,22 @@ over a KV cache that grows as tokens are decoded; rows that emitted EOS leave th
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from components.engine.fast.layers import Rotary
-
-LM = Any  # the `fastlm.PrefixSharedLM` whose pieces these functions use (not imported: it imports this module)
+from components.engine.fast.layers import LayerWeights, Rotary
+from components.engine.fast.pieces import ModelPieces
+from components.engine.fast.prompts import Caches, encode_prompts
 
 DECODE_CACHE_BLOCK = 32  # decoding caches start with room for this many completion tokens and double when full
 COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of the rows held is open
 
 
-def start_decoding(lm: LM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+def start_decoding(pieces: ModelPieces, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                    max_new_tokens: int) -> Decoder:
     """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
-    weights = lm.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
-    last, caches, cache_mask = lm.encode_prompts(prompt_ids, prompt_mask, weights)
-    first = lm.head(last)
+    weights = pieces.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
+    last, caches, cache_mask = encode_prompts(pieces, prompt_ids, prompt_mask, weights)
+    first = pieces.head(last)
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)
     buffers = []
     room = min(max_new_tokens, DECODE_CACHE_BLOCK)  # the cache grows as tokens are decoded (`Decoder.feed`)
@@ -32,21 +30,21 @@ def start_decoding(lm: LM, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         buffers.append((kbuf.flatten(0, 1), vbuf.flatten(0, 1)))
     keep = torch.cat([cache_mask.bool()[rows], torch.ones(len(rows), max_new_tokens, dtype=torch.bool,
                                                            device=prompt_ids.device)], dim=-1)
-    bias = lm._bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
+    bias = pieces.bias(keep, first.dtype)[:, None, None, None, :]  # [N, 1, 1, 1, P + T]
     start = prompt_mask.sum(-1)[rows]
     positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
-    rope = lm._positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
-    return Decoder(lm, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
+    rope = pieces.positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
+    return Decoder(pieces, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
                    cache_mask.shape[1] + max_new_tokens)
 
 
 class Decoder:
-    """Incremental decoding state for `start_decoding`: the sampler's `logits` and `advance` (see
-    models/rollout.py), over `feed` (one token per row held) and `keep` (drop rows from the caches)."""
+    """Incremental decoding state for `start_decoding`: a step decoder's `logits` and `advance` (the token loop of
+    engine/rollout/token_loop.py), over `feed` (one token per row held) and `keep` (drop rows from the caches)."""
 
-    def __init__(self, lm: LM, weights: list, buffers: list, bias: torch.Tensor, prompt_len: int,
-                 rope: Rotary, first_logits: torch.Tensor, max_length: int):
-        self.lm, self.weights, self.buffers, self.bias, self.prompt_len = lm, weights, buffers, bias, prompt_len
+    def __init__(self, pieces: ModelPieces, weights: list[LayerWeights], buffers: Caches, bias: torch.Tensor,
+                 prompt_len: int, rope: Rotary, first_logits: torch.Tensor, max_length: int):
+        self.pieces, self.weights, self.buffers, self.bias, self.prompt_len = pieces, weights, buffers, bias, prompt_len
         self.rope, self.logits, self.offset, self.max_length = rope, first_logits, 0, max_length
         rows = torch.arange(len(first_logits), device=first_logits.device)
         self.held = rows  # the rows whose caches it holds (indices into the rows it started with)
@@ -93,16 +91,16 @@ class Decoder:
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row held; return the logits [rows, V] for the next one."""
-        lm, end = self.lm, self.prompt_len + self.offset + 1
+        pieces, end = self.pieces, self.prompt_len + self.offset + 1
         self._reserve(end)
-        x = lm.decoder.embed_tokens(tokens[:, None])
+        x = pieces.embed(tokens[:, None])
         rotary = self.rope.at(self.offset)
         bias = self.bias[..., :end]
-        for layer, fused, (kbuf, vbuf) in zip(lm.decoder.layers, self.weights, self.buffers):
-            q, k, v = lm._qkv(layer, fused, lm._norm(layer.input_layernorm, x), rotary)
+        for layer, fused, (kbuf, vbuf) in zip(pieces.layers, self.weights, self.buffers):
+            q, k, v = pieces.qkv(layer, fused, pieces.norm(layer.input_layernorm, x), rotary)
             kbuf[:, :, end - 1:end], vbuf[:, :, end - 1:end] = k, v
-            attn = lm._attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias)
-            x = lm._finish_layer(layer, fused, x, lm._merge_heads(attn))
+            attn = pieces.attend(q, kbuf[:, :, :end], vbuf[:, :, :end], bias)
+            x = pieces.finish_layer(layer, fused, x, pieces.merge_heads(attn))
         self.offset += 1
-        self.logits = lm.head(lm._norm(lm.decoder.norm, x[:, 0, :]))
+        self.logits = pieces.head(pieces.final_norm(x[:, 0, :]))
         return self.logits

@@ -1,8 +1,8 @@
 """How much memory a GRPO step needs, estimated from the model's shape and the step's settings, before it runs.
 
-Used twice: at the start of the grpo stage to warn (with the knobs that lower it) when the estimate exceeds the
-memory the machine has free, and to pick the allocator setting (`host_memory.configure_allocator`) from the
-step's largest activation. The figures are float32 bytes on the CPU (half that per value for bfloat16 on a GPU);
+`fit_memory` uses it when the policy is built: to turn gradient checkpointing on where `auto` says so, to warn (with
+the knobs that lower it) when the estimate exceeds the memory the machine has free, and to pick the allocator setting
+(`host_memory.configure_allocator`) from the step's largest activation. The figures are float32 bytes on the CPU (half that per value for bfloat16 on a GPU);
 the benchmark `benchmarks/long_completions.py` prints each estimate beside the measured peak.
 
 Per decoder layer and token, a training forward keeps about `ACTIVATION_WIDTHS` values for backward (inputs of
@@ -13,10 +13,14 @@ recomputed. Attention adds the probabilities of each completion row over its pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
+import psutil
+
 from components.config import GRPOConfig
+from components.engine.grpo.host_memory import configure_allocator
 from components.engine.models.logprobs import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_BYTES
 
 GiB = 2**30
@@ -108,3 +112,39 @@ def knobs(g: GRPOConfig) -> str:
     if not g.lora.enabled:
         hints.append("grpo.lora.enabled=true")
     return ", ".join(hints)
+
+
+AUTO_CHECKPOINTING_SHARE = 0.5  # `gradient_checkpointing: auto` turns it on above this share of the free memory
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """A step's estimate as it will run, whether training forwards recompute each layer, and what lowers it."""
+
+    memory: StepMemory
+    gradient_checkpointing: bool
+    knobs: str
+
+
+def fit_memory(g: GRPOConfig, model: Any, prompt_tokens: int, reference_copy: bool,
+               say: Callable[..., None] = print) -> MemoryFit:
+    """Estimate the step's memory before the first step (prompts of `prompt_tokens`, a reference copy or not): turn
+    gradient checkpointing on where `grpo.gradient_checkpointing: auto` says so, pick the allocator setting, and
+    warn, with the knobs that lower it, when it still exceeds the free memory."""
+    shape = ModelShape.of(model)
+    value_bytes = next(model.parameters()).element_size()
+    available = psutil.virtual_memory().available
+    checkpointing = g.gradient_checkpointing == "always"
+    memory = estimate_step_memory(shape, g, prompt_tokens, reference_copy, value_bytes)
+    if g.gradient_checkpointing == "auto" and memory.peak > AUTO_CHECKPOINTING_SHARE * available:
+        checkpointing = True
+        say(f"grpo: gradient checkpointing on (grpo.gradient_checkpointing: auto): a step needs an estimated "
+            f"{memory.peak / GiB:.1f} GB without it, over half the {available / GiB:.1f} GB free", flush=True)
+    settled = replace(g, gradient_checkpointing="always" if checkpointing else "never")
+    memory = estimate_step_memory(shape, settled, prompt_tokens, reference_copy, value_bytes)
+    configure_allocator(memory.largest_activation)
+    if memory.peak > available:
+        say(f"grpo: warning: a step at max_completion_length {g.max_completion_length} needs an estimated "
+            f"{memory.text()}, more than the {available / GiB:.1f} GB this machine has free; lower it with "
+            f"{knobs(settled)}", flush=True)
+    return MemoryFit(memory, checkpointing, knobs(settled))

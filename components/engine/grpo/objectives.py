@@ -1,4 +1,5 @@
-"""GRPO objective: advantages, KL estimators and the clipped surrogate, as pure tensor math.
+"""GRPO objective: advantages, KL estimators and the policy loss built from a loss entry (components/losses.py),
+as pure tensor math.
 
 Nothing here knows about models or data, so every formula is unit-tested against hand-computed
 numbers (tests/engine/grpo/test_objectives.py). Shapes: B sequences, T completion positions; `mask` is 1 on
@@ -12,11 +13,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from components.losses import LOSSES, LossName, Normalisers, SurrogateSettings
+
 if TYPE_CHECKING:
     from components.config import GRPOConfig
 
-LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"]
-Aggregation = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 MultiObjective = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -130,68 +131,22 @@ class LossOutput:
     ratio_mean: torch.Tensor
 
 
-def aggregation_of(loss_type: LossType) -> Aggregation:
-    """How a loss type reduces its per-token terms: CISPO as DAPO (token mean over the accumulated batch), SAPO as
-    GRPO (mean per sequence), as TRL does."""
-    return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)  # type: ignore[return-value]
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, max_completion_length: int,
-              num_sequences: float | None = None, num_tokens: float | None = None) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to a scalar.
-
-    `grpo`: mean over each sequence's tokens, then over sequences. `bnpo`/`dapo`: sum over all
-    tokens / number of tokens. `dr_grpo`: sum / (sequences * max_completion_length).
-    `num_sequences` / `num_tokens` override the local counts so that minibatches (or ranks) that
-    each see part of a batch add up to exactly the full-batch loss.
-    """
-    mask = mask.to(per_token.dtype)
-    n_seq = float(per_token.shape[0]) if num_sequences is None else num_sequences
-    loss_type = aggregation_of(loss_type)
-    if loss_type == "grpo":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_seq.sum() / n_seq
-    if loss_type in ("bnpo", "dapo"):
-        n_tok = mask.sum().clamp(min=1.0) if num_tokens is None else max(num_tokens, 1.0)
-        return (per_token * mask).sum() / n_tok
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (n_seq * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def surrogate(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, loss_type: LossType, epsilon_low: float,
-              epsilon_high: float, cispo_max_ratio: float, sapo_temperatures: tuple[float, float]) -> torch.Tensor:
-    """The per-token policy-gradient loss of importance ratio `ratio` and advantage `adv` ([B, 1] or [B, T]).
-
-    - clipped (GRPO/DAPO/...): -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A);
-    - `cispo` (MiniMax-M1): -sg(min(rho, max_ratio)) * A * logp: the weight is clipped, not the update, so a
-      clipped token still has a gradient;
-    - `sapo` (2511.20347): -(4 / tau) * sigmoid(tau * (rho - 1)) * A, tau = sapo_temperatures[0] for A > 0 and
-      [1] otherwise: a soft gate whose gradient is 1 at rho = 1 and fades smoothly away from it.
-    """
-    if loss_type == "cispo":
-        return -torch.clamp(ratio, max=cispo_max_ratio).detach() * adv * logp
-    if loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperatures[0], sapo_temperatures[1])
-        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    return -torch.minimum(ratio * adv, clipped * adv)
-
-
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                loss_type: LossType = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                loss_type: LossName = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
                 importance_sampling_level: Literal["token", "sequence"] = "token",
                 ref_logp: torch.Tensor | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
                 max_completion_length: int | None = None, num_sequences: float | None = None,
                 num_tokens: float | None = None, cispo_max_ratio: float = 5.0,
                 sapo_temperatures: tuple[float, float] = (1.0, 1.05),
                 token_mask: torch.Tensor | None = None) -> LossOutput:
-    """The policy-gradient surrogate (`surrogate`) plus beta * KL, aggregated by `loss_type`.
+    """The loss `loss_type`'s surrogate (components/losses.py) plus beta * KL, aggregated as that loss does.
 
     rho is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence. `token_mask` (entropy
     masking) keeps the policy-gradient term on those tokens only; the KL term and every normaliser still count all
     of `mask`'s tokens, as in TRL.
     """
+    loss = LOSSES[loss_type]
+    settings = SurrogateSettings(epsilon_low, epsilon_high, cispo_max_ratio, sapo_temperatures)
     maskf = mask.to(logp.dtype)
     log_ratio = logp - old_logp
     if importance_sampling_level == "sequence":
@@ -200,36 +155,27 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)
-    pg_per_token = surrogate(ratio, logp, adv, loss_type, epsilon_low, epsilon_high, cispo_max_ratio,
-                             sapo_temperatures).expand_as(logp)
+    pg_per_token = loss.surrogate(ratio, logp, adv, settings).expand_as(logp)
     if token_mask is not None:
         pg_per_token = pg_per_token * token_mask.to(logp.dtype)
-    max_len = max_completion_length if max_completion_length is not None else logp.shape[-1]
-    agg = dict(loss_type=loss_type, max_completion_length=max_len, num_sequences=num_sequences,
-               num_tokens=num_tokens)
-    pg_loss = aggregate(pg_per_token, mask, **agg)
+    counts = Normalisers(max_completion_length if max_completion_length is not None else logp.shape[-1],
+                         num_sequences, num_tokens)
+    pg_loss = loss.aggregation(pg_per_token, maskf, counts)
     if beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs")
-        kl_per_token = kl_estimate(logp, ref_logp, kl_estimator)
-        kl = aggregate(kl_per_token, mask, **agg)
-        loss = pg_loss + beta * kl
+        kl = loss.aggregation(kl_estimate(logp, ref_logp, kl_estimator), maskf, counts)
+        total = pg_loss + beta * kl
     else:
         kl = torch.zeros((), dtype=logp.dtype)
-        loss = pg_loss
+        total = pg_loss
     with torch.no_grad():
         ratio_tok = ratio.expand_as(logp)
-        if loss_type == "cispo":  # TRL's cispo_clip_ratio: weights capped where the advantage is positive
-            low, high = torch.zeros_like(ratio_tok), ((ratio_tok > cispo_max_ratio) & (adv > 0)).to(logp.dtype)
-        elif loss_type == "sapo":  # no hard clip
-            low = high = torch.zeros_like(ratio_tok)
-        else:
-            low = ((ratio_tok < 1.0 - epsilon_low) & (adv < 0)).to(logp.dtype)
-            high = ((ratio_tok > 1.0 + epsilon_high) & (adv > 0)).to(logp.dtype)
+        low, high = loss.clip_statistics(ratio_tok, adv, settings)
         n = maskf.sum().clamp(min=1.0)
         stats = dict(clip_low_frac=(low * maskf).sum() / n, clip_high_frac=(high * maskf).sum() / n,
                      ratio_mean=(ratio_tok * maskf).sum() / n)
-    return LossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), **stats)
+    return LossOutput(loss=total, pg_loss=pg_loss.detach(), kl=kl.detach(), **stats)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -246,14 +192,13 @@ class GRPOLoss:
     decides whether there is a KL term (and so a reference model and reference log-probs at all).
     """
 
-    loss_type: LossType
+    loss_type: LossName
     epsilon_low: float
     epsilon_high: float
     importance_sampling_level: Literal["token", "sequence"]
     beta: float
     kl_estimator: KLEstimator
     max_completion_length: int
-    group_size: int
     scale_rewards: ScaleRewards
     baseline: bool  # False for REINFORCE: the advantage is the reward itself
     cispo_max_ratio: float = 5.0
@@ -270,16 +215,27 @@ class GRPOLoss:
         """The policy-gradient term sees only the highest-entropy tokens (the update then needs entropies)."""
         return self.top_entropy_quantile < 1.0
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Group-relative advantages (NaN rewards: unscored, advantage 0), the raw reward without a baseline, or
-        (normalize_then_sum: rewards already normalised per group and summed) the sums scaled over the batch."""
+    def token_count(self, step_tokens: float, minibatch_tokens: float) -> float:
+        """What a token-mean aggregation divides a minibatch's sum by: the whole accumulated step's loss tokens, or
+        (a per-minibatch loss such as bnpo) the minibatch's own."""
+        return minibatch_tokens if LOSSES[self.loss_type].per_minibatch else step_tokens
+
+    def minibatch_share(self, minibatches: int) -> float:
+        """The weight of one minibatch's loss in its optimizer step (`minibatches`: how many make the step, every
+        process's counted): 1, or for a per-minibatch loss 1 / minibatches (the step is their mean, as TRL)."""
+        return 1.0 / minibatches if LOSSES[self.loss_type].per_minibatch else 1.0
+
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Advantages of rewards [N] laid out in groups of `group_size` adjacent rows: group-relative (NaN: unscored,
+        advantage 0), the raw reward without a baseline, or (normalize_then_sum: rewards already normalised per
+        group and summed) the sums scaled over the batch."""
         if not self.baseline:
             return torch.nan_to_num(rewards, nan=0.0)
         if not len(rewards):
             return rewards
         if self.multi_objective == "normalize_then_sum":
             return batch_advantages(rewards)
-        return group_advantages(rewards, self.group_size, self.scale_rewards)
+        return group_advantages(rewards, group_size, self.scale_rewards)
 
     def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  ref_logp: torch.Tensor | None = None, num_sequences: float | None = None,
@@ -298,7 +254,7 @@ def build_loss(g: "GRPOConfig") -> GRPOLoss:
                     epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
                     importance_sampling_level=g.importance_sampling_level, beta=g.kl_beta,
                     kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
-                    group_size=g.group_size, scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce",
+                    scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce",
                     cispo_max_ratio=g.cispo_max_ratio,
                     sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
                     multi_objective=g.multi_objective_aggregation, top_entropy_quantile=g.top_entropy_quantile)

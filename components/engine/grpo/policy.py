@@ -1,23 +1,31 @@
-"""The model GRPO trains and its reference: build them (full weights or LoRA), get log-probs, move the reference.
+"""The model GRPO trains, its reference, and the one door they generate and score through.
 
-The reference exists only when the loss has a KL term (`GRPOLoss.uses_reference`): a frozen copy
-(or `grpo.reference.path`), or with LoRA the same model with its adapters switched off.
+`build_policy` loads the model (full weights or LoRA) and, only when the loss has a KL term (`GRPOLoss.uses_reference`),
+the reference: a frozen copy (or `grpo.reference.path`), or with LoRA the same model with its adapters switched off.
+It decides once, with the step's memory estimate, whether training forwards recompute each layer, and then which
+rollout engine samples and scores (`rollout.choose.build_engine`). The algorithm calls `sample`, `logprobs` and
+`reference_logprobs`; it never sees which engine runs.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
-from components.engine.fast.fastlm import PrefixSharedLM
-from components.engine.models.modeling import layer_checkpointing, load_policy_model, load_tokenizer
-from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollout import Rollout, completion_logprobs
+from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
+from components.engine.models.modeling import load_policy_model, load_tokenizer
+from components.engine.models.prompting import PromptFormatter, longest_row
+from components.engine.models.rollouts import Rollouts, encode_prompts
+from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import EngineSettings, build_engine
+from components.engine.rollout.hf import HFEngine
 
 
 def attach_lora(model, lora: LoRAConfig):
@@ -33,66 +41,97 @@ def attach_lora(model, lora: LoRAConfig):
                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
 
 
-@dataclass
+class AdaptersOff:
+    """An engine with its model's LoRA adapters switched off: the frozen base, which is a LoRA run's reference."""
+
+    name = "adapters_off"
+
+    def __init__(self, engine: RolloutEngine, model: Any):
+        self.engine, self.model = engine, model
+
+    def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Rollouts:
+        with self.model.disable_adapter():
+            return self.engine.sample(prompts, params, generator)
+
+    def logprobs(self, rollouts: Rollouts, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self.model.disable_adapter():
+            return self.engine.logprobs(rollouts, temperature, with_entropy)
+
+    def over(self, model: Any) -> RolloutEngine:
+        return AdaptersOff(self.engine.over(model), model)
+
+
+def raw_prompt(record: dict[str, Any]) -> str:
+    return record["prompt"]
+
+
+@dataclass(frozen=True)
 class Policy:
-    """The model being trained and how to get reference log-probs for it."""
+    """The model being trained, how its prompts are formatted, and the engines that sample and score."""
 
     tokenizer: Any
     model: Any
-    reference: Any | None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
-    lora: bool
-    format_prompt: Callable[[dict[str, Any]], str] = lambda record: record["prompt"]
-    fast: PrefixSharedLM | None = None  # prompt-once forwards over `model` (None: plain Hugging Face forward)
-    fast_reference: PrefixSharedLM | None = None
-    trainer: Any | None = None  # the module gradient forwards go through (DDP wrapper); default `model`
-    gradient_checkpointing: bool = False  # training forwards recompute each decoder layer in backward
+    engine: RolloutEngine  # samples and scores with `model`
+    reference: Any | None = None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
+    reference_engine: RolloutEngine | None = None  # scores with the reference (None: no KL term)
+    lora: bool = False
+    format_prompt: Callable[[dict[str, Any]], str] = raw_prompt
+    trainer: Any | None = None  # the module gradient forwards go through (DDP's wrapper); None: `model`
 
-    def set_gradient_checkpointing(self, enabled: bool) -> None:
-        """Recompute each decoder layer in backward from now on (the prefix-shared and the plain forward alike)."""
-        self.gradient_checkpointing = enabled
-        if self.fast is not None:
-            self.fast.gradient_checkpointing = enabled
+    @classmethod
+    def of(cls, tokenizer: Any, model: Any, engine: RolloutEngine | None = None, reference: Any | None = None,
+           lora: bool = False, with_reference: bool = True,
+           format_prompt: Callable[[dict[str, Any]], str] = raw_prompt) -> Policy:
+        """A policy over `model` with `engine` (default: the plain Hugging Face one) and, when `with_reference`,
+        the reference engine that goes with it: LoRA's adapters off, or the same engine over `reference`."""
+        engine = engine if engine is not None else HFEngine(model, SpecialTokens.of(tokenizer))
+        reference_engine = None
+        if with_reference and lora:
+            reference_engine = AdaptersOff(engine, model)
+        elif with_reference and reference is not None:
+            reference_engine = engine.over(reference)
+        return cls(tokenizer, model, engine, reference, reference_engine, lora, format_prompt)
 
     @property
-    def train_module(self):
+    def train_module(self) -> Any:
         return self.model if self.trainer is None else self.trainer
 
-    def logprobs(self, rollout: Rollout, temperature: float, with_entropy: bool = False,
-                 module: Any | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Completion log-probs (and entropies) through `module` (default: `model`), prompt-once when `fast` is set.
+    def with_trainer(self, trainer: Any) -> Policy:
+        """This policy training through `trainer` (DDP's wrapper): only the plain engine, built for wrapped runs,
+        forwards through a wrapper."""
+        if not isinstance(self.engine, HFEngine):
+            raise TypeError(f"a wrapped model trains through the plain engine, not {self.engine.name!r}")
+        return dataclasses.replace(self, trainer=trainer, engine=self.engine.with_trainer(trainer))
 
-        Distributed runs clear `fast`: DDP and FSDP need every forward to go through their wrapper.
-        """
-        if self.fast is not None:
-            return self.fast.completion_logprobs(rollout, temperature, with_entropy)
-        with layer_checkpointing(self.model, self.gradient_checkpointing):
-            return completion_logprobs(self.model if module is None else module, rollout, temperature, with_entropy)
+    def sample(self, records: Sequence[dict[str, Any]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Rollouts:
+        """`params.n` completions of each record's prompt, formatted and tokenised as this policy reads it."""
+        prompts = encode_prompts(self.tokenizer, [self.format_prompt(r) for r in records])
+        return self.engine.sample(prompts, params, generator)
 
-    def reference_logprobs(self, rollout: Rollout, temperature: float) -> torch.Tensor:
-        """Once per rollout under inference_mode; cloned outside it so the loss can use the result."""
+    def logprobs(self, rollouts: Rollouts, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion log-probs (and entropies) under the policy; with gradients enabled, through the trainer."""
+        return self.engine.logprobs(rollouts, temperature, with_entropy)
+
+    def reference_logprobs(self, rollouts: Rollouts, temperature: float) -> torch.Tensor:
+        """Under inference_mode; cloned outside it so the loss can use the result."""
+        if self.reference_engine is None:
+            raise ValueError("this policy has no reference (the loss has no KL term)")
         with torch.inference_mode():
-            if self.lora:
-                with self.model.disable_adapter():
-                    logp = self.logprobs(rollout, temperature)[0]
-            elif self.fast_reference is not None:
-                logp = self.fast_reference.completion_logprobs(rollout, temperature)[0]
-            else:
-                logp = completion_logprobs(self.reference, rollout, temperature)[0]
+            logp = self.reference_engine.logprobs(rollouts, temperature)[0]
         return logp.clone()
 
 
-def longest_row(tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], records: list[dict[str, Any]],
-                completion_length: int) -> int:
-    """Tokens in the longest prompt + completion row GRPO will see (the prompt-once forward checks that long)."""
-    longest = max((len(tokenizer(format_prompt(r), add_special_tokens=False).input_ids) for r in records), default=1)
-    return longest + completion_length
-
-
 def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, records: list[dict[str, Any]] | None,
-                 with_reference: bool, fast: bool = True, say=print) -> Policy:
-    """Policy, reference (when `with_reference`) and, with `fast` and `grpo.prefix_sharing`, the prompt-once
-    forwards (decided here, once: several processes need every forward through their wrapper, so they pass
-    `fast=False`); `records` size the fast path's self-check."""
+                 with_reference: bool, wrapped: bool = False, stop_together: Callable[[bool], bool] | None = None,
+                 say: Callable[..., None] = print) -> tuple[Policy, MemoryFit]:
+    """Policy and reference (when `with_reference`); gradient checkpointing decided from the step's memory estimate
+    (`memory_estimate.fit_memory`, returned beside the policy); then the engine (`wrapped`: several processes, whose forwards must go through
+    their wrapper or be the same for any process count; `stop_together`: a sharded model's lockstep decoding).
+    `records` size the memory estimate and the prompt-once engine's self-check."""
     g = cfg.grpo
     tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)
     model = load_policy_model(cfg, start_dir, device)
@@ -102,31 +141,16 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     elif with_reference:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    policy = Policy(tokenizer, model.train(), reference, g.lora.enabled, PromptFormatter(cfg.prompt, tokenizer))
-    if g.prefix_sharing and fast:
-        max_length = longest_row(tokenizer, policy.format_prompt, records, g.max_completion_length) if records else None
-        policy.fast = fast_path(model, len(tokenizer), max_length, g.max_completion_length, g.onednn_matmul, say)
-        if policy.fast is not None and reference is not None:
-            policy.fast_reference = policy.fast.for_same_architecture(reference)
-    policy.set_gradient_checkpointing(g.gradient_checkpointing == "always")  # "auto": the stage decides
-    return policy
-
-
-def fast_path(model: Any, vocab_size: int, max_length: int | None, completion_length: int, onednn_matmul: bool,
-              say=print) -> PrefixSharedLM | None:
-    """The checked prompt-once forward over `model`, or None with one line saying why: it can never take training
-    down (a transformers release that renames what it reads, a torch op that changed), only make it slower."""
-    try:
-        fast = PrefixSharedLM.for_model(model, vocab_size, max_length, completion_length, onednn_matmul)
-    except Exception as err:  # noqa: BLE001 - whatever broke, the plain forward still works
-        say(f"grpo: prefix sharing off: building or checking the prompt-once forward failed ({type(err).__name__}: "
-            f"{err}); using the plain Hugging Face forward", flush=True)
-        return None
-    if fast is None:
-        say(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full attention, no "
-            "attention dropout and log-probs and gradients that match Hugging Face's; using the plain forward",
-            flush=True)
-    return fast
+    format_prompt = PromptFormatter(cfg.prompt, tokenizer)
+    prompt_tokens = longest_row(tokenizer, format_prompt, (records or [])[:256], 0)
+    memory = fit_memory(g, model, prompt_tokens, reference is not None, say)
+    settings = EngineSettings(
+        prefix_sharing=g.prefix_sharing, onednn_matmul=g.onednn_matmul,
+        gradient_checkpointing=memory.gradient_checkpointing, vocab_size=len(tokenizer),
+        max_length=longest_row(tokenizer, format_prompt, records, g.max_completion_length) if records else None,
+        completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)
+    engine = build_engine(model.train(), SpecialTokens.of(tokenizer), settings, say)
+    return Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference, format_prompt), memory
 
 
 @torch.no_grad()

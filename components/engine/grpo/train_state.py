@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from components.config import GRPOConfig
-from components.data.checkpoints import load_checkpoint, save_checkpoint
+from components.data.checkpoints import BEST, load_checkpoint, load_weights, save_checkpoint
+from components.data.paths import Paths
 from components.engine.grpo.policy import Policy
 from components.engine.models.modeling import save_model
 from components.engine.models.optim import make_optimizer
@@ -90,3 +91,21 @@ def save_final_model(policy: Policy, out: Path, provenance: dict[str, Any], ctx:
     save_model(policy.model, policy.tokenizer, tmp, extra=provenance)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def save_kept_model(policy: Policy, paths: Paths, history: list[dict[str, Any]], best: dict[str, Any] | None,
+                    run_hash: str, start_dir: Path, g: GRPOConfig, ctx: DistContext,
+                    load_plain: Callable[[], torch.nn.Module], say: Callable[..., None]) -> dict[str, Any]:
+    """models/grpo from the weights the run keeps: the last step's, or (`grpo.keep: best`, `best` set) those of the
+    best held-out evaluation, saved aside as checkpoints/grpo/best. Returns what was kept: mode, step, metric, value."""
+    kept = {"mode": g.keep, "step": g.steps, "metric": g.keep_metric,
+            "value": history[-1].get(f"heldout/{g.keep_metric}") if history else None}
+    if best is not None and ctx.is_main:
+        load_weights(paths.grpo_checkpoints / BEST, policy.model)
+        kept.update(step=best["step"], value=best["value"])
+        say(f"grpo: keeping the weights of step {best['step']} (held-out {g.keep_metric} {best['value']:.4f}, "
+            f"the best of the evaluations during training) as {paths.grpo_model}")
+    provenance = {"stage": "grpo", "run_hash": run_hash, "steps": g.steps, "start": str(start_dir),
+                  "kept_step": kept["step"], **({"base_model": str(start_dir)} if policy.lora else {})}
+    save_final_model(policy, paths.grpo_model, provenance, ctx, load_plain)
+    return kept

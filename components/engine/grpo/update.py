@@ -8,6 +8,7 @@ components/engine/parallel/ (which rows a process trains on, DDP's gradient aver
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +17,13 @@ from components.config import GRPOConfig
 from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, high_entropy_mask, masked_mean
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
-from components.engine.models.rollout import Rollout
+from components.engine.models.rollouts import Rollouts
 from components.engine.parallel.distributed import (
     DistContext,
     all_gather_objects,
     all_reduce_sum,
     full_value,
     no_sync,
-    shared_logprobs,
     zero_loss_backward,
 )
 
@@ -49,7 +49,7 @@ class UpdateStats:
     optimizer_seconds: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class UpdatePlan:
     """How a step's rows are cut: global minibatches (the same for any number of processes), this process's rows
     of each (its groups, round-robin, each group whole on one process) and the minibatches of each optimizer step."""
@@ -57,61 +57,73 @@ class UpdatePlan:
     minibatches: list[list[int]]
     mine: list[list[int]]
     steps: list[list[int]]  # minibatch indices accumulated into one optimizer step
+    num_iterations: int
 
     @classmethod
-    def of(cls, n: int, g: GRPOConfig, ctx: DistContext) -> "UpdatePlan":
-        """The plan of an n-row step (groups of `g.group_size` adjacent rows)."""
+    def of(cls, n: int, group_size: int, g: GRPOConfig, ctx: DistContext = DistContext()) -> UpdatePlan:
+        """The plan of an n-row step whose groups are `group_size` adjacent rows."""
         size = g.minibatch_size or n
         minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         per_step = g.gradient_accumulation_steps or len(minibatches)
         steps = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
-        return cls(minibatches, [local_rows(mb, g.group_size, ctx) for mb in minibatches], steps)
+        return cls(minibatches, [local_rows(mb, group_size, ctx) for mb in minibatches], steps, g.num_iterations)
 
     def rows(self, step: list[int]) -> list[int]:
         return [r for k in step for r in self.minibatches[k]]
 
+    @property
+    def my_rows(self) -> list[int]:
+        """Every row this process trains on."""
+        return sorted({r for rows in self.mine for r in rows})
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Several passes or optimizer steps: the weights move before the last minibatch is seen, so the ratio
+        needs the sampling weights' log-probs (with one of each they are the current ones, detached)."""
+        return self.num_iterations > 1 or len(self.steps) > 1
+
 
 def local_rows(rows: list[int], group_size: int, ctx: DistContext) -> list[int]:
     """This process's rows of a global minibatch: its groups, round-robin, each group whole on one process."""
-    if not ctx.active:
-        return rows
     groups = set(sorted({r // group_size for r in rows})[ctx.rank::ctx.world])
     return [r for r in rows if r // group_size in groups]
 
 
-def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOConfig,
-                   ctx: DistContext = DistContext(), loss: GRPOLoss | None = None) -> UpdateStats:
+def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOConfig, loss: GRPOLoss | None = None,
+                   plan: UpdatePlan | None = None, ctx: DistContext = DistContext()) -> UpdateStats:
     """`num_iterations` passes over the trajectory in minibatches, accumulating gradients per optimizer step.
 
     Loss normalisers (tokens for dapo, scored sequences for grpo/dr_grpo) are those of the whole accumulated
-    step, so the accumulated gradient equals the one-pass gradient. With one pass and one optimizer step the old
-    log-probs are the current ones detached (ratio exactly 1) and no extra forward runs. `bnpo` differs from
-    `dapo` only here: each minibatch is normalised by its own token count and the step is their mean (TRL divides
-    by the accumulation steps). With several processes each trains on its groups of every minibatch against the
-    global normalisers (`forward_backward`, `optimizer_step`). `loss` is the trainer's (built once from config).
+    step, so the accumulated gradient equals the one-pass gradient; a per-minibatch loss (bnpo) asks the loss
+    object for its own. With one pass and one optimizer step the old log-probs are the current ones detached (ratio
+    exactly 1) and no extra forward runs; otherwise the trajectory carries them (`old_logprobs`). With several
+    processes each trains on its groups of every minibatch against the global normalisers. `loss` is the trainer's
+    (built once from config); `plan` defaults to the trajectory's. The trajectory is only read.
     """
     loss_fn = build_loss(g) if loss is None else loss
-    plan = UpdatePlan.of(len(trajectory), g, ctx)
+    plan = plan or UpdatePlan.of(len(trajectory), trajectory.group_size, g, ctx)
     stats = UpdateStats()
-    if g.num_iterations > 1 or len(plan.steps) > 1:
-        trajectory.old_logp = old_logprobs(policy, trajectory, plan, g.temperature, ctx)
-        record_gap(stats, trajectory.old_logp, trajectory.rollout, sorted({r for rows in plan.mine for r in rows}))
+    if plan.needs_old_logprobs:
+        if trajectory.old_logp is None:
+            raise ValueError("several passes or optimizer steps per rollout need the sampling weights' log-probs in "
+                             "the trajectory (update.old_logprobs)")
+        record_gap(stats, trajectory.old_logp, trajectory.rollouts, plan.my_rows)
     for iteration in range(g.num_iterations):
         for step in plan.steps:
             whole = trajectory.select(plan.rows(step))
             n_tokens, n_seq = float(whole.loss_mask.sum()), whole.scored_rows()
-            share = bnpo_share(g, len(step), ctx)
+            share = loss_fn.minibatch_share(len(step) * ctx.world)
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
             for j, k in enumerate(step):
                 rows, last = plan.mine[k], j == len(step) - 1
                 if not rows:  # no group of this minibatch on this process: a zero loss keeps DDP in step
-                    zero_loss_backward(policy.train_module, trajectory.rollout.select(plan.minibatches[k][:1]),
-                                       g.temperature, last)
+                    zero_loss_backward(lambda r: policy.logprobs(r, g.temperature)[0], policy.train_module,
+                                       trajectory.rollouts.select(plan.minibatches[k][:1]), last)
                     continue
                 part = trajectory.select(rows)
-                num_tokens = float(part.loss_mask.sum()) if g.loss_type == "bnpo" else n_tokens
-                with no_sync(policy.train_module, skip=ctx.active and not last):
+                num_tokens = loss_fn.token_count(n_tokens, float(part.loss_mask.sum()))
+                with no_sync(policy.train_module, skip=not last):
                     out, scaled = forward_backward(policy, part, loss_fn, n_seq, num_tokens, share, iteration == 0,
                                                    g.temperature, ctx, stats)
                 step_loss = step_loss + scaled.detach()
@@ -120,22 +132,16 @@ def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOCon
     return finish(stats, g.num_iterations, ctx)
 
 
-def bnpo_share(g: GRPOConfig, minibatches: int, ctx: DistContext) -> float:
-    """bnpo: each minibatch (each process's part of it) is a mean of its own, and the step is their mean."""
-    return 1.0 / (minibatches * (ctx.world if ctx.active else 1)) if g.loss_type == "bnpo" else 1.0
-
-
 def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq: float, num_tokens: float,
                      share: float, first_pass: bool, temperature: float, ctx: DistContext,
                      stats: UpdateStats) -> tuple[LossOutput, torch.Tensor]:
     """The loss of a minibatch (this process's rows of it) and its backward; the first pass also records the
     tokens' entropy and log-prob. Several processes: DDP averages gradients, so each scales its part of the
-    global sum by the world size."""
+    global sum by the number of processes."""
     t0 = time.perf_counter()
-    logp, entropy = policy.logprobs(part.rollout, temperature, with_entropy=first_pass or loss_fn.masks_by_entropy,
-                                    module=policy.train_module)
+    logp, entropy = policy.logprobs(part.rollouts, temperature, with_entropy=first_pass or loss_fn.masks_by_entropy)
     if part.old_logp is None:  # the weights that sampled: the on-policy check compares its log-probs here
-        record_gap(stats, logp.detach(), part.rollout)
+        record_gap(stats, logp.detach(), part.rollouts)
     old_logp = part.old_logp if part.old_logp is not None else logp.detach()
     token_mask = high_entropy_mask(entropy, part.loss_mask, loss_fn.top_entropy_quantile) \
         if loss_fn.masks_by_entropy else None
@@ -143,7 +149,7 @@ def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq:
                   num_tokens=num_tokens, token_mask=token_mask)
     scaled = out.loss * share
     t1 = time.perf_counter()
-    (scaled * float(ctx.world) if ctx.active else scaled).backward()
+    (scaled * float(ctx.world)).backward()
     stats.forward_seconds += t1 - t0
     stats.backward_seconds += time.perf_counter() - t1
     if first_pass:
@@ -154,13 +160,14 @@ def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq:
     return out, scaled
 
 
-def record_gap(stats: UpdateStats, trainer_logp: torch.Tensor, rollout: Rollout, rows: list[int] | None = None) -> None:
+def record_gap(stats: UpdateStats, trainer_logp: torch.Tensor, rollouts: Rollouts,
+               rows: list[int] | None = None) -> None:
     """The on-policy check: how far the log-probs the update computes for the sampled tokens, with the weights
     that sampled them, are from those the sampler drew them with (the same model and maths: rounding only, unless
     a kernel, dtype or cache disagrees)."""
-    if rollout.sampling_logp is None:
+    if rollouts.sampling_logp is None:
         return
-    sampled, mask = rollout.sampling_logp, rollout.completion_mask.bool()
+    sampled, mask = rollouts.sampling_logp, rollouts.completion_mask.bool()
     if rows is not None:
         sampled, mask, trainer_logp = sampled[rows], mask[rows], trainer_logp[rows]
     gap = (trainer_logp.float() - sampled)[mask].abs()
@@ -185,8 +192,7 @@ def optimizer_step(policy: Policy, optimizer, step_loss: torch.Tensor, max_grad_
     grad_norm = full_value(torch.nn.utils.clip_grad_norm_(
         [p for p in policy.model.parameters() if p.requires_grad], max_grad_norm))
     stats.updates += 1
-    if ctx.active:
-        step_loss = torch.tensor(all_reduce_sum(ctx, [float(step_loss)])[0])
+    step_loss = torch.tensor(all_reduce_sum(ctx, [float(step_loss)])[0])
     stats.loss += float(step_loss)
     stats.grad_norm = float(grad_norm)
     if torch.isfinite(step_loss) and torch.isfinite(grad_norm):
@@ -199,13 +205,12 @@ def optimizer_step(policy: Policy, optimizer, step_loss: torch.Tensor, max_grad_
 
 def finish(stats: UpdateStats, num_iterations: int, ctx: DistContext) -> UpdateStats:
     """Sums over processes (each saw part of every step; the normalisers were already global), then means."""
-    if ctx.active:
-        sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
-                                    stats.entropy, stats.logprob_mean, stats.tokens_seen])
-        stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
-        stats.entropy, stats.logprob_mean, stats.tokens_seen = sums[4:]
-        stats.gap_sum, stats.gap_tokens = all_reduce_sum(ctx, [stats.gap_sum, stats.gap_tokens])
-        stats.gap_max = max(all_gather_objects(ctx, stats.gap_max))
+    sums = all_reduce_sum(ctx, [stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac,
+                                stats.entropy, stats.logprob_mean, stats.tokens_seen])
+    stats.pg_loss, stats.kl, stats.clip_low_frac, stats.clip_high_frac = sums[:4]
+    stats.entropy, stats.logprob_mean, stats.tokens_seen = sums[4:]
+    stats.gap_sum, stats.gap_tokens = all_reduce_sum(ctx, [stats.gap_sum, stats.gap_tokens])
+    stats.gap_max = max(all_gather_objects(ctx, stats.gap_max))
     passes = max(1, stats.updates)
     stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
     stats.clip_low_frac /= num_iterations
@@ -215,23 +220,28 @@ def finish(stats: UpdateStats, num_iterations: int, ctx: DistContext) -> UpdateS
     return stats
 
 
+def logprobs_of_rows(score: Callable[[Rollouts], torch.Tensor], rollouts: Rollouts, row_sets: list[list[int]],
+                     lockstep: bool) -> torch.Tensor:
+    """Log-probs [N, T] from `score`, one forward per set of rows, zeros in rows of no set; with a sharded model
+    (fsdp2) a process whose set is empty still joins the forward (with one row)."""
+    out = torch.zeros(rollouts.completion_ids.shape, dtype=torch.float32, device=rollouts.completion_ids.device)
+    for rows in row_sets:
+        if rows or lockstep:
+            part = score(rollouts.select(rows or [0]))
+            if rows:
+                out[rows] = part
+    return out
+
+
 @torch.no_grad()
-def old_logprobs(policy: Policy, trajectory: Trajectory, plan: UpdatePlan, temperature: float,
-                 ctx: DistContext) -> torch.Tensor:
-    """The sampling policy's log-probs, before any update (several passes or optimizer steps need them)."""
-    if ctx.active:
-        return shared_logprobs(policy.model, trajectory.rollout, plan.mine, temperature, ctx)
-    return torch.cat([policy.logprobs(trajectory.rollout.select(mb), temperature)[0] for mb in plan.minibatches])
+def old_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan, temperature: float,
+                 ctx: DistContext = DistContext()) -> torch.Tensor:
+    """The sampling weights' log-probs of this process's rows, minibatch by minibatch, before any update."""
+    return logprobs_of_rows(lambda rows: policy.logprobs(rows, temperature)[0], rollouts, plan.mine, ctx.lockstep)
 
 
-def reference_logprobs(policy: Policy, rollout: Rollout, g: GRPOConfig, ctx: DistContext) -> torch.Tensor:
-    """Reference log-probs of the rows this process trains on (all rows in one process; zeros elsewhere)."""
-    if not ctx.active:
-        return policy.reference_logprobs(rollout, g.temperature)
-    mine = sorted({r for rows in UpdatePlan.of(len(rollout), g, ctx).mine for r in rows})
-    ref_logp = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-    if mine or ctx.lockstep:  # fsdp2: a process without rows still joins the forward
-        part = policy.reference_logprobs(rollout.select(mine or [0]), g.temperature)
-        if mine:
-            ref_logp[mine] = part
-    return ref_logp
+def reference_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan, temperature: float,
+                       ctx: DistContext = DistContext()) -> torch.Tensor:
+    """The reference's log-probs of the rows this process trains on, in one forward (zeros elsewhere)."""
+    return logprobs_of_rows(lambda rows: policy.reference_logprobs(rows, temperature), rollouts, [plan.my_rows],
+                            ctx.lockstep)

@@ -1,4 +1,5 @@
-"""Log-probabilities (and entropies) of chosen tokens from logits, with a lean backward.
+"""Log-probabilities (and entropies) of chosen tokens, and `completion_logprobs`: the Hugging Face forward's log-probs
+of a rollout's completion tokens, the reference every rollout engine's `logprobs` is tested against.
 
 `log_softmax(logits).gather(tokens)` under autograd keeps the whole [rows, vocab] log-softmax, fills a
 zero gradient of that size, scatters into it and runs the log-softmax backward: five passes over the
@@ -11,9 +12,11 @@ passes, and the dot product as `bmm`: the measurements are in docs/performance.m
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from components.engine.models.rollouts import Rollouts, positions_from_mask
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -97,3 +100,51 @@ def head_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: to
             parts.append(_chunk_logprobs(head, h, t, with_entropy))
     logp = torch.cat([lp for lp, _ in parts])
     return logp, (torch.cat([e for _, e in parts]) if with_entropy else None)
+
+
+def decoder_and_head(model) -> tuple[Any, Any] | None:
+    """(the decoder stack, the vocabulary head) of a Hugging Face causal LM (or a peft model over one) whose logits
+    are exactly `head(decoder(...).last_hidden_state)`; None for wrappers (DDP, FSDP2), whose forward must be the
+    wrapper's, and for models that post-process their logits (soft-capping, logit scales)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, torch.nn.parallel.DistributedDataParallel) or hasattr(base, "reshard"):
+        return None
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
+    decoder, head = (get_decoder() if get_decoder else None), (get_head() if get_head else None)
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def completion_logprobs(model, rollouts: Rollouts, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature),
+    and with `with_entropy` the entropy [N, T] of each next-token distribution (no gradient).
+
+    Where the model allows it (`decoder_and_head`) only the completion positions go through the vocabulary
+    head, in chunks (`head_token_logprobs`); otherwise the model's own forward gives every position's logits."""
+    attention = rollouts.attention_mask
+    inputs = dict(input_ids=rollouts.input_ids, attention_mask=attention, position_ids=positions_from_mask(attention),
+                  use_cache=False)
+    prompt_len, comp_len = rollouts.prompt_ids.shape[1], rollouts.completion_ids.shape[1]
+    parts = decoder_and_head(model)
+    if parts is None:
+        logits = model(**inputs).logits[:, prompt_len - 1: prompt_len - 1 + comp_len, :].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return token_logprobs(logits, rollouts.completion_ids, with_entropy)
+    decoder, head = parts
+    hidden = decoder(**inputs).last_hidden_state[:, prompt_len - 1: prompt_len - 1 + comp_len, :]
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        out = head(h).float()
+        return out / temperature if temperature != 1.0 else out
+
+    n = rollouts.completion_ids.shape[0]
+    logp, entropy = head_token_logprobs(logits, hidden.reshape(n * comp_len, -1), rollouts.completion_ids.reshape(-1),
+                                        getattr(head, "out_features", None) or decoder.get_input_embeddings().num_embeddings,
+                                        with_entropy)
+    return logp.view(n, comp_len), (entropy.view(n, comp_len) if with_entropy else None)

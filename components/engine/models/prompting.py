@@ -7,6 +7,7 @@ validate's token counts, and the served pyfunc model, which carries the same set
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from components.config import PromptConfig
@@ -41,3 +42,10 @@ class PromptFormatter:
     def settings(self) -> dict[str, Any]:
         """What the served model needs to format prompts identically."""
         return {"template": self.template, "system": self.system, "chat": self.chat}
+
+
+def longest_row(tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], records: Sequence[dict[str, Any]],
+                completion_length: int) -> int:
+    """Tokens in the longest formatted prompt of `records` plus `completion_length` (at least 1 without records)."""
+    longest = max((len(tokenizer(format_prompt(r), add_special_tokens=False).input_ids) for r in records), default=1)
+    return longest + completion_length

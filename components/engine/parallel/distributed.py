@@ -18,12 +18,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from components.config import DistributedConfig, PipelineConfig
-from components.engine.models.rollout import Rollout, completion_logprobs
+from components.engine.models.rollouts import Rollouts
 
 
 @dataclass(frozen=True)
@@ -189,23 +189,9 @@ def full_value(value: Any) -> Any:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-@torch.no_grad()
-def shared_logprobs(model: torch.nn.Module, rollout: Rollout, mine: list[list[int]], temperature: float,
-                    ctx: DistContext) -> torch.Tensor:
-    """Log-probs [N, T] of this process's rows of each minibatch under `model`, zeros elsewhere; with a sharded
-    model (fsdp2) a process without rows in a minibatch still joins its forward."""
-    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-    for rows in mine:
-        if rows or ctx.lockstep:
-            part = completion_logprobs(model, rollout.select(rows or [0]), temperature)[0]
-            if rows:
-                out[rows] = part
-    return out
-
-
-def zero_loss_backward(module: torch.nn.Module, row: Rollout, temperature: float, last: bool) -> None:
-    """A process with no group in a minibatch backpropagates a zero loss through one row, so DDP's gradient
-    collective still matches the other processes'."""
+def zero_loss_backward(logprobs: Callable[[Rollouts], torch.Tensor], module: torch.nn.Module, row: Rollouts,
+                       last: bool) -> None:
+    """A process with no group in a minibatch backpropagates a zero loss through one row (`logprobs` with a
+    gradient goes through DDP's wrapper `module`), so DDP's gradient collective still matches the other processes'."""
     with no_sync(module, skip=not last):
-        logp, _ = completion_logprobs(module, row, temperature)
-        (torch.nan_to_num(logp).sum() * 0.0).backward()
+        (torch.nan_to_num(logprobs(row)).sum() * 0.0).backward()

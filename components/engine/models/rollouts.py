@@ -1,0 +1,159 @@
+"""`Rollouts`: what an engine's `sample` returns and every later step reads, with the group layout it owns.
+
+Rows are prompt-major: group k (one prompt's G completions) is rows k*G .. k*G+G-1. Prompts are left-padded and
+position ids follow the attention mask (`positions_from_mask`), so log-probs recomputed over a rollout for the loss
+match the distribution its tokens were drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Sampled completions with everything the loss needs; never written to (a change makes a new one)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T] right-padded with the pad token after EOS
+    completion_mask: torch.Tensor  # [N, T] 1 on tokens up to and including EOS
+    truncated: torch.Tensor  # [N] bool: no EOS within the budget
+    group_size: int = 1  # G completions per prompt: the layout of the rows
+    sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    # ---- the group layout: every consumer asks here
+    @property
+    def num_groups(self) -> int:
+        return len(self) // self.group_size
+
+    def group_rows(self, groups: Iterable[int]) -> list[int]:
+        """The rows of the given groups, in order."""
+        return [k * self.group_size + j for k in groups for j in range(self.group_size)]
+
+    def by_group(self, values: torch.Tensor) -> torch.Tensor:
+        """A row per group: [N] -> [N / G, G]."""
+        return values.view(-1, self.group_size)
+
+    def group_of_row(self, row: int) -> int:
+        return row // self.group_size
+
+    # ---- new rollouts from this one
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollouts:
+        """Every tensor through `fn` (rows, device, copies)."""
+        return Rollouts(fn(self.prompt_ids), fn(self.prompt_mask), fn(self.completion_ids), fn(self.completion_mask),
+                        fn(self.truncated), self.group_size,
+                        None if self.sampling_logp is None else fn(self.sampling_logp))
+
+    def clone(self) -> Rollouts:
+        """Fresh copies; made outside `torch.inference_mode`, they are ordinary tensors autograd can save."""
+        return self.map(torch.clone)
+
+    def select(self, rows: Sequence[int]) -> Rollouts:
+        """The given rows (same padding widths); itself when they are all rows in order (no copies)."""
+        if list(rows) == list(range(len(self))):
+            return self
+        return self.map(lambda t: t[list(rows)])
+
+    def select_groups(self, groups: Sequence[int]) -> Rollouts:
+        """The rows of the given groups (whole groups keep the layout)."""
+        return self.select(self.group_rows(groups))
+
+    def trimmed(self) -> Rollouts:
+        """Without trailing completion columns that are padding in every row (decoding in lockstep runs past a
+        group's EOS)."""
+        used = self.completion_mask.any(0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        return replace(self, completion_ids=self.completion_ids[:, :width],
+                       completion_mask=self.completion_mask[:, :width],
+                       sampling_logp=None if self.sampling_logp is None else self.sampling_logp[:, :width])
+
+    # ---- views
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def completion_lengths(self) -> list[int]:
+        """Tokens of each completion (EOS included)."""
+        return [int(x) for x in self.completion_mask.sum(-1)]
+
+    def distinct_fraction(self) -> float:
+        """Distinct (prompt, completion) rows over all rows: 1.0 when no completion repeats another of its group.
+        Low values mean the groups collapsed onto a few answers (little left to compare, and cheap steps)."""
+        if not len(self):
+            return 0.0
+        rows = torch.cat([self.prompt_ids * self.prompt_mask, self.completion_ids * self.completion_mask], dim=1)
+        return torch.unique(rows, dim=0).shape[0] / len(self)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: 0 at each row's first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids [B, P] left-padded with `pad_id`, mask [B, P]): a tokenizer's left padding."""
+    width = max((len(p) for p in prompts), default=0)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def encode_prompts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Prompt texts -> token ids as the model reads them (no special tokens added: templates carry their own)."""
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False).input_ids] if texts else []
+
+
+def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
+    """Stack rollouts of one group size and different widths: prompts re-padded on the left, completions on the
+    right."""
+    if len(parts) == 1:
+        return parts[0]
+    sizes = {r.group_size for r in parts}
+    if len(sizes) != 1:
+        raise ValueError(f"concat_rollouts: rollouts of different group sizes {sorted(sizes)}")
+    p_width = max(r.prompt_ids.shape[1] for r in parts)
+    c_width = max(r.completion_ids.shape[1] for r in parts)
+
+    def left(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    sampled = [r.sampling_logp is not None for r in parts]
+    if any(sampled) and not all(sampled):  # a part lost its sampler log-probs: say so, not a silent on-policy check
+        raise ValueError("concat_rollouts: some rollouts carry the sampler's log-probs and some do not")
+    return Rollouts(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
+                    prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
+                    completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
+                    completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
+                    truncated=torch.cat([r.truncated for r in parts]), group_size=sizes.pop(),
+                    sampling_logp=torch.cat([right(r.sampling_logp, c_width, 0) for r in parts])
+                    if all(sampled) else None)
+
+
+def decode_completions(tokenizer, rollouts: Rollouts) -> list[str]:
+    """Completion text before EOS (special tokens dropped)."""
+    eos_id = tokenizer.eos_token_id
+    texts = []
+    for row in rollouts.completion_ids.tolist():
+        if eos_id in row:
+            row = row[: row.index(eos_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts

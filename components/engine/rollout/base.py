@@ -1,0 +1,59 @@
+"""What every rollout engine takes and returns: `SamplingParams` in, `Rollouts` out, behind `RolloutEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from components.engine.models.rollouts import Rollouts
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are drawn: the same for every engine (vLLM's names where they exist)."""
+
+    n: int = 1  # completions per prompt (the group size G)
+    max_new_tokens: int = 16  # tokens per completion at most, EOS included
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # only the k most likely tokens (0: all), applied before top_p as Hugging Face does
+    greedy: bool = False  # the most likely token every step (temperature, top_p and top_k unused)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's ids an engine needs: where a completion ends and what fills rows after it."""
+
+    eos_id: int
+    pad_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> SpecialTokens:
+        return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+class RolloutEngine(Protocol):
+    """Generates completions and scores them with one model. Implementations: hf.py (the plain Hugging Face
+    forward, the reference the others are tested against), prefix_shared.py (the CPU prompt-once path)."""
+
+    name: str
+
+    def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Rollouts:
+        """`params.n` completions of each prompt (token ids), prompt-major. With the same generator state every
+        engine draws the same tokens as the plain path (greedy, or sampled)."""
+        ...
+
+    def logprobs(self, rollouts: Rollouts, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [N, T] of the completion tokens at `temperature` (0 where `completion_mask` is 0) and, with
+        `with_entropy`, each position's entropy (no gradient). With gradients enabled they flow to the weights."""
+        ...
+
+    def over(self, model: Any) -> RolloutEngine:
+        """The same engine, with the same options, over another model of the same architecture (the frozen
+        reference)."""
+        ...

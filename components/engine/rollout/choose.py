@@ -1,0 +1,39 @@
+"""Which rollout engine runs: decided here, once, when the policy is built, from its settings and device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from components.engine.rollout import prefix_shared
+from components.engine.rollout.base import RolloutEngine, SpecialTokens
+from components.engine.rollout.hf import HFEngine
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the choice and the engines read (from `grpo.*` and the run's data)."""
+
+    prefix_sharing: bool = True  # `grpo.prefix_sharing`: the prompt-once engine where it checks out
+    onednn_matmul: bool = True  # `grpo.onednn_matmul`
+    gradient_checkpointing: bool = False  # training forwards recompute each layer in backward
+    vocab_size: int | None = None  # the tokenizer's (the self-check draws ids below it)
+    max_length: int | None = None  # the longest prompt + completion row the run will see (None: the context)
+    completion_length: int = 4  # `grpo.max_completion_length`
+    wrapped: bool = False  # forwards must go through a wrapper (DDP, FSDP2) or be the same for any process count
+    stop_together: Callable[[bool], bool] | None = None  # sharded models decode in lockstep (FSDP2)
+
+
+def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
+                 say: Callable[..., None] = print) -> RolloutEngine:
+    """The prompt-once engine when prefix sharing is on, the forwards need no wrapper and its self-check passes
+    (else one line says why); otherwise the plain Hugging Face engine."""
+    if settings.prefix_sharing and not settings.wrapped:
+        engine = prefix_shared.build(model, tokens, settings.vocab_size, settings.max_length,
+                                     settings.completion_length, settings.onednn_matmul,
+                                     settings.gradient_checkpointing, say)
+        if engine is not None:
+            return engine
+    return HFEngine(model, tokens, gradient_checkpointing=settings.gradient_checkpointing,
+                    stop_together=settings.stop_together)

@@ -1,0 +1,64 @@
+"""The prompt-once engine: `fast.PrefixSharedLM` (each prompt encoded once per group, completion tokens packed, LoRA
+merged for decoding) behind the rollout door. Llama-family models only, and only once its self-check against the
+Hugging Face forward has passed; `build` returns None (with one line saying why) otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from components.engine.fast.build import checked_prefix_shared_lm
+from components.engine.fast.fastlm import PrefixSharedLM
+from components.engine.fast.pieces import FastOptions
+from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.token_loop import decode
+
+
+class PrefixSharedEngine:
+    """Samples under `torch.inference_mode` (no autograd bookkeeping; the rollouts are then cloned into ordinary
+    tensors, because the loss's forward saves the sampled ids for backward) from a decoder that drops finished rows
+    from its caches, and scores with the prompt-once forward."""
+
+    name = "prefix_shared"
+
+    def __init__(self, lm: PrefixSharedLM, tokens: SpecialTokens):
+        self.lm, self.tokens = lm, tokens
+
+    def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Rollouts:
+        device = next(self.lm.model.parameters()).device
+        prompt_ids, prompt_mask = left_pad(prompts, self.tokens.pad_id, device)
+        with torch.inference_mode():
+            decoder = self.lm.start_decoding(prompt_ids, prompt_mask, params.n, params.max_new_tokens)
+            rollouts = decode(decoder, prompt_ids, prompt_mask, params, self.tokens, generator)
+        return rollouts.clone()
+
+    def logprobs(self, rollouts: Rollouts, temperature: float,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.lm.completion_logprobs(rollouts, temperature, with_entropy)
+
+    def over(self, model: Any) -> PrefixSharedEngine:
+        return PrefixSharedEngine(self.lm.over(model), self.tokens)
+
+
+def build(model: Any, tokens: SpecialTokens, vocab_size: int | None, max_length: int | None, completion_length: int,
+          onednn_matmul: bool = True, gradient_checkpointing: bool = False,
+          say: Callable[..., None] = print) -> PrefixSharedEngine | None:
+    """The checked prompt-once engine over `model`, or None with one line saying why: it can never take training
+    down (a transformers release that renames what it reads, a torch op that changed), only make it slower."""
+    options = FastOptions(onednn_matmul=onednn_matmul, gradient_checkpointing=gradient_checkpointing)
+    try:
+        lm = checked_prefix_shared_lm(model, vocab_size, max_length, completion_length, options)
+    except Exception as err:  # noqa: BLE001 - whatever broke, the plain forward still works
+        say(f"grpo: prefix sharing off: building or checking the prompt-once forward failed ({type(err).__name__}: "
+            f"{err}); using the plain Hugging Face forward", flush=True)
+        return None
+    if lm is None:
+        say(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full attention, no "
+            "attention dropout and log-probs and gradients that match Hugging Face's; using the plain forward",
+            flush=True)
+        return None
+    return PrefixSharedEngine(lm, tokens)
