@@ -26,12 +26,13 @@ def qwen2_half_billion():
 
 
 def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, new_tokens: int = 256) -> dict[str, Any]:
-    from components.engine.fast.fastlm import PrefixSharedLM
-    from components.engine.models.rollout import Rollout, sample_from
+    from components.engine.fast.build import checked_prefix_shared_lm
+    from components.engine.models.rollouts import Rollouts
+    from components.engine.rollout.draw import sample_from
 
     model = qwen2_half_billion()
     params = sum(p.numel() for p in model.parameters())
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     vocab = model.config.vocab_size
     prompt_ids = torch.randint(0, vocab, (prompts, prompt_len), device="cuda")
     mask = torch.ones_like(prompt_ids)
@@ -51,7 +52,7 @@ def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, n
     gen_seconds = time.perf_counter() - t0
     completion = torch.stack(tokens, 1)
     rows = prompts * group_size
-    rollout = Rollout(prompt_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0), completion,
+    rollout = Rollouts(prompt_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0), completion,
                       torch.ones_like(completion), torch.zeros(rows, dtype=torch.bool, device="cuda"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times = []

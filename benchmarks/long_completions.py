@@ -20,6 +20,7 @@ Writes benchmarks/results/long_completions.{json,md}. Not a test: it reports fig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -45,36 +46,6 @@ VARIANTS = {"auto": [], "never": ["grpo.gradient_checkpointing=never"],
 
 
 # ------------------------------------------------------------------------------------------------ worker
-class _NoEos:
-    """The tokenizer with an EOS id no token has: sampling runs every completion to the length budget."""
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self.eos_token_id = -1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer(*args, **kwargs)
-
-
-def memory_as_the_stage_fits_it(cfg: Any, policy: Any, records: list) -> dict[str, Any]:
-    """What the grpo stage decides from its memory estimate before the first step (checkpointing under `auto`, the
-    allocator); engines without an estimate kept freed memory."""
-    try:
-        from components.stages.grpo import fit_memory
-    except ImportError:
-        from components.engine.grpo.host_memory import keep_freed_memory
-
-        keep_freed_memory()
-        return {}
-    from components.engine.grpo.memory_estimate import GiB
-
-    memory = fit_memory(cfg, policy, records, say=lambda *args, **kwargs: None)
-    return {"estimate_gb": memory.peak / GiB, "checkpointing": policy.gradient_checkpointing}
-
-
 def worker(start: Path, overrides: list[str], steps: int, threads: int, device: str = "cpu") -> dict[str, Any]:
     """Build the policy as the grpo stage does and run `steps` full-length steps; report seconds and peak RSS
     (and, on a GPU, the allocator's peak GPU memory)."""
@@ -84,12 +55,11 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int, device: 
     from components.data.records import read_jsonl, split_path
     from components.engine.grpo.objectives import build_loss
     from components.engine.grpo.policy import build_policy
+    from components.engine.grpo.batch import sampling_params
     from components.engine.grpo.trajectory import Trajectory
-    from components.engine.grpo.update import policy_updates, reference_logprobs
+    from components.engine.grpo.update import UpdatePlan, policy_updates, reference_logprobs
     from components.engine.models.modeling import resolve_model_dir, seed_everything
     from components.engine.models.optim import make_optimizer
-    from components.engine.models.rollout import sample_groups
-    from components.engine.parallel.distributed import DistContext
     from pipelines.params_io import merged_config
 
     tree = Path(os.environ.get("BENCH_TREE", ROOT))
@@ -103,25 +73,27 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int, device: 
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = build_policy(cfg, resolve_model_dir(paths.sft_model), dev, records, with_reference=loss.uses_reference)
+    # Built as the grpo stage builds it: gradient checkpointing under `auto` and the allocator from the estimate.
+    policy, fit = build_policy(cfg, resolve_model_dir(paths.sft_model), dev, records,
+                               with_reference=loss.uses_reference)
     optimizer = make_optimizer(policy.model, g.learning_rate, g.weight_decay, dev)
-    estimate = memory_as_the_stage_fits_it(cfg, policy, records)
+    estimate = {"estimate_gb": fit.memory.peak / 2**30, "checkpointing": fit.gradient_checkpointing}
     built_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    prompts = [policy.format_prompt(r) for r in records]
+    params = dataclasses.replace(sampling_params(g), ignore_eos=True)  # every completion at the budget
     generator = torch.Generator(device=dev).manual_seed(cfg.seed)
     clock = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if cuda else time.perf_counter
     timings: list[dict[str, float]] = []
     for _ in range(steps):
         t0 = clock()
-        rollout = sample_groups(policy.model, _NoEos(policy.tokenizer), prompts, g.group_size,
-                                g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
-                                generator=generator, fast=policy.fast)
+        rollout = policy.sample(records, params, generator)
         t1 = clock()
         advantages = torch.randn(len(rollout), generator=generator, device=dev)
-        ref_logp = reference_logprobs(policy, rollout, g, DistContext()) if loss.uses_reference else None
+        plan = UpdatePlan.of(len(rollout), rollout.group_size, g)
+        ref_logp = reference_logprobs(policy, rollout, plan, g.temperature) if loss.uses_reference else None
         t2 = clock()
-        policy_updates(policy, optimizer, Trajectory(rollout, g.group_size, advantages, rollout.completion_mask.float(),
-                                                     ref_logp=ref_logp), g, loss=loss)
+        policy_updates(policy, optimizer, Trajectory(rollout, advantages, rollout.completion_mask.float(),
+                                                     torch.ones(len(rollout), dtype=torch.bool, device=dev), ref_logp),
+                       g, loss, plan)
         t3 = clock()
         timings.append({"generation_s": t1 - t0, "reference_s": t2 - t1, "update_s": t3 - t2,
                         "tokens": int(rollout.completion_mask.sum())})
@@ -129,7 +101,7 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int, device: 
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "built_rss_gb": built_gb,
             **estimate, **last,
             "completion_tokens_per_s": last["tokens"] / (last["generation_s"] + last["reference_s"] + last["update_s"]),
-            "fast_path": policy.fast is not None,
+            "fast_path": policy.engine.name == "prefix_shared",
             **({"peak_gpu_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 2**30} if cuda else {})}
 

@@ -124,3 +124,31 @@ def test_the_private_member_check_finds_one():
     assert foreign_private_reads("def f(lm):\n    return lm._attend(1)\n") == ["2 lm._attend"]
     assert foreign_private_reads("class A:\n    def _attend(self):\n        pass\n\ndef f(a):\n"
                                  "    return a._attend()\n") == []  # defined in the same module
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def oversized(path, source: str) -> list[str]:
+    """A module over MAX_MODULE_LINES lines, and each function over MAX_FUNCTION_LINES lines."""
+    import ast
+
+    found = [f"{path}: {source.count(chr(10))} lines"] if source.count("\n") > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{path}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_library_modules_and_functions_stay_small():
+    """Rooms a newcomer can read: split by what each part does (a function of the loop, a module per role)."""
+    files = sorted((ROOT / "components").rglob("*.py")) + sorted((ROOT / "pipelines").rglob("*.py"))
+    assert [line for path in files for line in oversized(path.relative_to(ROOT), path.read_text())] == []
+
+
+def test_the_size_check_finds_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert oversized("m.py", f"def f():\n{body}\n") == [f"m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
+    assert oversized("m.py", "x = 1\n" * (MAX_MODULE_LINES + 1)) == [f"m.py: {MAX_MODULE_LINES + 1} lines"]

@@ -30,7 +30,7 @@ from components.engine.grpo.batch import collect_batch
 from components.engine.grpo.memory_estimate import GiB
 from components.engine.grpo.policy import update_reference
 from components.engine.grpo.train_state import save_kept_model, save_training_state
-from components.engine.grpo.training import prepare_training
+from components.engine.grpo.training import Training, prepare_training
 from components.engine.grpo.trajectory import build_trajectory
 from components.engine.grpo.update import UpdatePlan, UpdateStats, old_logprobs, policy_updates, reference_logprobs
 from components.engine.models.modeling import load_policy_model, pick_device, resolve_model_dir, seed_everything
@@ -114,14 +114,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
                  available_gb=psutil.virtual_memory().available / GiB, knobs=t.memory.knobs)
     load_plain = lambda: load_policy_model(cfg, start_dir, torch.device("cpu"))  # noqa: E731 - fsdp2 gathers
     last_checkpoint, bad_steps, reward_failures = t.start_step, 0, 0
-    # Held-out evaluation during training (rank 0; not with a sharded model) and the monitors reading it.
-    probe = HeldoutProbe(cfg, paths, policy.tokenizer) if ctx.is_main and not ctx.lockstep and cfg.evaluate.every \
-        else None
-    checks, unchecked = for_dtype(cfg.monitors, next(policy.model.parameters()).dtype)
-    if unchecked:
-        say(f"grpo: {unchecked}")
-    monitors = Monitors(checks, g.keep_metric, g.steps)
-    monitors.replay(history)
+    probe, monitors = _probe_and_monitors(cfg, paths, t, ctx, say)
 
     with tracking_run(ctx.is_main, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": t.start_step})
@@ -180,13 +173,28 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
 
         log.flush()
         # ---- finish: the kept weights become models/grpo; the run's summary, verdict and reports
-        kept = save_kept_model(policy, paths, heldout.best, run_hash, start_dir, g, ctx, load_plain, say)
+        kept = save_kept_model(policy, paths, history, heldout.best, run_hash, start_dir, g, ctx, load_plain, say)
         if not ctx.is_main:
             return {}
         return report_run(cfg, paths, run, kept, history, probe, monitors, log, heldout, reporter, say)
 
 
 # ---- the details the loop above hides: settings a run refuses, resume, failure streaks
+
+def _probe_and_monitors(cfg: PipelineConfig, paths: Paths, t: Training, ctx: DistContext,
+                        say) -> tuple[HeldoutProbe | None, Monitors]:
+    """Held-out evaluation during training (rank 0; not with a sharded model) and the monitors reading it, replayed
+    over a resumed run's history."""
+    policy = t.policy
+    probe = HeldoutProbe(cfg, paths, policy.tokenizer) if ctx.is_main and not ctx.lockstep and cfg.evaluate.every \
+        else None
+    checks, unchecked = for_dtype(cfg.monitors, next(policy.model.parameters()).dtype)
+    if unchecked:
+        say(f"grpo: {unchecked}")
+    monitors = Monitors(checks, cfg.grpo.keep_metric, cfg.grpo.steps)
+    monitors.replay(t.history)
+    return probe, monitors
+
 
 def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[StepCallback], say) -> None:
     """Print the config's warnings; refuse what a sharded (fsdp2) run cannot do."""

@@ -166,6 +166,20 @@ def iter_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
         yield chunk
 
 
+@dataclass(frozen=True)
+class SuiteContext:
+    """What every split's suite reads: the tokenizer and prompt format, the token budget, the held-out prompts."""
+
+    gx: Any
+    cfg: PipelineConfig
+    tokenizer: Any
+    formatter: PromptFormatter
+    context: int  # the model's context length in tokens
+    budget: int  # tokens a completion may take (GRPO's and evaluation's, the larger)
+    heldout_prompts: list[str]
+    heldout_norm: list[str]
+
+
 def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUNK_ROWS) -> list[Violation]:
     """Run the suites on every split, chunk by chunk; raise `StageFailed` listing every violation."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -173,15 +187,14 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
     from transformers import AutoConfig
 
     tokenizer = load_tokenizer(paths.base_model, cfg.model.trust_remote_code)
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
-    context = context_length(AutoConfig.from_pretrained(str(resolve_model_dir(paths.base_model)),
-                                                        trust_remote_code=cfg.model.trust_remote_code))
-    budget = max(cfg.grpo.max_completion_length, cfg.evaluate.max_new_tokens)
-    sources = json.loads((paths.data / "sources.json").read_text())
     heldout_prompts = sorted({r["prompt"] for _, r in iter_jsonl(split_path(paths.data, "heldout"))
                               if isinstance(r.get("prompt"), str)})
-    heldout_norm = sorted({normalise_prompt(p) for p in heldout_prompts})
-
+    suite = SuiteContext(gx, cfg, tokenizer, PromptFormatter(cfg.prompt, tokenizer), context_length(
+        AutoConfig.from_pretrained(str(resolve_model_dir(paths.base_model)),
+                                   trust_remote_code=cfg.model.trust_remote_code)),
+        max(cfg.grpo.max_completion_length, cfg.evaluate.max_new_tokens), heldout_prompts,
+        sorted({normalise_prompt(p) for p in heldout_prompts}))
+    sources = json.loads((paths.data / "sources.json").read_text())
     found: dict[tuple[str, str], Violation] = {}
     report: dict[str, Any] = {"success": True, "files": {}}
     total = 0
@@ -206,53 +219,76 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
             continue
         if leak_check:
             checked[digest] = split
-        seen_ids: set[int] = set()
-        repeated = RepeatedPrompts()
-        checks: dict[str, dict[str, Any]] = {}
-        offset = 0
-        for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
-            sft_target = cfg.sft.target_column if split == "sft" and cfg.sft.enabled else "answer"
-            df = _frame(chunk, tokenizer, set(heldout_norm) if leak_check else None, formatter, sft_target)
-            if "id" in df:  # duplicates across chunks; within a chunk GX's uniqueness check sees them
-                keys = [_id_key(i) for i in df["id"]]
-                df["_id_seen_earlier"] = [k in seen_ids for k in keys]
-                seen_ids.update(keys)
-            repeated.mark(df, offset)
-            result = _run_suite(gx, split, df, lambda columns: _suite(
-                gx, f"{split}_suite", columns, split, context - budget, context,
-                heldout_prompts if leak_check else None, heldout_norm if leak_check else None, sft_target))
-            if n == 0:
-                docs[split] = result
-            for res in result.results:
-                idx = list((res.result or {}).get("unexpected_index_list") or [])
-                ids = [str(df["id"].iloc[i]) if "id" in df else f"row {offset + i + 1}" for i in idx]
-                rule = res.expectation_config.meta.get("rule", "?")
-                if rule == CONFLICT_RULE:  # name both rows of each contradiction
-                    ids = [f"{ids[k]} contradicts {df['_conflicts_with'].iloc[i]}" for k, i in enumerate(idx)]
-                check = checks.setdefault(rule, {"rule": rule, "expectation": res.expectation_config.type,
-                                                 "success": True, "unexpected_count": 0, "ids": []})
-                check["success"] &= bool(res.success)
-                check["unexpected_count"] += len(idx)
-                check["ids"] = (check["ids"] + ids)[:100]
-                if not res.success:
-                    v = found.setdefault((file_label, rule), Violation(file=file_label, rule=rule,
-                                                                       expectation=res.expectation_config.type))
-                    v.ids = (v.ids + ids)[:1000]
-                    v.rows = (v.rows + [offset + i + 1 for i in idx])[:1000]
-            offset += len(df)
-            del df, result
-            gc.collect()
-        if offset == 0:
-            raise StageFailed(f"{file_label}: file is empty (no records)")
-        if repeated.identical:
-            print(f"validate: warning: {file_label}: {repeated.identical} row(s) repeat an earlier prompt with the "
-                  "same answer (kept; they weigh that prompt more)")
-        total += offset
+        rows, checks = _validate_split(suite, paths, split, file_label, leak_check, chunk_rows, found, docs)
+        total += rows
         # Deterministic (no GX run ids or timestamps): downstream DVC stages depend on this file.
-        report["files"][split] = {"file": file_label, "rows": offset,
+        report["files"][split] = {"file": file_label, "rows": rows,
                                   "success": all(c["success"] for c in checks.values()),
                                   "checks": sorted(checks.values(), key=lambda c: c["rule"])}
-    violations = list(found.values())
+    return _report(cfg, paths, report, list(found.values()), docs, total)
+
+
+def _validate_split(suite: SuiteContext, paths: Paths, split: str, file_label: str, leak_check: bool,
+                    chunk_rows: int, found: dict[tuple[str, str], Violation],
+                    docs: dict[str, Any]) -> tuple[int, dict[str, dict[str, Any]]]:
+    """One split's suite, chunk by chunk: (rows, each rule's check), the violations added to `found` and its first
+    chunk's result to `docs`."""
+    cfg = suite.cfg
+    seen_ids: set[int] = set()
+    repeated = RepeatedPrompts()
+    checks: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
+        sft_target = cfg.sft.target_column if split == "sft" and cfg.sft.enabled else "answer"
+        df = _frame(chunk, suite.tokenizer, set(suite.heldout_norm) if leak_check else None, suite.formatter,
+                    sft_target)
+        if "id" in df:  # duplicates across chunks; within a chunk GX's uniqueness check sees them
+            keys = [_id_key(i) for i in df["id"]]
+            df["_id_seen_earlier"] = [k in seen_ids for k in keys]
+            seen_ids.update(keys)
+        repeated.mark(df, offset)
+        result = _run_suite(suite.gx, split, df, lambda columns: _suite(
+            suite.gx, f"{split}_suite", columns, split, suite.context - suite.budget, suite.context,
+            suite.heldout_prompts if leak_check else None, suite.heldout_norm if leak_check else None, sft_target))
+        if n == 0:
+            docs[split] = result
+        _record(result, df, offset, file_label, checks, found)
+        offset += len(df)
+        del df, result
+        gc.collect()
+    if offset == 0:
+        raise StageFailed(f"{file_label}: file is empty (no records)")
+    if repeated.identical:
+        print(f"validate: warning: {file_label}: {repeated.identical} row(s) repeat an earlier prompt with the "
+              "same answer (kept; they weigh that prompt more)")
+    return offset, checks
+
+
+def _record(result: Any, df: Any, offset: int, file_label: str, checks: dict[str, dict[str, Any]],
+            found: dict[tuple[str, str], Violation]) -> None:
+    """A chunk's GX results into each rule's check and, where a rule broke, its violation (ids and rows)."""
+    for res in result.results:
+        idx = list((res.result or {}).get("unexpected_index_list") or [])
+        ids = [str(df["id"].iloc[i]) if "id" in df else f"row {offset + i + 1}" for i in idx]
+        rule = res.expectation_config.meta.get("rule", "?")
+        if rule == CONFLICT_RULE:  # name both rows of each contradiction
+            ids = [f"{ids[k]} contradicts {df['_conflicts_with'].iloc[i]}" for k, i in enumerate(idx)]
+        check = checks.setdefault(rule, {"rule": rule, "expectation": res.expectation_config.type,
+                                         "success": True, "unexpected_count": 0, "ids": []})
+        check["success"] &= bool(res.success)
+        check["unexpected_count"] += len(idx)
+        check["ids"] = (check["ids"] + ids)[:100]
+        if not res.success:
+            v = found.setdefault((file_label, rule), Violation(file=file_label, rule=rule,
+                                                               expectation=res.expectation_config.type))
+            v.ids = (v.ids + ids)[:1000]
+            v.rows = (v.rows + [offset + i + 1 for i in idx])[:1000]
+
+
+def _report(cfg: PipelineConfig, paths: Paths, report: dict[str, Any], violations: list[Violation],
+            docs: dict[str, Any], total: int) -> list[Violation]:
+    """metrics/validation.json and the validate run in MLflow (both before failing: the report is the point of a
+    failed validation); then the verdict."""
     report["success"] = not violations
     report["violations"] = [v.__dict__ | {"message": v.message()} for v in violations]
     paths.metrics.mkdir(parents=True, exist_ok=True)
@@ -261,7 +297,7 @@ def validate(cfg: PipelineConfig, paths: Paths = Paths(), chunk_rows: int = CHUN
     from components.tracking.runs import stage_run
 
     with stage_run(cfg.tracking.experiment, "validate") as run:
-        run.log_artifact(report_path)  # saved before failing: the report is the point of a failed validation
+        run.log_artifact(report_path)
         from components.tracking.reports import log_data_docs
 
         log_data_docs(run, docs)

@@ -41,18 +41,30 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
                grpo: dict[str, Any], tags: dict[str, str], predictions: list[dict[str, Any]],
                figure_url: str | None) -> tuple[str, str]:
     """(full card, description-sized card) in Markdown."""
-    g, e = cfg.grpo, cfg.evaluate
-    metrics = evaluation.get("metrics") or {"reward": {
-        "baseline": evaluation["baseline"]["mean_reward"], "candidate": evaluation["candidate"]["mean_reward"],
-        "improvement": evaluation["improvement"]}}
-    vs_champion = decision.get("vs_champion_metrics") or {}
-    champion = decision.get("champion_version")
     verdict = "champion" if decision["promote"] else "challenger"
     head = [f"## Model card: {name} v{version}", "",
             f"**Decision: {verdict}.** {decision['reason']}.", ""]
     if decision.get("rule"):
         head += [f"Rule: {decision['rule']}.", ""]
+    evidence = _evidence(cfg, evaluation, decision)
+    training, monitors = _training(cfg, grpo, tags), _monitors(grpo)
+    curve, limits = _curve(grpo, figure_url), _limits(grpo)
+    full = "\n".join(head + evidence + training + monitors + curve + _samples(predictions) + limits)
+    link = ["Full card, with sample completions: artifact `model_card/model_card.md` of the register run."]
+    short = "\n".join(head + evidence + training + monitors + curve + limits + link)
+    if len(short) > DESCRIPTION_LIMIT:
+        short = "\n".join(head + evidence + monitors + link)[:DESCRIPTION_LIMIT]
+    return full, short
 
+
+def _evidence(cfg: PipelineConfig, evaluation: dict[str, Any], decision: dict[str, Any]) -> list[str]:
+    """The held-out table: each metric before GRPO, now, the improvement and the comparison with the champion."""
+    e = cfg.evaluate
+    metrics = evaluation.get("metrics") or {"reward": {
+        "baseline": evaluation["baseline"]["mean_reward"], "candidate": evaluation["candidate"]["mean_reward"],
+        "improvement": evaluation["improvement"]}}
+    vs_champion = decision.get("vs_champion_metrics") or {}
+    champion = decision.get("champion_version")
     evidence = [f"### Held-out evaluation (n = {evaluation['n']}, held-out md5 `{evaluation['heldout_md5'][:12]}`)", "",
                 "| metric | before GRPO | this version | improvement (95% CI) | "
                 + (f"vs champion v{champion} (95% CI) |" if champion and vs_champion else "vs champion |"),
@@ -62,9 +74,13 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
         gate = " (gate)" if metric == cfg.register.gate_metric else ""
         evidence.append(f"| {metric}{gate} | {row['baseline']:.4f} | {row['candidate']:.4f} | {_ci(row['improvement'])} "
                         f"| {_ci(vs_champion.get(metric))} |")
-    evidence += ["", "CIs: paired bootstrap over prompts, "
-                 f"{e.bootstrap_samples} resamples; pass@k at temperature {e.pass_k_temperature:g}.", ""]
+    return evidence + ["", "CIs: paired bootstrap over prompts, "
+                       f"{e.bootstrap_samples} resamples; pass@k at temperature {e.pass_k_temperature:g}.", ""]
 
+
+def _training(cfg: PipelineConfig, grpo: dict[str, Any], tags: dict[str, str]) -> list[str]:
+    """Base model, data and weights hashes, the algorithm's settings, the rewards with their sources' hashes."""
+    g = cfg.grpo
     base_id = cfg.model.name_or_path or "the tiny default (model.tiny, random init)"
     training = ["### Training", "",
                 f"- Base model: {base_id}; models/base md5 `{tags.get('dvc.models/base.md5', '-')}`",
@@ -84,8 +100,11 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
         training.append(f"- Kept weights: `{kept.get('mode')}` -> step {kept.get('step')}"
                         + (f" (held-out {kept.get('metric')} {value:.4f})" if isinstance(value, (int, float)) else ""))
     training.append(f"- Commit `{tags.get('lineage.git_commit', '-')}`, params hash `{tags.get('lineage.params_hash', '-')}`")
-    training.append("")
+    return training + [""]
 
+
+def _monitors(grpo: dict[str, Any]) -> list[str]:
+    """Each reward-hacking monitor's verdict, the not-learning warning and the generalisation verdict."""
     monitors = ["### Reward-hacking monitors", "", "| signal | rule | action | result |", "|---|---|---|---|"]
     for m in grpo.get("monitors") or []:
         b = m.get("breach")
@@ -98,8 +117,11 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
     monitors += ["", f"Not-learning warning: {grpo.get('not_learning') or 'none'}."]
     if (grpo.get("generalisation") or {}).get("text"):
         monitors.append(f"Generalisation (training reward vs the held-out curve): {grpo['generalisation']['text']}.")
-    monitors.append("")
+    return monitors + [""]
 
+
+def _curve(grpo: dict[str, Any], figure_url: str | None) -> list[str]:
+    """The held-out evaluations during training: the figure and at most a dozen rows of the table."""
     curve = ["### Evaluation during training", ""]
     evals = grpo.get("heldout_evaluations") or []
     if figure_url:
@@ -111,28 +133,25 @@ def model_card(cfg: PipelineConfig, name: str, version: str, evaluation: dict[st
         curve += [f"| {r['step']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |" for r in shown]
     else:
         curve.append("No held-out evaluation during training (evaluate.every: 0).")
-    curve.append("")
+    return curve + [""]
 
+
+def _samples(predictions: list[dict[str, Any]]) -> list[str]:
     samples = ["### Sample held-out completions", "", "| prompt | answer | before GRPO | this version | reward |",
                "|---|---|---|---|---|"]
     samples += [f"| {_cell(p['prompt'])} | {_cell(p.get('answer'))} | {_cell(p.get('baseline_completion'))} | "
                 f"{_cell(p.get('candidate_completion'))} | {p.get('candidate_reward', 0):.2f} |" for p in predictions[:5]]
-    samples.append("")
+    return samples + [""]
 
+
+def _limits(grpo: dict[str, Any]) -> list[str]:
     limits = ["### Known limits", "",
               "- Measured on held-out prompts of the training task's own distribution: not an evaluation of "
               "safety, general ability, or other tasks.",
               "- The reward and the task metrics are the configured functions; a model can still satisfy them "
               "without solving the task in the intended way (read the samples).",
               "- CPU and GPU kernels differ: a rerun elsewhere gives a close, not identical, model."]
-    if kept.get("mode") == "best":
+    if (grpo.get("kept") or {}).get("mode") == "best":
         limits.append("- `grpo.keep: best` picked the step on held-out prompts this evaluation also scores, so the "
                       "improvement over the baseline is optimistic by that selection.")
-    limits.append("")
-
-    full = "\n".join(head + evidence + training + monitors + curve + samples + limits)
-    link = ["Full card, with sample completions: artifact `model_card/model_card.md` of the register run."]
-    short = "\n".join(head + evidence + training + monitors + curve + limits + link)
-    if len(short) > DESCRIPTION_LIMIT:
-        short = "\n".join(head + evidence + monitors + link)[:DESCRIPTION_LIMIT]
-    return full, short
+    return limits + [""]

@@ -13,7 +13,8 @@ from packaging.version import Version
 
 from components.config import load_config
 from components.data.paths import Paths
-from components.engine.models.rollout import sample_groups
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 from components.stages.grpo import train_grpo
 from components.stages.model import build_base_model
 from components.stages.prepare import prepare
@@ -46,7 +47,7 @@ def test_grpo_weights_are_byte_identical_even_with_extra_evaluation(tmp_path, ml
         torch.rand(1000), random.random(), np.random.rand(10)
         modeling = __import__("components.engine.models.modeling", fromlist=["load_tokenizer"])
         tok = modeling.load_tokenizer(tmp_path / "c" / "models" / "sft")
-        sample_groups(policy, tok, ["1+2=", "30+4="], 2, 4)  # sampled with the global generator
+        sample_texts(policy, tok, ["1+2=", "30+4="], SamplingParams(n=2, max_new_tokens=4))  # the global generator
 
     assert train(tmp_path / "c", callbacks=[noisy_evaluation]) == first
 

@@ -162,9 +162,11 @@ def test_a_fast_path_that_cannot_be_built_leaves_training_on_the_plain_forward(t
         del model.model
         return model
 
-    fast_path = policy_module.fast_path
+    from components.engine.rollout import prefix_shared
+
+    build = prefix_shared.build
     monkeypatch.setattr(policy_module, "load_policy_model", load_renamed)
-    monkeypatch.setattr(policy_module, "fast_path", lambda *a, **k: built.append(fast_path(*a, **k)) or built[-1])
+    monkeypatch.setattr(prefix_shared, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=3", "grpo.prefix_sharing=true"])
     summary = train_grpo(cfg, paths)
     out = capsys.readouterr().out

@@ -1,7 +1,8 @@
 """The fast path checks itself against the Hugging Face forward it replaces, once when built: log-probs and
 entropies on small left-padded batches (repeated prompts, a prompt that differs only in its mask, a shared prefix),
-and in training mode the gradients through a repeated row. `PrefixSharedLM.for_model` returns None when a check
-fails, and `grpo.policy.fast_path` falls back to the plain forward when anything raises.
+and in training mode the gradients through a repeated row. `build.checked_prefix_shared_lm` returns None when a
+check fails, and the rollout engine (`rollout.prefix_shared.build`) falls back to the plain forward when anything
+raises.
 
 In float32 the two forwards differ only in the order of their sums, so they must agree to `CHECK_TOLERANCE`. A
 bfloat16 or float16 model rounds far more than that (SmolLM2-135M in bfloat16: log-probs 0.3 nats from its own
@@ -9,7 +10,7 @@ float32 values, Hugging Face's forward and this one alike), so a fixed tolerance
 lets real faults through. There the check runs twice: once with the weights in float32 (bfloat16 and float16 values
 are exact in float32, so the round trip changes nothing), where the forwards must agree to `CHECK_TOLERANCE`, then in
 the model's own dtype, where this forward may stray from those float32 values at most `HALF_PRECISION_MARGIN` times
-as far as Hugging Face's own forward in that dtype does. `build.checked_prefix_shared_lm` runs these checks."""
+as far as Hugging Face's own forward in that dtype does."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Each decoder layer is one FSDP unit and the root (embeddings, final norm, head) another, so a rank
 holds 1/N of the weights, gradients and AdamW state, and all-gathers one layer at a time in every
-forward. That makes every forward a collective: the callers run them in lockstep (engine/grpo/sampling.py
-collect_batch_sharded, engine/grpo/update.py policy_updates). Checkpoints stay in the single-process format (full
+forward. That makes every forward a collective: the callers run them in lockstep (engine/grpo/batch.py
+per_group_round, engine/grpo/update.py policy_updates). Checkpoints stay in the single-process format (full
 weights in safetensors, an optimizer state keyed by parameter index), gathered to rank 0, so a run
 resumes with any process count and either strategy.
 """

@@ -21,6 +21,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # only the k most likely tokens (0: all), applied before top_p as Hugging Face does
     greedy: bool = False  # the most likely token every step (temperature, top_p and top_k unused)
+    ignore_eos: bool = False  # draw on past EOS: every completion runs to max_new_tokens (benchmarks at the budget)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ def decode(decoder: StepDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     the same forward calls, so decoding stops at EOS only when all processes are done.
     """
     group_size, max_new_tokens = params.n, params.max_new_tokens
+    eos_id = -1 if params.ignore_eos else tokens.eos_id  # -1: no token ends a row
     if group_size > 1:
         prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
@@ -48,7 +49,7 @@ def decode(decoder: StepDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             sampling_logp[open_rows, t] = logp
         drawn_tokens[open_rows, t] = drawn
         length = t + 1
-        still_open = drawn != tokens.eos_id
+        still_open = drawn != eos_id
         open_rows = open_rows[still_open]
         done = len(open_rows) == 0
         if stop_together is not None:
@@ -57,7 +58,7 @@ def decode(decoder: StepDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             break
         logits = decoder.advance(drawn, still_open, tokens.pad_id)
     drawn_tokens = drawn_tokens[:, :length]
-    is_eos = drawn_tokens == tokens.eos_id
+    is_eos = drawn_tokens == eos_id
     # Mask: every token up to and including the first EOS (all tokens when there is none).
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     completion_mask = (~after_eos).long()

@@ -7,7 +7,8 @@ import torch
 
 from components.config import EvaluateConfig, RewardSpec
 from components.engine.evaluation.task_metrics import TaskMetrics, metric_key, pass_at_k
-from components.engine.models.rollout import sample_groups
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 
 
 @pytest.mark.parametrize("n, correct, k, expected", [
@@ -49,7 +50,7 @@ def test_every_metric_per_prompt_on_a_real_model(tiny):
                        metrics=["reward_fixtures:every_other", "pass@2", "pass@4", "completion_length", "eos_rate"])
     values, out = TaskMetrics(e, [RewardSpec("reward_fixtures:every_other")]).per_prompt(
         model, tokenizer, prompts, records, seed=3)
-    greedy = sample_groups(model, tokenizer, prompts, 1, 5, greedy=True)
+    greedy = sample_texts(model, tokenizer, prompts, SamplingParams(max_new_tokens=5, greedy=True))
     assert values["completion_length"] == greedy.completion_mask.sum(-1).float().tolist()
     assert values["eos_rate"] == (~greedy.truncated).float().tolist()
     # every_other scores the greedy completions 1, 0, 1, ... ; the 4 samples of each prompt 1, 0, 1, 0:

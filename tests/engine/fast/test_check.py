@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from components.engine.fast import check
+from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.fastlm import PrefixSharedLM
-from components.engine.models.rollout import Rollout, completion_logprobs, sample_groups
-from tests.engine.fast.test_fastlm import ALL_PROJECTIONS, VOCAB, _llama, _rollout, _StubTokenizer
+from components.engine.fast.pieces import ModelPieces
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import Rollouts
+from tests.engine.fast.test_fastlm import ALL_PROJECTIONS, VOCAB, _llama, _rollout, _sample
 
 
 def _loud_bfloat16_llama():
@@ -23,7 +26,7 @@ def _loud_bfloat16_llama():
     return model.to(torch.bfloat16)
 
 
-def _largest_error_against_hugging_face(fast: PrefixSharedLM, rollout: Rollout) -> float:
+def _largest_error_against_hugging_face(fast: PrefixSharedLM, rollout: Rollouts) -> float:
     with torch.no_grad():
         ours = fast.completion_logprobs(rollout)[0]
         theirs = completion_logprobs(fast.model, rollout)[0]
@@ -33,7 +36,7 @@ def _largest_error_against_hugging_face(fast: PrefixSharedLM, rollout: Rollout) 
 
 def test_a_bfloat16_model_keeps_the_fast_path_where_its_rounding_exceeds_any_fixed_tolerance():
     model = _loud_bfloat16_llama()
-    fast = PrefixSharedLM.for_model(model, max_length=40, completion_length=8)
+    fast = checked_prefix_shared_lm(model, max_length=40, completion_length=8)
     assert fast is not None
     assert _largest_error_against_hugging_face(fast, _rollout()) > 0.1  # what the old fixed tolerance refused
 
@@ -45,7 +48,7 @@ def test_the_check_leaves_every_weight_bit_for_bit_and_in_its_own_dtype():
     model = attach_lora(_loud_bfloat16_llama(), LoRAConfig(enabled=True, rank=4, target_modules=ALL_PROJECTIONS))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     assert any(p.dtype == torch.float32 for p in before.values())  # peft keeps the adapters in float32
-    assert PrefixSharedLM.for_model(model, max_length=40, completion_length=8) is not None
+    assert checked_prefix_shared_lm(model, max_length=40, completion_length=8) is not None
     for name, p in model.named_parameters():
         assert p.dtype == before[name].dtype and torch.equal(p, before[name]), name
 
@@ -54,29 +57,34 @@ def test_a_fault_only_the_half_precision_path_has_is_caught(monkeypatch):
     """Half precision attends through PyTorch's fused attention, a branch float32 never takes: only the check in the
     model's own dtype can see it ignore the mask."""
     model = _loud_bfloat16_llama()
-    original = PrefixSharedLM._attend
+    original = ModelPieces.attend
 
     def unmasked(self, q, keys, values, bias):
         return original(self, q, keys, values, torch.zeros_like(bias) if q.dtype == torch.bfloat16 else bias)
 
-    monkeypatch.setattr(PrefixSharedLM, "_attend", unmasked)
+    monkeypatch.setattr(ModelPieces, "attend", unmasked)
     fast = PrefixSharedLM(model)
     with check.float32_weights(model):
-        assert fast.matches_reference_forward(VOCAB, 20, 8)  # float32 never takes the faulty branch
-    assert not fast.matches_reference_forward(VOCAB, 20, 8)
+        assert check.matches_reference_forward(fast, VOCAB, 20, 8)  # float32 never takes the faulty branch
+    assert not check.matches_reference_forward(fast, VOCAB, 20, 8)
 
 
-def test_a_structural_fault_is_caught_in_float32_before_rounding_can_hide_it():
+def test_a_structural_fault_is_caught_in_float32_before_rounding_can_hide_it(monkeypatch):
     model = _loud_bfloat16_llama()
-    broken = PrefixSharedLM(model)
-    broken.scaling *= 1.05  # 5% off: inside bfloat16's rounding on these logits, far outside float32's
-    assert not broken.matches_reference_forward(VOCAB, 20, 8)
+    pieces = ModelPieces.__init__
+
+    def scale_off(self, *args):  # 5% off: inside bfloat16's rounding on these logits, far outside float32's
+        pieces(self, *args)
+        self.scaling *= 1.05
+
+    monkeypatch.setattr(ModelPieces, "__init__", scale_off)
+    assert not check.matches_reference_forward(PrefixSharedLM(model), VOCAB, 20, 8)
 
 
 def test_the_gradients_are_checked_in_half_precision_too(monkeypatch):
     model = _loud_bfloat16_llama()
     fast = PrefixSharedLM(model)
-    assert fast.trains_like_reference_forward(VOCAB)
+    assert check.trains_like_reference_forward(fast, VOCAB)
     original = fast.completion_logprobs
 
     def doubled_in_bfloat16(rollout, *args, **kwargs):  # a backward that is wrong in the model's dtype only
@@ -86,12 +94,12 @@ def test_the_gradients_are_checked_in_half_precision_too(monkeypatch):
         return logp, entropy
 
     monkeypatch.setattr(fast, "completion_logprobs", doubled_in_bfloat16)
-    assert not fast.trains_like_reference_forward(VOCAB)
+    assert not check.trains_like_reference_forward(fast, VOCAB)
 
 
 def test_lora_decoding_of_a_bfloat16_model_merges_the_float32_adapters_in_bfloat16():
     from components.config import LoRAConfig
-    from components.engine.fast.fastlm import plain_linear
+    from components.engine.fast.layers import plain_linear
     from components.engine.grpo.policy import attach_lora
 
     model = attach_lora(_llama(num_key_value_heads=2).to(torch.bfloat16),
@@ -103,11 +111,10 @@ def test_lora_decoding_of_a_bfloat16_model_merges_the_float32_adapters_in_bfloat
     wrapped = model.get_base_model().model.layers[0].self_attn.q_proj
     assert wrapped.lora_A["default"].weight.dtype == torch.float32
     assert plain_linear(wrapped, merge_lora=True)[0].dtype == torch.bfloat16
-    fast = PrefixSharedLM.for_model(copy.deepcopy(model), max_length=20, completion_length=6)
+    fast = checked_prefix_shared_lm(copy.deepcopy(model), max_length=20, completion_length=6)
     assert fast is not None
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
-    rollout = sample_groups(fast.model, _StubTokenizer(prompts, (prompts != 0).long()), ["a", "b"], 4, 6,
-                            generator=torch.Generator().manual_seed(3), fast=fast)
+    rollout = _sample(fast.model, prompts, (prompts != 0).long(), 4, 6, torch.Generator().manual_seed(3), fast)
     assert rollout.completion_ids.shape == (8, 6)
 
 

@@ -1,17 +1,25 @@
-"""The prompt-once forward (components/engine/fast/fastlm.py) against the Hugging Face forward it replaces.
+"""The prompt-once forward (components/engine/fast/) against the Hugging Face forward it replaces.
 
 Each architecture it accepts is built small with random weights; log-probs, gradients and decoded
 tokens must match the plain forward on left-padded batches with repeated prompts.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from components.engine.fast import check
+from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.fastlm import PrefixSharedLM
+from components.engine.fast.pieces import ModelPieces
 from components.engine.fast.rows import distinct_rows, group_rows_extra_work
-from components.engine.models.rollout import Rollout, completion_logprobs, sample_groups
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import Rollouts
+from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.hf import HFEngine
+from components.engine.rollout.prefix_shared import PrefixSharedEngine
 
 VOCAB = 24
 
@@ -50,7 +58,7 @@ ARCHITECTURES = {
 }
 
 
-def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
+def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollouts:
     """Three distinct left-padded prompts repeated as `rows` (groups), right-padded completions.
 
     The default groups have unequal sizes (the gathered cache path); (0, 0, 1, 1, 2, 2) gives equal
@@ -67,10 +75,10 @@ def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
     completion_mask = torch.ones_like(completions)
     completion_mask[1, 3:] = 0
     completions = completions * completion_mask
-    return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
+    return Rollouts(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
 
 
-def _logprobs_and_grads(model, rollout: Rollout, logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _logprobs_and_grads(model, rollout: Rollouts, logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Completion log-probs from `logprobs(rollout, 0.7)` and the gradients of a fixed weighted sum of them."""
     weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
     model.zero_grad()
@@ -79,21 +87,18 @@ def _logprobs_and_grads(model, rollout: Rollout, logprobs) -> tuple[torch.Tensor
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-class _StubTokenizer:
-    """Fixed prompt ids for the sampler (all it needs of a tokenizer), so a test stays about the model."""
-
-    eos_token_id, pad_token_id = 3, 0
-
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor):
-        self.ids, self.mask = ids, mask
-
-    def __call__(self, texts, **_):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(input_ids=self.ids, attention_mask=self.mask)
+TOKENS = SpecialTokens(eos_id=3, pad_id=0)
 
 
-def _assert_same_logprobs_and_grads(rollout: Rollout, fast, reference) -> None:
+def _sample(model, prompts: torch.Tensor, mask: torch.Tensor, n: int, max_new_tokens: int,
+            generator: torch.Generator, fast: PrefixSharedLM | None = None) -> Rollouts:
+    """Rollouts of left-padded prompt ids through the plain engine, or the prompt-once one over `fast`."""
+    engine = HFEngine(model, TOKENS) if fast is None else PrefixSharedEngine(fast, TOKENS)
+    prompt_lists = [row[m.bool()].tolist() for row, m in zip(prompts, mask)]
+    return engine.sample(prompt_lists, SamplingParams(n=n, max_new_tokens=max_new_tokens), generator)
+
+
+def _assert_same_logprobs_and_grads(rollout: Rollouts, fast, reference) -> None:
     (fast_logp, fast_grads), (ref_logp, ref_grads) = fast, reference
     mask = rollout.completion_mask.bool()
     assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
@@ -107,12 +112,11 @@ def _assert_same_logprobs_and_grads(rollout: Rollout, fast, reference) -> None:
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rotary, groups, attention_rows):
     model = ARCHITECTURES[arch]()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     assert fast is not None, f"{arch}: the self-check refused a supported architecture"
     # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3 never does.
-    assert fast._rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
-    fast.complex_rotary = complex_rotary
-    fast.attention_rows = attention_rows
+    assert fast.pieces.rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
+    fast = fast.with_options(complex_rotary=complex_rotary, attention_rows=attention_rows)
     rollout = _rollout(groups)
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     fast_logp, fast_grads = _logprobs_and_grads(model, rollout, fast.completion_logprobs)
@@ -135,11 +139,10 @@ def test_distinct_rows_by_hand():
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa"])
 def test_repeated_rows_are_computed_once_with_the_same_logprobs_and_gradients(monkeypatch, arch):
     model = ARCHITECTURES[arch]()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     base = _rollout((0, 0, 1, 1, 2, 2))
     rows = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 4])  # groups 0, 1, 2 with repeated completions
-    rollout = Rollout(*(t[rows] for t in (base.prompt_ids, base.prompt_mask, base.completion_ids,
-                                          base.completion_mask, base.truncated)))
+    rollout = base.select(rows.tolist())
     seen = []
     states = fast._completion_states
     monkeypatch.setattr(fast, "_completion_states", lambda *a: seen.append(len(a[0])) or states(*a))
@@ -148,7 +151,8 @@ def test_repeated_rows_are_computed_once_with_the_same_logprobs_and_gradients(mo
     assert seen == [6]  # 10 rows, 6 distinct
     _assert_same_logprobs_and_grads(rollout, (fast_logp, fast_grads), (ref_logp, ref_grads))
     assert torch.equal(fast_logp[0], fast_logp[1]) and torch.equal(fast_logp[3], fast_logp[5])
-    fast.distinct_rows = False
+    fast = fast.with_options(distinct_rows=False)
+    monkeypatch.setattr(fast, "_completion_states", lambda *a: seen.append(len(a[0])) or states(*a))
     assert torch.allclose(fast.completion_logprobs(rollout, 0.7)[0], fast_logp, atol=1e-6)
     assert seen == [6, 10]
 
@@ -159,7 +163,7 @@ def test_repeated_rows_are_computed_apart_while_dropout_is_active(monkeypatch):
     from components.engine.grpo.policy import attach_lora
 
     model = attach_lora(_llama(), LoRAConfig(enabled=True, rank=4, dropout=0.5, target_modules=["q_proj"]))
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     rollout = _rollout((0, 0, 1, 1, 2, 2)).select([0, 0, 1, 2])
     seen = []
     states = fast._completion_states
@@ -181,7 +185,7 @@ def test_auto_takes_group_rows_only_while_they_add_little_attention_work(monkeyp
     from components.engine.fast import attention
 
     model = _llama()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     taken = []
     group_rows = attention.group_rows
     monkeypatch.setattr(attention, "group_rows", lambda *a: taken.append(True) or group_rows(*a))
@@ -201,7 +205,7 @@ def test_auto_takes_group_rows_only_while_they_add_little_attention_work(monkeyp
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
 def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_path(arch):
     model = ARCHITECTURES[arch]()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
     decoder = fast.start_decoding(prompts, mask, group_size=3, max_new_tokens=4)
@@ -216,10 +220,8 @@ def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_pat
     for t, step_logits in enumerate(seen):
         assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
 
-    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
-
-    plain = sample_groups(model, tokenizer, ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7))
-    quick = sample_groups(model, tokenizer, ["a", "b"], 4, 5, generator=torch.Generator().manual_seed(7), fast=fast)
+    plain = _sample(model, prompts, mask, 4, 5, torch.Generator().manual_seed(7))
+    quick = _sample(model, prompts, mask, 4, 5, torch.Generator().manual_seed(7), fast)
     assert torch.equal(plain.completion_ids, quick.completion_ids)
     assert torch.equal(plain.completion_mask, quick.completion_mask)
 
@@ -232,9 +234,7 @@ def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_work
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
 
-    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
-
-    rollout = sample_groups(model, tokenizer, ["a", "b"], 3, 4, generator=torch.Generator().manual_seed(1), fast=fast)
+    rollout = _sample(model, prompts, mask, 3, 4, torch.Generator().manual_seed(1), fast)
     tensors = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask,
                rollout.truncated)
     assert not any(t.is_inference() for t in tensors)
@@ -244,14 +244,21 @@ def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_work
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.model.layers[0].parameters())
 
 
-def test_unsupported_or_mismatching_models_fall_back():
+def test_unsupported_or_mismatching_models_fall_back(monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    assert PrefixSharedLM.for_model(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))) is None
+    assert checked_prefix_shared_lm(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))) is None
     model = _llama()
-    broken = PrefixSharedLM(model)
-    broken.scaling *= 2  # a wrong attention scale must fail the self-check, not train silently
-    assert not broken.matches_reference_forward(VOCAB)
+    assert checked_prefix_shared_lm(model) is not None
+    pieces = ModelPieces.__init__
+
+    def doubled_scale(self, *args):  # a wrong attention scale must fail the self-check, not train silently
+        pieces(self, *args)
+        self.scaling *= 2
+
+    monkeypatch.setattr(ModelPieces, "__init__", doubled_scale)
+    assert not check.matches_reference_forward(PrefixSharedLM(model), VOCAB)
+    assert checked_prefix_shared_lm(model) is None
 
 
 def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_the_plain_one():
@@ -266,12 +273,12 @@ def test_a_rotary_embedding_the_complex_rotation_cannot_reproduce_falls_back_to_
                                                                                       sin[..., half:].flip(-1)], -1)
 
     rotary.forward = uneven_halves
-    fast = PrefixSharedLM.for_model(model)
-    assert fast is not None and not fast.complex_rotary  # the plain rotation reproduces it; the complex one cannot
+    fast = checked_prefix_shared_lm(model)
+    assert fast is not None and not fast.options.complex_rotary  # the plain rotation reproduces it, not the complex
     # The frozen reference (a copy, as GRPO builds it) must take the same, checked rotation.
     reference = copy.deepcopy(model)
-    twin = fast.for_same_architecture(reference)
-    assert not twin.complex_rotary
+    twin = fast.over(reference)
+    assert not twin.options.complex_rotary
     rollout = _rollout()
     with torch.no_grad():
         expected = completion_logprobs(reference, rollout, 1.0)[0]
@@ -288,7 +295,7 @@ def test_lora_adapters_are_seen_and_can_be_disabled(targets):
     """Without a gradient (decoding, reference) LoRA projections run merged (W + s B A), with one they run as
     peft modules; both must give the peft model's own log-probs, with adapters on and off."""
     from components.config import LoRAConfig
-    from components.engine.fast.fastlm import plain_linear
+    from components.engine.fast.layers import plain_linear
     from components.engine.grpo.policy import attach_lora
 
     base = _llama()
@@ -297,7 +304,7 @@ def test_lora_adapters_are_seen_and_can_be_disabled(targets):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # non-zero adapters, so they change the output
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     assert fast is not None
     wrapped = model.get_base_model().model.layers[0].self_attn.q_proj
     assert plain_linear(wrapped) is None and plain_linear(wrapped, merge_lora=True) is not None
@@ -327,17 +334,15 @@ def test_lora_decoding_merges_the_adapters_and_samples_what_peft_samples():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
 
-    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
-
-    plain = sample_groups(model, tokenizer, ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3))
-    quick = sample_groups(model, tokenizer, ["a", "b"], 4, 6, generator=torch.Generator().manual_seed(3), fast=fast)
+    plain = _sample(model, prompts, mask, 4, 6, torch.Generator().manual_seed(3))
+    quick = _sample(model, prompts, mask, 4, 6, torch.Generator().manual_seed(3), fast)
     assert torch.equal(plain.completion_ids, quick.completion_ids)
     with torch.inference_mode():  # what decoding runs on: every projection merged into one matmul
-        layers = fast.fused_weights(merge_lora=True)
+        layers = fast.pieces.fused_weights(merge_lora=True)
     assert all(w.qkv is not None and w.o is not None and w.gate_up is not None and w.down is not None for w in layers)
 
 
@@ -348,20 +353,19 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
     from components.engine.grpo.update import policy_updates
 
     base = _llama(num_key_value_heads=2)
-    rollout = _rollout()
+    rollout = dataclasses.replace(_rollout(), group_size=2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.25, -0.25, 0.0])
     g = GRPOConfig(group_size=2, prompts_per_step=3, kl_beta=0.05, loss_type="dapo", max_grad_norm=1e9)
     reference = copy.deepcopy(base).requires_grad_(False)
     results = []
     for shared in (False, True):
         model = copy.deepcopy(base).train()
-        policy = Policy(None, model, reference, False)
-        if shared:
-            policy.fast, policy.fast_reference = PrefixSharedLM(model), PrefixSharedLM(reference)
+        engine = PrefixSharedEngine(PrefixSharedLM(model), TOKENS) if shared else HFEngine(model, TOKENS)
+        policy = Policy.of(None, model, engine, reference)
         ref_logp = policy.reference_logprobs(rollout, 1.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        stats = policy_updates(policy, opt, Trajectory(rollout, g.group_size, advantages, rollout.completion_mask,
-                                                         ref_logp=ref_logp), g)
+        stats = policy_updates(policy, opt, Trajectory(rollout, advantages, rollout.completion_mask,
+                                                         torch.ones(len(rollout), dtype=torch.bool), ref_logp), g)
         results.append((stats.loss, stats.entropy, [p.detach().clone() for p in model.parameters()]))
     (loss_a, ent_a, params_a), (loss_b, ent_b, params_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-4, abs=1e-6) and ent_a == pytest.approx(ent_b, rel=1e-4)
@@ -378,18 +382,16 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
     model = _llama(num_key_value_heads=2)
     with torch.no_grad():
         model.lm_head.weight[3] += 0.4 * model.model.embed_tokens.weight.sum(0)  # EOS (id 3) is drawn often
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 4, 9, 6, 5]])
     mask = (prompts != 0).long()
-
-    tokenizer = _StubTokenizer(prompts, mask)  # the sampler needs only ids and special tokens
 
     kept = []
     original = decoder.Decoder.keep
     monkeypatch.setattr(decoder.Decoder, "keep", lambda self, rows: (kept.append(len(rows)), original(self, rows)))
     plain_gen, fast_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    plain = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=plain_gen)
-    quick = sample_groups(model, tokenizer, ["a"] * 3, 6, 10, generator=fast_gen, fast=fast)
+    plain = _sample(model, prompts, mask, 6, 10, plain_gen)
+    quick = _sample(model, prompts, mask, 6, 10, fast_gen, fast)
     lengths = plain.completion_mask.sum(-1)
     assert lengths.min() < lengths.max(), "every row ended at the same step: nothing to drop"
     assert kept, "no finished row was dropped"
@@ -399,7 +401,7 @@ def test_decoding_drops_finished_rows_and_still_samples_what_the_plain_path_samp
 
 
 def test_shared_prefix_length_by_hand():
-    from components.engine.fast.fastlm import shared_prefix_length
+    from components.engine.fast.rows import shared_prefix_length
 
     ids = torch.tensor([[0, 0, 7, 7, 5, 6, 1],    # real: 7 7 5 6 1
                         [7, 7, 5, 6, 2, 3, 4],    # real: 7 7 5 6 2 3 4
@@ -412,7 +414,7 @@ def test_shared_prefix_length_by_hand():
     assert shared_prefix_length(ids[:1], mask[:1]) == 0  # one prompt: nothing to share
 
 
-def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollout:
+def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollouts:
     """Three left-padded prompts whose real tokens share their first 10 (a system prompt, say)."""
     gen = torch.Generator().manual_seed(2)
     head = torch.randint(4, VOCAB, (10,), generator=gen)
@@ -429,25 +431,26 @@ def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> R
     completion_mask[1, 2:] = 0
     completion_mask[-2, 4:] = 0
     completions = completions * completion_mask
-    return Rollout(prompts[rows], prompt_mask[rows], completions, completion_mask,
-                   torch.zeros(len(rows), dtype=torch.bool))
+    return Rollouts(prompts[rows], prompt_mask[rows], completions, completion_mask,
+                    torch.zeros(len(rows), dtype=torch.bool))
 
 
 @pytest.mark.parametrize("groups", [(0, 0, 1, 1, 1, 2), (0, 0, 1, 1, 2, 2)], ids=["unequal-groups", "equal-groups"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradients(monkeypatch, arch, groups):
-    from components.engine.fast import fastlm
+    from components.engine.fast import prompts as prompt_module
 
     model = ARCHITECTURES[arch]()
-    fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
+    fast = checked_prefix_shared_lm(model, max_length=20, completion_length=5)
     assert fast is not None
     prefixes = []
-    original = fastlm.PrefixSharedLM._prompt_pass_of
-    def spy(self, ids, mask, prefix):  # records how many shared tokens each prompt pass attends to
-        prefixes.append(None if prefix is None else prefix[0][0].shape[2])
-        return original(self, ids, mask, prefix)
+    original = prompt_module._prompt_pass_of
 
-    monkeypatch.setattr(fastlm.PrefixSharedLM, "_prompt_pass_of", spy)
+    def spy(pieces, ids, mask, prefix):  # records how many shared tokens each prompt pass attends to
+        prefixes.append(None if prefix is None else prefix[0][0].shape[2])
+        return original(pieces, ids, mask, prefix)
+
+    monkeypatch.setattr(prompt_module, "_prompt_pass_of", spy)
     rollout = _rollout_with_shared_prefix(groups)
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     prefixes.clear()
@@ -458,7 +461,7 @@ def test_a_shared_prompt_prefix_is_encoded_once_with_the_same_logprobs_and_gradi
 
 def test_decoding_after_a_shared_prefix_matches_a_full_forward():
     model = ARCHITECTURES["llama-gqa-tied"]()
-    fast = PrefixSharedLM.for_model(model, max_length=20, completion_length=5)
+    fast = checked_prefix_shared_lm(model, max_length=20, completion_length=5)
     rollout = _rollout_with_shared_prefix((0, 1, 2))
     prompts, mask = rollout.prompt_ids, rollout.prompt_mask
     decoder = fast.start_decoding(prompts, mask, group_size=2, max_new_tokens=4)
@@ -475,17 +478,20 @@ def test_decoding_after_a_shared_prefix_matches_a_full_forward():
 
 def test_the_self_check_covers_the_shared_prefix_path(monkeypatch):
     model = _llama()
-    assert PrefixSharedLM.for_model(model, max_length=20, completion_length=5) is not None
-    broken = PrefixSharedLM(model)
-    original = broken._prompt_layer
+    assert checked_prefix_shared_lm(model, max_length=20, completion_length=5) is not None
+    from components.engine.fast import attention, prompts as prompt_module
 
-    def misplaced(prompts, i, q, k, v):  # the rest of each prompt attends wrongly after the prefix
-        attn, cache = original(prompts, i, q, k, v)
+    broken = PrefixSharedLM(model)
+    original = prompt_module.prompt_layer
+
+    def misplaced(pieces, prompts, i, q, k, v):  # the rest of each prompt attends wrongly after the prefix
+        attn, cache = original(pieces, prompts, i, q, k, v)
         return (attn * 1.5, cache) if prompts.prefix is not None else (attn, cache)
 
-    monkeypatch.setattr(broken, "_prompt_layer", misplaced)
-    assert broken.matches_reference_forward(VOCAB, prompt_length=5)  # too short to share: the broken path is unused
-    assert not broken.matches_reference_forward(VOCAB, prompt_length=15)
+    monkeypatch.setattr(prompt_module, "prompt_layer", misplaced)
+    monkeypatch.setattr(attention, "prompt_layer", misplaced)
+    assert check.matches_reference_forward(broken, VOCAB, prompt_length=5)  # too short to share: path unused
+    assert not check.matches_reference_forward(broken, VOCAB, prompt_length=15)
 
 
 @pytest.mark.parametrize("width", [1, 5, 12, 15, 16, 40])
@@ -497,7 +503,7 @@ def test_short_softmax_rows_padded_for_speed_give_torch_softmax_and_its_gradient
     scores[0, 0, 0] = torch.finfo(torch.float32).min
     upstream = torch.randn(3, 2, 4, width, generator=gen)
     mine, ref = scores.clone().requires_grad_(), scores.clone().requires_grad_()
-    out = PrefixSharedLM._softmax(mine)
+    out = ModelPieces._softmax(mine)
     expected = torch.softmax(ref, dim=-1)
     (out * upstream).sum().backward()
     (expected * upstream).sum().backward()
@@ -518,8 +524,7 @@ def test_chunked_head_and_checkpointed_layers_match_the_hugging_face_forward(mon
     reference = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     monkeypatch.setattr(logprobs, "LOGITS_BUDGET_BYTES", 4 * VOCAB)  # more than one row: chunks
     monkeypatch.setattr(logprobs, "LOGITS_CHUNK_BYTES", 4 * VOCAB * 2)
-    fast = PrefixSharedLM.for_model(model)
-    fast.gradient_checkpointing = True
+    fast = checked_prefix_shared_lm(model).with_options(gradient_checkpointing=True)
     _assert_same_logprobs_and_grads(rollout, _logprobs_and_grads(model, rollout, fast.completion_logprobs), reference)
     assert len(checkpointable_layers(model)) == len(model.model.layers)
 
@@ -545,11 +550,10 @@ def test_checkpointing_keeps_about_one_layers_activations_on_both_paths():
 
     model = _llama().train()
     rollout = _rollout()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
 
     def fast_forward(checkpointing: bool):
-        fast.gradient_checkpointing = checkpointing
-        return lambda: fast.completion_logprobs(rollout)
+        return lambda: fast.with_options(gradient_checkpointing=checkpointing).completion_logprobs(rollout)
 
     def plain_forward(checkpointing: bool):
         def run():
@@ -568,7 +572,7 @@ def test_the_decoding_cache_grows_as_tokens_are_decoded(monkeypatch):
 
     monkeypatch.setattr(decoder, "DECODE_CACHE_BLOCK", 2)
     model = _llama()
-    fast = PrefixSharedLM.for_model(model)
+    fast = checked_prefix_shared_lm(model)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = (prompts != 0).long()
     decoder = fast.start_decoding(prompts, mask, group_size=2, max_new_tokens=9)
@@ -577,9 +581,8 @@ def test_the_decoding_cache_grows_as_tokens_are_decoded(monkeypatch):
         decoder.feed(torch.full((4,), 13 + t))
         capacities.append(decoder.buffers[0][0].shape[2] - prompts.shape[1])
     assert capacities == [2, 2, 4, 4, 8, 8, 8, 8]
-    tokenizer = _StubTokenizer(prompts, mask)
-    plain = sample_groups(model, tokenizer, ["a", "b"], 3, 12, generator=torch.Generator().manual_seed(5))
-    quick = sample_groups(model, tokenizer, ["a", "b"], 3, 12, generator=torch.Generator().manual_seed(5), fast=fast)
+    plain = _sample(model, prompts, mask, 3, 12, torch.Generator().manual_seed(5))
+    quick = _sample(model, prompts, mask, 3, 12, torch.Generator().manual_seed(5), fast)
     assert plain.completion_ids.shape[1] > 4, "the rollout should outgrow the first blocks"
     assert torch.equal(plain.completion_ids, quick.completion_ids)
 
@@ -594,19 +597,20 @@ def test_the_same_completion_in_two_groups_with_different_advantages_updates_as_
 
     base = _llama(num_key_value_heads=2)
     rows = _rollout((0, 0, 0, 0, 0, 0))
-    same = rows.select([0, 1, 0, 2])  # groups (0, 1) and (0, 2): row 2 repeats row 0
+    same = dataclasses.replace(rows.select([0, 1, 0, 2]), group_size=2)  # groups (0, 1), (0, 2): row 2 repeats row 0
     advantages = torch.tensor([1.0, -1.0, -0.25, 0.25])
     g = GRPOConfig(group_size=2, prompts_per_step=2, kl_beta=0.0, loss_type="dapo", max_grad_norm=1e9)
     results = []
     for shared in (False, True):
         model = copy.deepcopy(base).train()
-        policy = Policy(None, model, None, False)
+        policy = Policy.of(None, model, PrefixSharedEngine(PrefixSharedLM(model), TOKENS) if shared
+                           else HFEngine(model, TOKENS))
         if shared:
-            policy.fast = PrefixSharedLM(model)
             assert distinct_rows(same.prompt_ids, same.prompt_mask, same.completion_ids,
                                  same.completion_mask)[0].tolist() == [0, 1, 3]
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        policy_updates(policy, opt, Trajectory(same, g.group_size, advantages, same.completion_mask), g)
+        policy_updates(policy, opt, Trajectory(same, advantages, same.completion_mask,
+                                               torch.ones(len(same), dtype=torch.bool)), g)
         results.append([p.detach().clone() for p in model.parameters()])
     plain, shared = results
     assert any(not torch.equal(p, q) for p, q in zip(plain, base.parameters())), "no update happened"

@@ -78,13 +78,13 @@ def test_padded_products_match_f_linear_with_and_without_a_gradient(every_produc
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
 def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on_onednn, arch):
-    from components.engine.fast.fastlm import PrefixSharedLM
-    from components.engine.models.rollout import completion_logprobs
+    from components.engine.fast.build import checked_prefix_shared_lm
+    from components.engine.models.logprobs import completion_logprobs
     from tests.engine.fast.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES[arch]()
-    fast = PrefixSharedLM.for_model(model)
-    assert fast is not None and fast.onednn_matmul
+    fast = checked_prefix_shared_lm(model)
+    assert fast is not None and fast.options.onednn_matmul
     rollout = _rollout()
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
     every_product_on_onednn.clear()
@@ -95,12 +95,13 @@ def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on
 
 @needs_onednn
 def test_switched_off_it_never_calls_onednn(every_product_on_onednn):
-    from components.engine.fast.fastlm import PrefixSharedLM
+    from components.engine.fast.build import checked_prefix_shared_lm
+    from components.engine.fast.pieces import FastOptions
     from tests.engine.fast.test_fastlm import ARCHITECTURES, _logprobs_and_grads, _rollout
 
     model = ARCHITECTURES["llama"]()
-    fast = PrefixSharedLM.for_model(model, onednn_matmul=False)
-    assert fast is not None and not fast.for_same_architecture(ARCHITECTURES["llama"]()).onednn_matmul
+    fast = checked_prefix_shared_lm(model, options=FastOptions(onednn_matmul=False))
+    assert fast is not None and not fast.over(ARCHITECTURES["llama"]()).options.onednn_matmul
     _logprobs_and_grads(model, _rollout(), fast.completion_logprobs)
     assert every_product_on_onednn == []
 

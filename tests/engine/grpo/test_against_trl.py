@@ -21,8 +21,9 @@ trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from components.config import GRPOConfig, RewardSpec  # noqa: E402
 from components.engine.grpo.objectives import build_loss, high_entropy_mask  # noqa: E402
-from components.engine.grpo.sampling import advantage_rewards  # noqa: E402
+from components.engine.grpo.batch import advantage_rewards  # noqa: E402
 from components.engine.rewards.rewards import RewardResult  # noqa: E402
+from components.losses import LOSSES  # noqa: E402
 
 # Two groups of two completions, three positions, one padded: ratios on both sides of every clip range,
 # two of them above a cap of 1.4 (CISPO), with advantages of both signs.
@@ -50,8 +51,9 @@ class OneProcess:
 
 
 def trl_loss(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_high=0.28, beta=0.0,
-             level="token", sapo=(1.0, 1.05), top_entropy_quantile=1.0) -> torch.Tensor:
-    """`GRPOTrainer._compute_loss` on our inputs (`logp` stands for the model's per-token log-probs)."""
+             level="token", sapo=(1.0, 1.05), top_entropy_quantile=1.0, metrics: dict | None = None) -> torch.Tensor:
+    """`GRPOTrainer._compute_loss` on our inputs (`logp` stands for the model's per-token log-probs); what it logs
+    goes into `metrics` when given."""
     args = types.SimpleNamespace(delta=None, use_bias_correction_kl=False, sapo_temperature_pos=sapo[0],
                                  sapo_temperature_neg=sapo[1], steps_per_generation=1)
     trainer = types.SimpleNamespace(
@@ -59,7 +61,8 @@ def trl_loss(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_hig
         importance_sampling_level=level, top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=None,
         use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=OneProcess(), max_completion_length=MASK.shape[1],
-        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+        _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list) if metrics is None else metrics})
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, ENTROPIES, None)
     trainer.get_high_entropy_mask = types.MethodType(trl_grpo.GRPOTrainer.get_high_entropy_mask, trainer)
     n = len(MASK)
@@ -97,6 +100,31 @@ def assert_same(**kwargs) -> None:
     loss, grad = loss_and_grad(ours, **kwargs)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-7)
+
+
+# What TRL logs as a loss's clip statistics: (low, high) metric names, or None where it logs none (a soft gate).
+TRL_CLIP_METRICS = {"cispo": (None, "cispo_clip_ratio"), "sapo": None}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", list(LOSSES))
+def test_every_loss_in_the_table_matches_trls_of_the_same_name(loss_type, beta):
+    """Each entry of components/losses.py against TRL's loss type of its name: loss, gradient and the clip
+    statistics TRL logs (token level). A new entry is compared here without another line."""
+    kwargs = dict(loss_type=loss_type, beta=beta, cispo_max_ratio=1.4)
+    assert_same(**kwargs)
+    logp = OLD + torch.log(RATIOS)
+    metrics: dict = defaultdict(list)
+    trl_loss(logp, loss_type=loss_type, beta=beta, epsilon_high=1.4 if loss_type == "cispo" else 0.28,
+             metrics=metrics)
+    g = GRPOConfig(loss_type=loss_type, epsilon=0.2, epsilon_high=None if loss_type == "cispo" else 0.28,
+                   kl_beta=beta, cispo_max_ratio=1.4, max_completion_length=MASK.shape[1])
+    out = build_loss(g)(logp, OLD, ADVANTAGES, MASK, ref_logp=REF)
+    names = TRL_CLIP_METRICS.get(loss_type, ("clip_ratio/low_mean", "clip_ratio/high_mean"))
+    low, high = (None, None) if names is None else names
+    assert out.clip_low_frac.item() == pytest.approx(metrics[low][0] if low else 0.0, abs=1e-7)
+    assert out.clip_high_frac.item() == pytest.approx(metrics[high][0] if high else 0.0, abs=1e-7)
+    assert names is None or metrics[names[1]][0] > 0, "the fixture's ratios never clip: nothing was compared"
 
 
 @pytest.mark.parametrize("cap", [1.4, 5.0])
@@ -169,7 +197,7 @@ def test_multi_reward_advantages_match_trl(aggregation, scale, weights):
     columns = [[row[k] for row in TABLE] for k in range(2)]
     total = [sum(w * s for w, s in zip(weights, row) if s is not None) for row in TABLE]
     result = RewardResult(total=total, components={"a": columns[0], "b": columns[1]}, scores=columns, weights=weights)
-    advantages = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g)))
+    advantages = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g, 4)), 4)
     table = torch.tensor([[float("nan") if s is None else s for s in row] for row in TABLE])
     torch.testing.assert_close(advantages, trl_advantages(table, weights, aggregation, scale, 4), rtol=1e-5, atol=1e-6)
 
@@ -182,9 +210,9 @@ def test_normalize_then_sum_lets_the_small_reward_count():
     total = [sum(s for s in row if s is not None) for row in TABLE]
     result = RewardResult(total=total, components={"a": columns[0], "b": columns[1]}, scores=columns,
                           weights=[1.0, 1.0])
-    summed = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g)))
+    summed = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g, 4)), 4)
     g.multi_objective_aggregation = "normalize_then_sum"
-    gdpo = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g)))
+    gdpo = build_loss(g).advantages(torch.tensor(advantage_rewards(result, g, 4)), 4)
     assert summed[7] < summed[6]
     assert gdpo[7] > gdpo[6]
     assert summed[4] == gdpo[4] == 0  # no reward scored row 4: advantage 0 either way

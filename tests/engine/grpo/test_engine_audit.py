@@ -11,14 +11,19 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, config_warnings, load_config, stage_params_hash
-from components.engine.fast.fastlm import PrefixSharedLM, full_attention
+from components.engine.fast.build import checked_prefix_shared_lm
+from components.engine.fast.rows import full_attention
+from components.engine.grpo.batch import informative_groups
 from components.engine.grpo.objectives import group_advantages, kl_estimate, policy_loss
 from components.engine.grpo.policy import Policy
-from components.engine.grpo.sampling import informative_groups
 from components.engine.grpo.trajectory import Trajectory, loss_mask
-from components.engine.grpo.update import policy_updates
-from components.engine.models.rollout import Rollout, completion_logprobs
+from components.engine.grpo.update import UpdatePlan, old_logprobs, policy_updates
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import Rollouts
 from components.engine.rewards.rewards import RewardModel
+from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.hf import sample_texts
+from components.engine.rollout.prefix_shared import PrefixSharedEngine
 
 from conftest import ROOT
 
@@ -59,9 +64,9 @@ def _mistral(sliding_window):
 def test_sliding_window_shorter_than_a_row_falls_back_to_the_plain_forward():
     # Mistral's config has no use_sliding_window switch: a window of 10 on 17-token rows was accepted
     # before (log-probs 9e-2 off).
-    assert PrefixSharedLM.for_model(_mistral(10), VOCAB, max_length=17, completion_length=6) is None
-    assert PrefixSharedLM.for_model(_mistral(None), VOCAB, max_length=17, completion_length=6) is not None
-    assert PrefixSharedLM.for_model(_mistral(32), VOCAB, max_length=17, completion_length=6) is not None
+    assert checked_prefix_shared_lm(_mistral(10), VOCAB, max_length=17, completion_length=6) is None
+    assert checked_prefix_shared_lm(_mistral(None), VOCAB, max_length=17, completion_length=6) is not None
+    assert checked_prefix_shared_lm(_mistral(32), VOCAB, max_length=17, completion_length=6) is not None
 
 
 def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
@@ -69,7 +74,7 @@ def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
     import components.engine.fast.check as check
 
     monkeypatch.setattr(check, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
-    assert PrefixSharedLM.for_model(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
+    assert checked_prefix_shared_lm(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
 
 
 def test_full_attention_rules():
@@ -94,7 +99,7 @@ def test_attention_dropout_falls_back_to_the_plain_forward(rate):
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=64, attention_dropout=rate))
-    assert PrefixSharedLM.for_model(model, VOCAB) is None
+    assert checked_prefix_shared_lm(model, VOCAB) is None
 
 
 def test_prompts_with_equal_ids_but_another_mask_are_not_merged():
@@ -103,13 +108,13 @@ def test_prompts_with_equal_ids_but_another_mask_are_not_merged():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0)).eval()
-    fast = PrefixSharedLM.for_model(model, VOCAB)
+    fast = checked_prefix_shared_lm(model, VOCAB)
     assert fast is not None
     # Two adjacent rows with the same ids; in the second the leading 0 is a real token, not padding.
     prompt = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7]])
     prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     completion = torch.tensor([[3, 4, 5], [3, 4, 5]])
-    rollout = Rollout(prompt, prompt_mask, completion, torch.ones_like(completion), torch.zeros(2, dtype=torch.bool))
+    rollout = Rollouts(prompt, prompt_mask, completion, torch.ones_like(completion), torch.zeros(2, dtype=torch.bool))
     ours = fast.completion_logprobs(rollout)[0]
     reference = completion_logprobs(model, rollout)[0]
     assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
@@ -180,10 +185,8 @@ def tiny_model():
 
 
 def _rollout(tok, model, n_prompts=2, group=4, length=4):
-    from components.engine.models.rollout import sample_groups
-
-    return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, length,
-                         generator=torch.Generator().manual_seed(0))
+    return sample_texts(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)],
+                        SamplingParams(n=group, max_new_tokens=length), torch.Generator().manual_seed(0))
 
 
 def test_unscored_rows_count_in_no_normaliser(tiny_model):
@@ -195,9 +198,8 @@ def test_unscored_rows_count_in_no_normaliser(tiny_model):
     adv = torch.tensor([1.0, 0.5, 0.0, 2.0, -1.0, 0.3, 1.5, 0.7])  # not centred, so the mean is far from 0
     mask = loss_mask(rollout, scorable, mask_truncated=False)
     g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0, loss_type="grpo", max_grad_norm=1e9)
-    stats = policy_updates(Policy(tok, copy.deepcopy(model).train(), None, False),
-                           torch.optim.SGD(model.parameters(), lr=0.0),
-                           Trajectory(rollout, g.group_size, adv, mask, scorable), g)
+    stats = policy_updates(Policy.of(tok, copy.deepcopy(model).train()), torch.optim.SGD(model.parameters(), lr=0.0),
+                           Trajectory(rollout, adv, mask, scorable), g)
     keep = [0, 1, 3, 4, 5, 6, 7]
     with torch.no_grad():
         logp = completion_logprobs(model, rollout.select(keep))[0]
@@ -208,8 +210,8 @@ def test_unscored_rows_count_in_no_normaliser(tiny_model):
 def test_loss_mask_drops_unscored_and_truncated_rows():
     completion_mask = torch.ones(4, 3, dtype=torch.long)
     completion_mask[3, 2] = 0
-    rollout = Rollout(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
-                      torch.zeros(4, 3, dtype=torch.long), completion_mask, torch.tensor([False, True, False, False]))
+    rollout = Rollouts(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+                       torch.zeros(4, 3, dtype=torch.long), completion_mask, torch.tensor([False, True, False, False]))
     scorable = torch.tensor([True, True, False, True])
     assert loss_mask(rollout, scorable, mask_truncated=False).tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0], [1, 1, 0]]
     assert loss_mask(rollout, scorable, mask_truncated=True).tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0], [1, 1, 0]]
@@ -261,9 +263,9 @@ def test_bnpo_normalises_each_minibatch_by_its_own_tokens(tiny_model):
     losses = {}
     for loss_type in ("bnpo", "dapo"):
         g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0, loss_type=loss_type, minibatch_size=4)
-        losses[loss_type] = policy_updates(Policy(tok, copy.deepcopy(model).train(), None, False),
+        losses[loss_type] = policy_updates(Policy.of(tok, copy.deepcopy(model).train()),
                                            torch.optim.SGD(model.parameters(), lr=0.0),
-                                           Trajectory(rollout, g.group_size, adv, mask), g).loss
+                                           Trajectory(rollout, adv, mask, torch.ones(8, dtype=torch.bool)), g).loss
     with torch.no_grad():
         logp = completion_logprobs(model, rollout)[0]
         per_token = -adv[:, None] * torch.ones_like(logp)  # ratio 1: -A on every real token
@@ -283,14 +285,13 @@ def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
     tok, base = tiny_model
     model = copy.deepcopy(base).train()
     reference = copy.deepcopy(base).eval().requires_grad_(False)
-    fast = PrefixSharedLM.for_model(model, len(tok))
-    for policy in (Policy(tok, model, reference, False),
-                   Policy(tok, model, reference, False, fast=fast, fast_reference=fast.for_same_architecture(reference))):
+    fast = PrefixSharedEngine(checked_prefix_shared_lm(model, len(tok)), SpecialTokens.of(tok))
+    for policy in (Policy.of(tok, model, reference=reference), Policy.of(tok, model, fast, reference=reference)):
         rollout = _rollout(tok, base)
         g = GRPOConfig(group_size=4, prompts_per_step=2, kl_beta=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        policy_updates(policy, opt, Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
-                                                  rollout.completion_mask), g)
+        policy_updates(policy, opt, Trajectory(rollout, torch.linspace(-1, 1, len(rollout)), rollout.completion_mask,
+                                               torch.ones(len(rollout), dtype=torch.bool)), g)
         with torch.no_grad():
             frozen = completion_logprobs(base, rollout)[0]
             moved = completion_logprobs(model, rollout)[0]
@@ -315,11 +316,14 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
         return out
 
     g = GRPOConfig(group_size=4, prompts_per_step=2, num_iterations=2, kl_beta=0.0, epsilon=0.01)
+    policy = Policy.of(tok, model)
+    plan = UpdatePlan.of(len(rollout), rollout.group_size, g)
     objectives.policy_loss = spy  # what the loss object calls
     try:
-        policy_updates(Policy(tok, model, None, False), torch.optim.SGD(model.parameters(), lr=1.0),
-                       Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
-                                  rollout.completion_mask), g)
+        policy_updates(policy, torch.optim.SGD(model.parameters(), lr=1.0),
+                       Trajectory(rollout, torch.linspace(-1, 1, len(rollout)), rollout.completion_mask,
+                                  torch.ones(len(rollout), dtype=torch.bool),
+                                  old_logp=old_logprobs(policy, rollout, plan, g.temperature)), g)
     finally:
         objectives.policy_loss = original
     assert seen[0] == pytest.approx(1.0, abs=1e-6)
@@ -334,9 +338,11 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     as reference, a skipped EMA) changes the weights below."""
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
+    from components.data.records import reward_columns
+    from components.engine.grpo.batch import PromptSchedule
     from components.engine.grpo.policy import build_policy, update_reference
-    from components.engine.grpo.sampling import PromptSchedule, collect_batch
     from components.engine.models.modeling import seed_everything
+    from components.engine.models.rollouts import decode_completions
     from components.engine.models.optim import cosine_learning_rate
     from components.engine.rewards.rewards import RewardModel
     from components.stages.grpo import train_grpo
@@ -365,19 +371,24 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     g = cfg.grpo
     seed_everything(cfg.seed, cfg.threads)
     records = read_jsonl(split_path(paths.data, "train"))
-    policy = build_policy(cfg, paths.base_model.resolve(), torch.device("cpu"), records, with_reference=g.kl_beta > 0)
+    policy, _ = build_policy(cfg, paths.base_model.resolve(), torch.device("cpu"), records,
+                             with_reference=g.kl_beta > 0)
     optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=g.learning_rate,
                                   weight_decay=g.weight_decay, fused=True)
     schedule = PromptSchedule(len(records), g.prompts_per_step, cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     rewards = RewardModel(g.rewards, timeout_s=g.reward_timeout_s)
+    params = SamplingParams(n=g.group_size, max_new_tokens=g.max_completion_length, temperature=g.temperature)
     unscored = 0
     for step in range(g.steps):
         for group in optimizer.param_groups:
             group["lr"] = cosine_learning_rate(step, g.steps, g.learning_rate, g.warmup_steps, g.min_lr_ratio)
-        batch = collect_batch(policy, records, schedule, step, g, rewards, generator)
-        rollout, totals = batch.rollout, batch.totals
-        reward = torch.tensor(totals)
+        chosen = [records[i] for i in schedule.indices(step)]
+        rollout = sample_texts(policy.model, tok := policy.tokenizer, [r["prompt"] for r in chosen], params, generator)
+        reward = torch.tensor(rewards([r["prompt"] for r in chosen for _ in range(g.group_size)],
+                                      decode_completions(tok, rollout),
+                                      {**reward_columns(chosen, g.group_size),
+                                       "completion_token_lengths": rollout.completion_lengths()}).advantage_rewards())
         scorable = ~torch.isnan(reward)
         unscored += int((~scorable).sum())
         advantages = torch.nan_to_num(reward) if variant == "reinforce" else group_advantages(reward, g.group_size,
@@ -387,7 +398,7 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
         if g.kl_beta > 0:
             with torch.no_grad():
                 ref = completion_logprobs(policy.reference, rollout, g.temperature)[0]
-        policy_updates(policy, optimizer, Trajectory(rollout, g.group_size, advantages, mask, scorable, ref), g)
+        policy_updates(policy, optimizer, Trajectory(rollout, advantages, mask, scorable, ref), g)
         if g.reference.mode == "ema":
             update_reference(policy.reference, policy.model, "ema", step, 0.5, 1)
     assert unscored > 0, "the reward never returned None: the test would not cover unscored completions"

@@ -9,11 +9,13 @@ import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
 from components.engine.grpo.objectives import group_advantages, policy_loss
+from components.engine.grpo.batch import informative_groups
 from components.engine.grpo.policy import Policy, attach_lora, update_reference
-from components.engine.grpo.sampling import informative_groups
-from components.engine.grpo.trajectory import Trajectory, group_rows
 from components.engine.grpo.update import policy_updates
-from components.engine.models.rollout import Rollout, concat_rollouts
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import HFEngine, sample_texts
+from tests.engine.grpo.trajectories import trajectory
 
 from conftest import ROOT
 
@@ -114,19 +116,8 @@ def test_static_reference_never_changes():
     assert ref.w.tolist() == [0.0]
 
 
-def test_informative_groups_and_rows():
+def test_informative_groups():
     assert informative_groups([1, 1, 0, 1, 0, 0, 0.5, 0.2], 2) == [1, 3]
-    assert group_rows([1, 3], 2) == [2, 3, 6, 7]
-
-
-def test_concat_rollouts_repads_both_sides():
-    a = Rollout(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), torch.tensor([[7]]), torch.tensor([[1]]),
-                torch.tensor([True]))
-    b = Rollout(torch.tensor([[5, 6, 8]]), torch.tensor([[1, 1, 1]]), torch.tensor([[7, 2]]), torch.tensor([[1, 1]]),
-                torch.tensor([False]))
-    c = concat_rollouts([a, b], pad_id=0)
-    assert c.prompt_ids.tolist() == [[0, 5, 6], [5, 6, 8]] and c.prompt_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
-    assert c.completion_ids.tolist() == [[7, 0], [7, 2]] and c.completion_mask.tolist() == [[1, 0], [1, 1]]
 
 
 def test_reinforce_config_rules():
@@ -148,10 +139,8 @@ def tiny_model():
 
 
 def _rollout(tok, model, n_prompts=4, group=4):
-    from components.engine.models.rollout import sample_groups
-
-    return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], group, 4,
-                         generator=torch.Generator().manual_seed(0))
+    return sample_texts(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], SamplingParams(n=group, max_new_tokens=4),
+                        torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed-micro-batches"])
@@ -169,8 +158,11 @@ def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type, 
         g = GRPOConfig(group_size=4, prompts_per_step=4, minibatch_size=minibatch, kl_beta=0.0, loss_type=loss_type,
                        max_grad_norm=1e9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        policy = Policy(tok, model, None, False, gradient_checkpointing=checkpointing and minibatch > 0)
-        stats = policy_updates(policy, opt, Trajectory(rollout, g.group_size, adv, rollout.completion_mask), g)
+        from components.engine.rollout.base import SpecialTokens
+
+        policy = Policy.of(tok, model, HFEngine(model, SpecialTokens.of(tok),
+                                                gradient_checkpointing=checkpointing and minibatch > 0))
+        stats = policy_updates(policy, opt, trajectory(rollout, adv), g)
         results.append((stats.loss, [p.detach().clone() for p in model.parameters()]))
     assert abs(results[0][0]) > 1e-3 and results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(results[0][1], base.parameters())), "no update happened"
@@ -186,8 +178,8 @@ def test_mu_2_first_pass_has_ratio_one_then_moves(tiny_model):
     g = GRPOConfig(group_size=4, prompts_per_step=4, num_iterations=2, kl_beta=0.0, epsilon=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     adv = torch.linspace(-1, 1, len(rollout))
-    stats = policy_updates(Policy(tok, model, None, False), opt,
-                           Trajectory(rollout, g.group_size, adv, rollout.completion_mask), g)
+    policy = Policy.of(tok, model)
+    stats = policy_updates(policy, opt, trajectory(rollout, adv, policy=policy, g=g), g)
     # Pass 1: ratio 1, nothing clipped. Pass 2, after a big SGD step: ratios leave [0.99, 1.01] -> clipping.
     assert stats.updates == 2
     assert stats.clip_low_frac + stats.clip_high_frac > 0
@@ -203,14 +195,12 @@ def test_lora_refuses_missing_modules_and_trains_only_adapters(tiny_model):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rollout = _rollout(tok, model)
     g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.1)
-    policy = Policy(tok, model.train(), None, True)
+    policy = Policy.of(tok, model.train(), lora=True)
     ref = policy.reference_logprobs(rollout, 1.0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
-        policy_updates(policy, opt, Trajectory(rollout, g.group_size, torch.linspace(-1, 1, len(rollout)),
-                                              rollout.completion_mask, ref_logp=ref), g)
+        policy_updates(policy, opt, trajectory(rollout, torch.linspace(-1, 1, len(rollout)), ref_logp=ref), g)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # The reference (adapters disabled) is still the untouched base model.
-    from components.engine.models.rollout import completion_logprobs
     assert torch.allclose(policy.reference_logprobs(rollout, 1.0), completion_logprobs(base, rollout)[0], atol=1e-6)

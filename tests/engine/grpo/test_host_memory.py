@@ -81,25 +81,22 @@ def test_large_activations_are_returned_to_the_system_small_ones_kept():
     assert bounded_rss < baseline + 30, f"{bounded_rss} MB resident against {baseline} MB after importing torch"
 
 
-def test_the_grpo_stage_chooses_the_allocator_from_its_memory_estimate(monkeypatch):
-    """The stage estimates the step before training and passes the largest activation to configure_allocator."""
-    from types import SimpleNamespace
+SMOLLM2_SHAPE = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                     parameters=134_515_008)
 
+
+def test_the_policy_builder_chooses_the_allocator_from_its_memory_estimate(monkeypatch):
+    """The step is estimated before training and the largest activation goes to configure_allocator."""
     from components.config import PipelineConfig
-    from components.stages import grpo
+    from components.engine.grpo import memory_estimate
 
     seen = []
-    monkeypatch.setattr(grpo, "configure_allocator", lambda largest: seen.append(largest) or "keep")
-    monkeypatch.setattr(grpo, "longest_row", lambda *args: 40)
-    monkeypatch.setattr(grpo.ModelShape, "of", staticmethod(lambda model: grpo.ModelShape(
-        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-        parameters=134_515_008, trainable=134_515_008)))
-    cfg = PipelineConfig()
-    cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_completion_length = 8, 8, 256
-    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None,
-                             gradient_checkpointing=False, set_gradient_checkpointing=lambda on: None)
-    said = []
-    grpo.fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
+    monkeypatch.setattr(memory_estimate, "configure_allocator", lambda largest: seen.append(largest) or "keep")
+    monkeypatch.setattr(memory_estimate.ModelShape, "of", staticmethod(lambda model: memory_estimate.ModelShape(
+        **SMOLLM2_SHAPE, trainable=134_515_008)))
+    g = PipelineConfig().grpo
+    g.prompts_per_step, g.group_size, g.max_completion_length = 8, 8, 256
+    memory_estimate.fit_memory(g, torch.nn.Linear(1, 1), 40, False, lambda *a, **k: None)
     # 64 rows x 256 tokens + 8 prompts x 40 tokens = 16,704 tokens x 1,536 intermediate x 4 bytes
     assert seen == [16_704 * 1536 * 4]
 
@@ -110,29 +107,21 @@ def test_auto_checkpointing_turns_on_when_a_step_would_not_fit_half_the_free_mem
     64 GB free: off; 6 GB: on, and it fits; 2 GB: on, and the warning names what else lowers it."""
     from types import SimpleNamespace
 
-    import psutil
-
     from components.config import PipelineConfig
-    from components.stages import grpo
+    from components.engine.grpo import memory_estimate
 
-    monkeypatch.setattr(grpo, "configure_allocator", lambda largest: "keep")
-    monkeypatch.setattr(grpo, "longest_row", lambda *args: 40)
-    monkeypatch.setattr(grpo.ModelShape, "of", staticmethod(lambda model: grpo.ModelShape(
-        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-        parameters=134_515_008, trainable=4_884_480)))
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=free_gb * 2**30))
-    cfg = PipelineConfig()
-    cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_completion_length = 8, 8, 256
-    state = {}
-    policy = SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None, format_prompt=None, reference=None,
-                             gradient_checkpointing=False)
-    policy.set_gradient_checkpointing = lambda on: state.update(on=on) or setattr(policy, "gradient_checkpointing", on)
+    monkeypatch.setattr(memory_estimate, "configure_allocator", lambda largest: "keep")
+    monkeypatch.setattr(memory_estimate.ModelShape, "of", staticmethod(lambda model: memory_estimate.ModelShape(
+        **SMOLLM2_SHAPE, trainable=4_884_480)))
+    monkeypatch.setattr(memory_estimate.psutil, "virtual_memory", lambda: SimpleNamespace(available=free_gb * 2**30))
+    g = PipelineConfig().grpo
+    g.prompts_per_step, g.group_size, g.max_completion_length = 8, 8, 256
     said = []
-    memory = grpo.fit_memory(cfg, policy, [], lambda *a, **k: said.append(a[0]))
-    assert policy.gradient_checkpointing is expected and state.get("on", False) is expected
+    fit = memory_estimate.fit_memory(g, torch.nn.Linear(1, 1), 40, False, lambda *a, **k: said.append(a[0]))
+    assert fit.gradient_checkpointing is expected
     assert any("gradient checkpointing on" in line for line in said) is expected
     warned = [line for line in said if "warning" in line]
     assert bool(warned) is (free_gb == 2)
     if warned:
         assert "grpo.minibatch_size=32" in warned[0] and "max_completion_length" in warned[0]
-    assert 2.5 * 2**30 < memory.peak < (5 if expected else 40) * 2**30
+    assert 2.5 * 2**30 < fit.memory.peak < (5 if expected else 40) * 2**30

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from components.engine.grpo.objectives import aggregate, group_advantages, kl_estimate, masked_mean, policy_loss
+from components.engine.grpo.objectives import group_advantages, kl_estimate, masked_mean, policy_loss
+from components.losses import Normalisers, sequence_mean
 
 # Two sequences, three completion positions; the second position of row 0 is padding after EOS.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -167,10 +168,21 @@ def test_minibatch_normalisers_reassemble_the_full_batch_loss():
     parts = [policy_loss(LOGP[i:i + 1], OLD[i:i + 1], ADV[i:i + 1], MASK[i:i + 1], loss_type="dapo",
                          num_tokens=5.0).loss for i in range(2)]
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item())
-    seq = aggregate(torch.ones(2, 3), MASK, "grpo", 3, num_sequences=4.0)
+    seq = sequence_mean(torch.ones(2, 3), MASK.float(), Normalisers(3, num_sequences=4.0))
     assert seq.item() == pytest.approx(0.5)
 
 
 def test_masked_mean_counts_real_positions_only():
     values = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])  # 9.0 sits in row 0's padding
     assert masked_mean(values, MASK).item() == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
+
+
+def test_cispo_counts_a_capped_weight_only_where_the_advantage_is_positive():
+    """TRL's cispo_clip_ratio, by hand: ratios 6, 2 (advantage +1) and 7, 0.5 (advantage -1) under a cap of 5: one
+    token of four is capped (the 7 has a negative advantage: its weight is capped, but TRL does not count it)."""
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[6.0, 2.0], [7.0, 0.5]]).log()
+    out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), loss_type="cispo", cispo_max_ratio=5.0)
+    assert out.clip_high_frac.item() == pytest.approx(0.25) and out.clip_low_frac.item() == 0.0
+    sapo = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), loss_type="sapo")
+    assert sapo.clip_high_frac.item() == 0.0 and sapo.clip_low_frac.item() == 0.0  # a soft gate clips nothing

@@ -8,6 +8,8 @@ import torch
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.train_state import save_training_state
 from components.engine.parallel.distributed import DistContext
+from components.engine.rollout.base import SpecialTokens
+from components.engine.rollout.hf import HFEngine
 
 
 def _history(seconds: float) -> list[dict[str, float]]:
@@ -23,7 +25,7 @@ def _checkpoint_bytes(root, seconds: float) -> dict[str, bytes]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    policy = Policy(tokenizer=None, model=model, reference=None, lora=False)
+    policy = Policy(tokenizer=None, model=model, engine=HFEngine(model, SpecialTokens(eos_id=1, pad_id=0)))
     save_training_state(root, 1, "hash", policy, optimizer, False, _history(seconds),
                         torch.Generator().manual_seed(1), DistContext(), lambda: model)
     return {p.name: p.read_bytes() for p in (root / "step-0000001").iterdir()}

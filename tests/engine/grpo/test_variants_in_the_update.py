@@ -15,10 +15,14 @@ from components.engine.evaluation.monitors import Monitors
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.grpo.objectives import build_loss, high_entropy_mask
 from components.engine.grpo.policy import Policy
-from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import policy_updates
-from components.engine.models.rollout import completion_logprobs, sample_groups
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import encode_prompts
 from components.engine.parallel.distributed import DistContext
+from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.hf import HFEngine
+from components.engine.rollout.prefix_shared import PrefixSharedEngine
+from tests.engine.grpo.trajectories import trajectory
 
 from conftest import ROOT
 
@@ -32,9 +36,11 @@ def tiny_model():
     return tok, build_tiny_model(TinyModelConfig(), tok, seed=0)
 
 
-def sample(tok, model, temperature=1.0, top_k=0, fast=None):
-    return sample_groups(model, tok, [f"{i}+{i + 3}=" for i in range(4)], 4, 5, temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(0), fast=fast)
+def sample(tok, model, temperature=1.0, top_k=0, engine=None):
+    engine = engine or HFEngine(model, SpecialTokens.of(tok))
+    return engine.sample(encode_prompts(tok, [f"{i}+{i + 3}=" for i in range(4)]),
+                         SamplingParams(n=4, max_new_tokens=5, temperature=temperature, top_k=top_k),
+                         torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
@@ -56,12 +62,12 @@ def test_on_policy_gap_is_rounding_when_sampler_and_trainer_agree(tiny_model, fa
     pass runs on moved weights)."""
     tok, base = tiny_model
     model = copy.deepcopy(base).eval()
-    lm = PrefixSharedLM(model) if fast else None
-    rollout = sample(tok, model, fast=lm)
+    engine = PrefixSharedEngine(PrefixSharedLM(model), SpecialTokens.of(tok)) if fast else None
+    rollout = sample(tok, model, engine=engine)
     g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.0, num_iterations=num_iterations)
-    policy = Policy(tok, model.train(), None, False, fast=lm)
+    policy = Policy.of(tok, model.train(), engine)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    stats = policy_updates(policy, opt, Trajectory(rollout, 4, torch.linspace(-1, 1, 16), rollout.completion_mask), g)
+    stats = policy_updates(policy, opt, trajectory(rollout, torch.linspace(-1, 1, 16), policy=policy, g=g), g)
     assert stats.gap_tokens == rollout.completion_mask.sum()
     assert stats.gap_sum / stats.gap_tokens < 1e-5 and stats.gap_max < 1e-4
 
@@ -72,8 +78,8 @@ def test_a_sampler_that_disagrees_shows_in_the_gap_and_the_monitor(tiny_model):
     model = copy.deepcopy(base)
     rollout = sample(tok, model.eval(), temperature=0.5)
     g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.0, temperature=1.0)
-    stats = policy_updates(Policy(tok, model.train(), None, False), torch.optim.SGD(model.parameters(), lr=0.1),
-                           Trajectory(rollout, 4, torch.linspace(-1, 1, 16), rollout.completion_mask), g)
+    stats = policy_updates(Policy.of(tok, model.train()), torch.optim.SGD(model.parameters(), lr=0.1),
+                           trajectory(rollout, torch.linspace(-1, 1, 16)), g)
     gap = stats.gap_sum / stats.gap_tokens
     assert gap > 0.01
     monitors = Monitors(MonitorsConfig(), "reward")
@@ -83,23 +89,41 @@ def test_a_sampler_that_disagrees_shows_in_the_gap_and_the_monitor(tiny_model):
 
 
 def test_entropy_masking_trains_on_the_high_entropy_tokens_only(tiny_model):
-    """The update's gradient is that of the loss with the policy's own top-30% entropy mask (SGD, lr 1: the weights
-    move by minus the gradient)."""
+    """The update's gradient is that of the loss with the policy's own top-30% entropy mask over the tokens the loss
+    sees (SGD, lr 1: the weights move by minus the gradient). Half the rows are out of the loss (unscored): the
+    quantile's pool is the loss mask, which here picks other tokens than the completion mask would."""
     tok, base = tiny_model
     rollout = sample(tok, base.eval())
     adv = torch.linspace(-1, 2, 16)
+    reference = copy.deepcopy(base).train()
+    logp, entropy = completion_logprobs(reference, rollout, 1.0, with_entropy=True)
+    row_entropy = (entropy * rollout.completion_mask).amax(-1)
+    scorable = row_entropy < row_entropy.median()  # the rows holding the highest entropies are out of the loss
+    loss_mask = rollout.completion_mask * scorable[:, None]
     g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.0, top_entropy_quantile=0.3, max_grad_norm=1e9)
     model = copy.deepcopy(base).train()
     before = [p.detach().clone() for p in model.parameters()]
-    policy_updates(Policy(tok, model, None, False), torch.optim.SGD(model.parameters(), lr=1.0),
-                   Trajectory(rollout, 4, adv, rollout.completion_mask), g)
-    reference = copy.deepcopy(base).train()
-    logp, entropy = completion_logprobs(reference, rollout, 1.0, with_entropy=True)
-    token_mask = high_entropy_mask(entropy, rollout.completion_mask, 0.3)
-    assert 0 < token_mask.sum() < rollout.completion_mask.sum()
-    build_loss(g)(logp, logp.detach(), adv, rollout.completion_mask, token_mask=token_mask).loss.backward()
+    policy_updates(Policy.of(tok, model), torch.optim.SGD(model.parameters(), lr=1.0),
+                   trajectory(rollout, adv, loss_mask, scorable=scorable), g)
+    token_mask = high_entropy_mask(entropy, loss_mask, 0.3)
+    assert 0 < token_mask.sum() < loss_mask.sum()
+    assert not torch.equal(token_mask, high_entropy_mask(entropy, rollout.completion_mask, 0.3) & loss_mask.bool())
+    build_loss(g)(logp, logp.detach(), adv, loss_mask, num_sequences=float(scorable.sum()),
+                  token_mask=token_mask).loss.backward()
     for old, new, p in zip(before, model.parameters(), reference.parameters()):
         torch.testing.assert_close(old - new, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_entropy_masking_runs_in_every_pass(tiny_model):
+    """With mu = 2 the second pass needs entropies too (the mask is the current policy's), not only the first."""
+    tok, base = tiny_model
+    rollout = sample(tok, base.eval())
+    g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.0, top_entropy_quantile=0.3, num_iterations=2)
+    model = copy.deepcopy(base).train()
+    policy = Policy.of(tok, model)
+    stats = policy_updates(policy, torch.optim.SGD(model.parameters(), lr=0.1),
+                           trajectory(rollout, torch.linspace(-1, 2, 16), policy=policy, g=g), g)
+    assert stats.updates == 2 and stats.skipped_updates == 0
 
 
 def config(*overrides: str):
@@ -154,7 +178,8 @@ def test_the_default_keeps_every_token_and_one_sum():
 def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny_model, collector):
     """Row for row through dynamic sampling's refills and concatenation, or the per-group path's CPU round trip;
     with GDPO the batch's totals are the normalised sums while the logged curve stays the weighted sums."""
-    from components.engine.grpo.sampling import PromptSchedule, collect_batch, collect_batch_sharded
+    from components.engine.grpo.batch import (PromptSchedule, collect_batch, one_process_round, per_group_round,
+                                              sampling_params)
     from components.engine.rewards.rewards import RewardModel
 
     tok, base = tiny_model
@@ -165,30 +190,29 @@ def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny
                                                                                             {"n": 1})])
     g.dynamic_sampling.enabled = g.dynamic_sampling.fill_batch = True
     rewards = RewardModel(g.rewards)
-    policy = Policy(tok, model, None, False)
-    if collector == "a sampler per group":
-        batch = collect_batch_sharded(policy, records, PromptSchedule(8, 4, 0), 0, g, rewards, seed=0,
-                                      ctx=DistContext())
-    else:
-        batch = collect_batch(policy, records, PromptSchedule(8, 4, 0), 0, g, rewards, torch.Generator().manual_seed(0))
-    rollout = batch.rollout
+    policy = Policy.of(tok, model)
+    rounds = per_group_round(policy, records, sampling_params(g), rewards, g, 0, DistContext()) \
+        if collector == "a sampler per group" else \
+        one_process_round(policy, records, sampling_params(g), rewards, g, torch.Generator().manual_seed(0))
+    batch = collect_batch(rounds, PromptSchedule(8, 4, 0), 0, g, tok.pad_token_id)
+    rollout = batch.rollouts
     assert len(rollout) and rollout.sampling_logp.shape == rollout.completion_ids.shape
     with torch.no_grad():
         expected, _ = completion_logprobs(model, rollout, g.temperature)
     mask = rollout.completion_mask.bool()
     torch.testing.assert_close(rollout.sampling_logp[mask], expected[mask], rtol=0, atol=2e-5)
-    first = batch.first_scores
+    first = batch.rewards
     weighted = [sum(w * (s or 0.0) for w, s in zip([1.0, 2.0], col)) for col in zip(*first.components.values())]
     assert first.total == pytest.approx(weighted)  # the raw weighted sums, not GDPO's normalised ones
-    assert max(first.total) > 1.0 and max(abs(t) for t in batch.totals) < 10  # sums up to 3; normalised sums
+    assert max(first.total) > 1.0 and max(abs(t) for t in batch.advantage_rewards) < 10  # sums up to 3; normalised
 
 
 def test_a_rollout_without_sampler_logprobs_is_not_concatenated_silently():
-    from components.engine.models.rollout import Rollout, concat_rollouts
+    from components.engine.models.rollouts import Rollouts, concat_rollouts
 
     ids, mask = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
-    a = Rollout(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))
-    b = Rollout(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool))
+    a = Rollouts(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))
+    b = Rollouts(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="sampler's log-probs"):
         concat_rollouts([a, b], 0)
     assert concat_rollouts([a, a], 0).sampling_logp.shape == (2, 2)

@@ -107,7 +107,7 @@ def assert_same_training(one, two, atol=5e-5):
 
 
 def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
-    # Dynamic sampling across ranks (engine/grpo/sampling.py collect_batch_sharded, the same code under DDP and
+    # Dynamic sampling across ranks (engine/grpo/batch.py per_group_round, the same code under DDP and
     # FSDP2) is checked under
     # FSDP2 below, where it also needs the throwaway-group path.
     settings = EQUIV

@@ -1,21 +1,17 @@
-"""Tokenizer, tiny model, and the KV-cached group sampler against a plain full forward."""
+"""Drawing tokens (components/engine/rollout/draw.py) and the plain engine on the char-level tiny model: the draws
+against their distributions and Hugging Face's filters, greedy decoding against `generate`, log-probs against an
+unpadded forward."""
 
 import pytest
 import torch
 
 from components.config import TinyModelConfig
-from components.engine.models.modeling import (
-    ModelLoadError,
-    build_char_tokenizer,
-    build_tiny_model,
-    count_parameters,
-    load_model,
-    load_tokenizer,
-    resolve_model_dir,
-    save_model,
-    seed_everything,
-)
-from components.engine.models.rollout import completion_logprobs, decode_completions, sample_from, sample_groups
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.modeling import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, save_model
+from components.engine.models.rollouts import decode_completions
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.draw import filter_top_k, filter_top_p, sample_from
+from components.engine.rollout.hf import sample_texts
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
 
@@ -29,24 +25,10 @@ def tiny(tmp_path_factory):
     return out
 
 
-def test_char_tokenizer_roundtrips_and_pads_left(tiny):
-    tok = load_tokenizer(tiny)
-    ids = tok("12+34=", add_special_tokens=False).input_ids
-    assert len(ids) == 6 and tok.decode(ids) == "12+34="
-    assert len(tok) == 4 + len(set("".join(TEXTS)))
-    batch = tok(["1+1=", "12+34="], padding=True, add_special_tokens=False)
-    assert batch.attention_mask[0][:2] == [0, 0]  # left padding
-
-
-def test_tiny_model_size_in_range(tiny):
-    n = count_parameters(load_model(tiny, torch.device("cpu")))
-    assert 500_000 <= n <= 3_000_000
-
-
 def test_sampled_completions_logprobs_match_unpadded_forward(tiny):
     tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
-    rollout = sample_groups(model, tok, ["1+1=", "12+34=", "99+1="], 4, 5,
-                            generator=torch.Generator().manual_seed(0))
+    rollout = sample_texts(model, tok, ["1+1=", "12+34=", "99+1="], SamplingParams(n=4, max_new_tokens=5),
+                           torch.Generator().manual_seed(0))
     logp, _ = completion_logprobs(model, rollout)
     for i in range(rollout.input_ids.shape[0]):
         ids = rollout.input_ids[i][rollout.attention_mask[i].bool()]
@@ -59,15 +41,16 @@ def test_sampled_completions_logprobs_match_unpadded_forward(tiny):
 def test_group_expansion_gives_each_prompt_its_own_cache(tiny):
     tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
     prompts = ["1+1=", "12+34=", "99+1=", "7+8="]
-    one = decode_completions(tok, sample_groups(model, tok, prompts, 1, 5, greedy=True))
-    four = decode_completions(tok, sample_groups(model, tok, prompts, 4, 5, greedy=True))
+    one = decode_completions(tok, sample_texts(model, tok, prompts, SamplingParams(max_new_tokens=5, greedy=True)))
+    four = decode_completions(tok, sample_texts(model, tok, prompts, SamplingParams(n=4, max_new_tokens=5,
+                                                                                     greedy=True)))
     assert four == [c for c in one for _ in range(4)]
 
 
 def test_greedy_matches_transformers_generate(tiny):
     tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
     prompts = ["1+1=", "12+34=", "99+1=", "7+8="]
-    ours = decode_completions(tok, sample_groups(model, tok, prompts, 1, 5, greedy=True))
+    ours = decode_completions(tok, sample_texts(model, tok, prompts, SamplingParams(max_new_tokens=5, greedy=True)))
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id)
@@ -78,7 +61,8 @@ def test_greedy_matches_transformers_generate(tiny):
 
 def test_completion_mask_stops_after_eos(tiny):
     tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
-    rollout = sample_groups(model, tok, ["1+1="] * 8, 4, 6, generator=torch.Generator().manual_seed(3))
+    rollout = sample_texts(model, tok, ["1+1="] * 8, SamplingParams(n=4, max_new_tokens=6),
+                           torch.Generator().manual_seed(3))
     for ids, mask, truncated in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist(),
                                     rollout.truncated.tolist()):
         if tok.eos_token_id in ids:
@@ -86,49 +70,6 @@ def test_completion_mask_stops_after_eos(tiny):
             assert mask == [1] * (k + 1) + [0] * (len(ids) - k - 1) and not truncated
         else:
             assert all(mask) and truncated
-
-
-def test_seed_everything_keeps_deterministic_kernels_without_filling_empty_tensors():
-    """Deterministic algorithms stay on (the two-clone reproducibility test relies on them); the NaN fill of
-    `torch.empty`, a debugging guard that cost ~1 ms of a tiny-default step, is off."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(False)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        seed_everything(0)
-        assert torch.are_deterministic_algorithms_enabled()
-        assert not torch.utils.deterministic.fill_uninitialized_memory
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = before[1]
-
-
-def test_pickle_weights_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="pickle files; only safetensors"):
-        resolve_model_dir(tmp_path)
-
-
-def test_missing_model_path_mentions_offline_download(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="download it first"):
-        resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
-
-
-def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
-    from components.engine.models.modeling import check_model_source, hub_download_allowed, write_pointer
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert not hub_download_allowed("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)
-    with pytest.raises(ModelLoadError, match="model.allow_download: true and HF_HUB_OFFLINE=0"):
-        check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    with pytest.raises(ModelLoadError, match="does not exist"):
-        check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=False)
-    check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)  # allowed: no error, nothing fetched yet
-    write_pointer(tmp_path / "base", "Qwen/Qwen2.5-0.5B-Instruct", hub=True)
-    assert str(resolve_model_dir(tmp_path / "base")) == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 def test_sample_from_draws_each_token_at_its_probability():
@@ -182,17 +123,15 @@ def test_top_k_and_top_p_keep_the_tokens_hugging_face_keeps(top_k, top_p):
     """The sampler's filters against transformers' TopKLogitsWarper then TopPLogitsWarper (its order), ties included."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from components.engine.models.rollout import _filter_top_k, _filter_top_p
-
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 12, generator=gen)
     logits[0, 3] = logits[0, 7] = logits[0].max() + 1.0  # a tie at the top
-    ours = _filter_top_k(logits, top_k)
+    ours = filter_top_k(logits, top_k)
     theirs = logits.clone()
     if top_k:
         theirs = TopKLogitsWarper(top_k)(None, theirs)
     if top_p < 1.0:
-        ours, theirs = _filter_top_p(ours, top_p), TopPLogitsWarper(top_p)(None, theirs)
+        ours, theirs = filter_top_p(ours, top_p), TopPLogitsWarper(top_p)(None, theirs)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     kept = (~torch.isinf(ours)).sum(-1)
     assert (kept <= max(top_k, 2) if top_k else kept < 12).all() and (kept >= 1).all()
@@ -204,8 +143,8 @@ def test_top_k_sampling_draws_what_hugging_face_sampling_draws(tiny):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
     tok, model = load_tokenizer(tiny), load_model(tiny, torch.device("cpu"))
-    rollout = sample_groups(model, tok, ["12+3="], 20_000, 1, temperature=0.8, top_k=3,
-                            generator=torch.Generator().manual_seed(0))
+    rollout = sample_texts(model, tok, ["12+3="], SamplingParams(n=20_000, max_new_tokens=1, temperature=0.8, top_k=3),
+                           torch.Generator().manual_seed(0))
     with torch.no_grad():
         ids = tok(["12+3="], return_tensors="pt", add_special_tokens=False).input_ids
         logits = model(input_ids=ids).logits[:, -1, :]
@@ -217,16 +156,3 @@ def test_top_k_sampling_draws_what_hugging_face_sampling_draws(tiny):
     theirs = torch.bincount(hf, minlength=vocab).float() / 20_000
     assert set(rollout.completion_ids[:, 0].unique().tolist()) <= set(torch.topk(logits[0], 3).indices.tolist())
     assert torch.allclose(ours, probs, atol=0.015) and torch.allclose(ours, theirs, atol=0.02)
-
-
-def test_distinct_fraction_counts_rows_that_differ_in_prompt_or_in_completion_up_to_eos():
-    from components.engine.models.rollout import Rollout
-
-    prompts = torch.tensor([[0, 5], [0, 5], [0, 5], [7, 6]])
-    prompt_mask = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 1]])
-    # rows 0 and 1 equal up to EOS (2) and differ only in padding after it; row 2 another answer; row 3 another prompt
-    completions = torch.tensor([[3, 2, 0], [3, 2, 9], [4, 2, 0], [3, 2, 0]])
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
-    rollout = Rollout(prompts, prompt_mask, completions, mask, torch.zeros(4, dtype=torch.bool))
-    assert rollout.distinct_fraction() == 3 / 4
-    assert rollout.select([0, 2, 3]).distinct_fraction() == 1.0

@@ -1,0 +1,150 @@
+"""Every rollout engine against the plain Hugging Face one, through the door the algorithm uses.
+
+Each test runs once per engine in `ENGINES`: the same generator state must give the same tokens, masks and sampler
+log-probs as the plain path (greedy and sampled, with finished rows, LoRA adapters and the row layout), and the
+engine's log-probs must be the plain forward's. The next engine is one module and one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.rollout import prefix_shared
+from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.hf import HFEngine
+
+VOCAB = 24
+TOKENS = SpecialTokens(eos_id=3, pad_id=0)
+
+
+def _prefix_shared(model: Any, tokens: SpecialTokens) -> RolloutEngine:
+    engine = prefix_shared.build(model, tokens, VOCAB, max_length=30, completion_length=12)
+    assert engine is not None, "the prompt-once engine refused a model it supports"
+    return engine
+
+
+ENGINES: dict[str, Callable[[Any, SpecialTokens], RolloutEngine]] = {
+    "hf": lambda model, tokens: HFEngine(model, tokens),
+    "prefix_shared": _prefix_shared,
+}
+
+
+def _llama(eos_bias: float = 0.0, **extra):
+    """A small random Llama; `eos_bias` makes EOS (id 3) likely, so rows finish at different steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         **extra)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[3] += eos_bias * model.model.embed_tokens.weight.sum(0)
+    return model
+
+
+def _lora():
+    from components.config import LoRAConfig
+    from components.engine.grpo.policy import attach_lora
+
+    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora}
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [4, 9, 6, 5]]  # different lengths: left padding
+
+
+def _sample(name: str, model: Any, params: SamplingParams, seed: int = 5):
+    engine = ENGINES[name](model, TOKENS)
+    generator = torch.Generator().manual_seed(seed)
+    return engine.sample(PROMPTS, params, generator), generator
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "hf"])
+def test_the_same_seed_gives_the_plain_paths_tokens(engine, model_name, greedy):
+    model = MODELS[model_name]()
+    params = SamplingParams(n=4, max_new_tokens=10, temperature=0.9, greedy=greedy)
+    plain, plain_gen = _sample("hf", model, params)
+    ours, our_gen = _sample(engine, model, params)
+    lengths = plain.completion_mask.sum(-1)
+    assert greedy or lengths.min() < lengths.max(), "every row ended at the same step: finished rows never tested"
+    assert torch.equal(ours.completion_ids, plain.completion_ids)
+    assert torch.equal(ours.completion_mask, plain.completion_mask)
+    assert torch.equal(ours.truncated, plain.truncated)
+    assert torch.equal(ours.prompt_ids, plain.prompt_ids) and torch.equal(ours.prompt_mask, plain.prompt_mask)
+    assert torch.equal(our_gen.get_state(), plain_gen.get_state()), "the generator was consumed differently"
+    if greedy:
+        assert ours.sampling_logp is None and plain.sampling_logp is None
+    else:
+        torch.testing.assert_close(ours.sampling_logp, plain.sampling_logp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_rollouts_own_their_group_layout_and_sampler_logprobs(engine):
+    model = _llama(0.4)
+    rollouts, _ = _sample(engine, model, SamplingParams(n=3, max_new_tokens=8, temperature=0.7, top_k=5))
+    assert len(rollouts) == 9 and rollouts.group_size == 3 and rollouts.num_groups == 3
+    assert rollouts.group_rows([1]) == [3, 4, 5]
+    for row in range(9):  # each group's rows hold its prompt, left-padded
+        prompt = PROMPTS[row // 3]
+        assert rollouts.prompt_ids[row][rollouts.prompt_mask[row].bool()].tolist() == prompt
+    for ids, mask, truncated in zip(rollouts.completion_ids.tolist(), rollouts.completion_mask.tolist(),
+                                    rollouts.truncated.tolist()):
+        if TOKENS.eos_id in ids:  # every token up to and including the first EOS; padding after it
+            k = ids.index(TOKENS.eos_id)
+            assert mask == [1] * (k + 1) + [0] * (len(ids) - k - 1) and not truncated
+            assert all(t == TOKENS.pad_id for t in ids[k + 1:])
+        else:
+            assert all(mask) and truncated
+    # the sampler's log-probs are those of the full distribution at the temperature (what the loss scores)
+    expected, _ = completion_logprobs(model, rollouts, 0.7)
+    mask = rollouts.completion_mask.bool()
+    torch.testing.assert_close(rollouts.sampling_logp[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert not any(t.is_inference() for t in (rollouts.prompt_ids, rollouts.completion_ids, rollouts.completion_mask))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_logprobs_and_gradients_are_the_plain_forwards(engine):
+    model = _llama(0.4).train()
+    rollouts, _ = _sample("hf", model, SamplingParams(n=2, max_new_tokens=6))
+    weights = torch.linspace(-1, 1, len(rollouts))[:, None] * rollouts.completion_mask
+
+    def logprobs_and_grads(score: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]):
+        model.zero_grad()
+        logp, entropy = score()
+        (logp * weights).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
+
+    ours = logprobs_and_grads(lambda: ENGINES[engine](model, TOKENS).logprobs(rollouts, 0.8, with_entropy=True))
+    plain = logprobs_and_grads(lambda: completion_logprobs(model, rollouts, 0.8, with_entropy=True))
+    mask = rollouts.completion_mask.bool()
+    torch.testing.assert_close(ours[0][mask], plain[0][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[1][mask], plain[1][mask], atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours[2], plain[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_an_engine_over_another_model_scores_with_that_model(engine):
+    """`over(reference)`: the same engine and options over the frozen reference (the KL term's log-probs)."""
+    model, reference = _llama(0.4), _llama(0.4, rope_theta=500.0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01)
+    rollouts, _ = _sample("hf", model, SamplingParams(n=2, max_new_tokens=6))
+    ours = ENGINES[engine](model, TOKENS).over(reference).logprobs(rollouts, 1.0)[0]
+    mask = rollouts.completion_mask.bool()
+    torch.testing.assert_close(ours[mask], completion_logprobs(reference, rollouts)[0][mask], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours[mask], completion_logprobs(model, rollouts)[0][mask], atol=1e-3)
