@@ -159,14 +159,15 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
     prefix_sharing: bool = True
-    """Encode each prompt once per group in sampling, reference and policy forwards (components/engine/fast/fastlm.py).
-    Llama/Qwen2/Qwen3/Mistral only, checked against the Hugging Face forward at start; others fall back.
-    Not used with several processes or per-group sampling (those need the wrapped, N-independent forward)."""
+    """Sample and score through the prompt-once engine (components/engine/rollout/prefix_shared.py): each prompt
+    encoded once per group in sampling, reference and policy forwards. Llama/Qwen2/Qwen3/Mistral only, checked against
+    the Hugging Face forward at start; others fall back to the plain engine, as do several processes and per-group
+    sampling (those need the wrapped, N-independent forward)."""
     onednn_matmul: bool = True
     """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
-    (components/engine/fast/matmul.py): about twice MKL's speed on AMD processors with AVX-512 (measured on Zen 5); on
-    Intel's MKL already runs AVX-512, so expect little change. Rounding differs from PyTorch's own products; false keeps
-    those."""
+    (components/engine/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU vendor: the
+    gain is on AMD processors with AVX-512 (docs/performance.md has the figures). Rounding differs from PyTorch's own
+    products; false keeps those."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -195,8 +196,8 @@ class GRPOConfig:
     """The held-out metric (a greedy one of `evaluate.metrics`, or `reward`) that `keep: best` maximises."""
     metrics_every: int = 10
     """Steps per MLflow metrics point, each the mean over its window (TRL's `logging_steps`); 1 logs
-    every step. Every step's values are in plots/grpo_steps.csv. A point per step costs about 5 ms
-    of SQLite writes (28 metrics), about 6% of a tiny-model step (0.079 s median in the benchmark at 8a3e357)."""
+    every step. Every step's values are in plots/grpo_steps.csv. Each point is one write of about 30 metrics to the
+    tracking store, a noticeable share of a tiny-model step (docs/performance.md)."""
 
 
 def check_grpo(g: GRPOConfig) -> None:

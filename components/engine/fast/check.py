@@ -5,7 +5,7 @@ check fails, and the rollout engine (`rollout.prefix_shared.build`) falls back t
 raises.
 
 In float32 the two forwards differ only in the order of their sums, so they must agree to `CHECK_TOLERANCE`. A
-bfloat16 or float16 model rounds far more than that (SmolLM2-135M in bfloat16: log-probs 0.3 nats from its own
+bfloat16 or float16 model rounds far more than that (a real model's log-probs move by tenths of a nat from its own
 float32 values, Hugging Face's forward and this one alike), so a fixed tolerance either refuses every such model or
 lets real faults through. There the check runs twice: once with the weights in float32 (bfloat16 and float16 values
 are exact in float32, so the round trip changes nothing), where the forwards must agree to `CHECK_TOLERANCE`, then in

@@ -2,8 +2,8 @@
 
 PyTorch sends float32 matrix products on the CPU to MKL's sgemm, which picks its kernels by CPU vendor:
 on AMD processors with AVX-512 (Zen 4, Zen 5) it runs its AVX2 code. oneDNN, also inside PyTorch
-(`torch.ops.mkldnn._linear_pointwise`), picks by instruction set, about twice as fast on such products, forward
-and backward (grad . W and grad^T . x, read as strided views). Each oneDNN call costs more to start, so small
+(`torch.ops.mkldnn._linear_pointwise`), picks by instruction set, so it runs AVX-512 there, forward and backward
+(grad . W and grad^T . x, read as strided views). Each oneDNN call costs more to start, so small
 products lose: `ONEDNN_MIN_WORK` sends only products of 8M multiply-adds or more. Both sum in float32; only the
 order of the sums, so the rounding, differs. On Intel processors MKL already runs AVX-512 kernels.
 
