@@ -399,14 +399,18 @@ def worker_main(spec_json: str) -> int:
 class Worker:
     """One engine's process, driven over two pipes (commands in, JSON reports out)."""
 
-    def __init__(self, engine: str, spec: dict[str, Any], log: Path):
+    def __init__(self, engine: str, spec: dict[str, Any], log: Path, tree: Path = ROOT):
+        """`tree`: the checkout whose code the worker runs (its own .venv when it has one; benchmarks/before_after.py
+        runs another checkout's engine beside this one's)."""
         cmd_r, self._cmd_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(tree))
         self.log = log.open("w")
         spec = {**spec, "engine": engine, "fd_in": cmd_r, "fd_out": rep_w}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, pass_fds=(cmd_r, rep_w), cwd=str(ROOT))
+        python = tree / ".venv" / "bin" / "python" if tree != ROOT and (tree / ".venv").exists() else Path(sys.executable)
+        self.proc = subprocess.Popen([str(python), str(tree / "benchmarks" / "grpo_vs_trl.py"), "--worker",
+                                      json.dumps(spec)], stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=(cmd_r, rep_w), cwd=str(tree))
         os.close(cmd_r)
         os.close(rep_w)
         self.commands = os.fdopen(self._cmd_w, "w")

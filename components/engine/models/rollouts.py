@@ -115,8 +115,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
 
 
 def encode_prompts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Prompt texts -> token ids as the model reads them (no special tokens added: templates carry their own)."""
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False).input_ids] if texts else []
+    """Prompt texts -> token ids as the model reads them (no special tokens added: templates carry their own).
+
+    Tokenised as one padded batch, as Hugging Face's batch call does: the tokenizer then holds that padding setting,
+    and a tokenizer saved with a model writes it out, so saved models are the same however their prompts were
+    encoded."""
+    if not texts:
+        return []
+    batch = tokenizer(list(texts), padding=True, add_special_tokens=False)
+    return [[t for t, real in zip(ids, mask) if real] for ids, mask in zip(batch.input_ids, batch.attention_mask)]
 
 
 def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:

@@ -1,0 +1,145 @@
+"""Is this checkout's engine slower than another checkout's? The same grpo_vs_trl row trained by both, alternating.
+
+    python benchmarks/before_after.py --against ../base --rows tiny,smollm2-lora,smollm2-full,smollm2-long
+
+Both engines train the row's GRPO settings from the same start (built once, as benchmarks/grpo_vs_trl.py builds it)
+in their own processes, taking turns in short rounds (now, before; before, now; ...; the first round warms both up),
+so a machine that drifts slows both alike. `--against` is a checkout with its own `.venv` (for instance a git
+worktree of an earlier commit, `make setup` in it). Reports per row the median of the per-round completions/s ratios
+(now / before) with their range, each engine's peak resident memory, and whether both ended with the same held-out
+reward (a refactor that keeps the maths should: the same seed, the same steps). Writes
+benchmarks/results/before_after.{json,md}; the figures belong in HISTORY.md, not in user pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.grpo_vs_trl import ROWS, Worker, prepare_start  # noqa: E402
+
+SIDES = ("now", "before")
+
+
+def linked_start(root: Path, other: Path) -> Path:
+    """A second root whose start (SFT model, base model, data) is the first's, by symlinks: each side's run
+    folder and MLflow store stay apart."""
+    for rel in ("models/sft", "models/base", "data/prepared"):
+        link = other / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to((root / rel).resolve())
+    return other
+
+
+def compare(row_name: str, against: Path, args, work: Path) -> dict[str, Any]:
+    row = ROWS[row_name]
+    root = prepare_start(row, work, args.threads)
+    rounds, round_steps = args.rounds or row.rounds, args.round_steps or row.round_steps
+    spec = {"row": row.name, "steps": rounds * round_steps, "round_steps": round_steps, "threads": args.threads,
+            "seed": args.seed, "heldout": args.heldout}
+    roots = {"now": root, "before": linked_start(root, work / f"{row.setup}-before")}
+    trees = {"now": ROOT, "before": against}
+    workers: dict[str, Worker] = {}
+    rates: dict[str, list[float]] = {side: [] for side in SIDES}
+    peak = {side: 0.0 for side in SIDES}
+    heldout: dict[str, float] = {}
+    started = time.perf_counter()
+    for r in range(rounds):
+        for side in SIDES if r % 2 == 0 else tuple(reversed(SIDES)):
+            if side not in workers:
+                workers[side] = Worker("ours", {**spec, "root": str(roots[side])}, work / f"{row.name}-{side}.log",
+                                       trees[side])
+            else:
+                workers[side].command("go")
+            report = workers[side].expect("round")
+            if r > 0:
+                rates[side].append(sum(s["completions"] for s in report["steps"])
+                                   / sum(s["seconds"] for s in report["steps"]))
+            peak[side] = max(peak[side], report["peak_rss_mb"])
+            if r == rounds - 1:
+                workers[side].command("eval")
+                heldout[side] = workers[side].expect("eval")["mean"]
+        if r:
+            elapsed = time.perf_counter() - started
+            print(f"[{row.name}] round {r + 1}/{rounds}: now {rates['now'][-1]:.1f}, before {rates['before'][-1]:.1f} "
+                  f"completions/s ({elapsed / 60:.1f} min, ETA {elapsed / (r + 1) * (rounds - r - 1) / 60:.1f} min)",
+                  flush=True)
+    for w in workers.values():
+        w.command("go")
+        w.expect("finished")
+        w.proc.wait(timeout=120)
+    ratios = [a / b for a, b in zip(rates["now"], rates["before"])]
+    return {"row": row.name, "rounds": rounds, "round_steps": round_steps,
+            "ratio_now_over_before": round(statistics.median(ratios), 3),
+            "per_round_ratios": [round(x, 3) for x in ratios],
+            "completions_per_s": {side: round(statistics.median(rates[side]), 2) for side in SIDES},
+            "peak_rss_mb": {side: round(peak[side], 1) for side in SIDES},
+            "heldout_reward": {side: round(heldout[side], 4) for side in SIDES}}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# This checkout ({report['commit']}) against {report['against_commit']}, alternating rounds", "",
+             f"Machine: {report['machine']}; command: `{report['command']}`.", "",
+             "| row | now / before (median of rounds) | per-round range | completions/s now, before | "
+             "peak RSS now, before (MB) | held-out now, before |", "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        c, m, h = r["completions_per_s"], r["peak_rss_mb"], r["heldout_reward"]
+        lines.append(f"| {r['row']} | **{r['ratio_now_over_before']:.3f}** | {min(r['per_round_ratios']):.3f} .. "
+                     f"{max(r['per_round_ratios']):.3f} | {c['now']:.1f}, {c['before']:.1f} | {m['now']:.0f}, "
+                     f"{m['before']:.0f} | {h['now']:.3f}, {h['before']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="the other checkout (with its own .venv)")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--round-steps", type=int, default=0)
+    parser.add_argument("--heldout", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    against = Path(args.against).resolve()
+    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+                       "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
+        os.environ.setdefault(key, value)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    import torch
+
+    from components.tracking.run_environment import cpu_model
+
+    def commit(tree: Path) -> str:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                              text=True).stdout.strip()
+
+    report = {"command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]), "commit": commit(ROOT),
+              "against_commit": commit(against),
+              "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
+                         f"torch {torch.__version__}", "rows": []}
+    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
+        report["rows"].append(compare(name, against, args, work))
+    out = Path(args.out)
+    (out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "before_after.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
