@@ -67,9 +67,11 @@ def test_the_loop_finder_finds_a_loop():
 def test_the_engine_floors_are_checked(tmp_path):
     """The engine's floors contract is not vacuous: with its floors reversed, its real imports break it."""
     config = (ROOT / "pyproject.toml").read_text()
-    floors = '    "grpo",\n    "evaluation",\n    "rollout",\n    "fast | rewards | parallel",\n    "models",\n'
+    floors = ('    "grpo",\n    "evaluation",\n    "environments",\n    "rollout",\n    "fast | rewards | parallel",\n'
+              '    "models",\n')
     assert floors in config
-    reversed_floors = '    "models",\n    "fast | rewards | parallel",\n    "rollout",\n    "evaluation",\n    "grpo",\n'
+    reversed_floors = ('    "models",\n    "fast | rewards | parallel",\n    "rollout",\n    "environments",\n'
+                       '    "evaluation",\n    "grpo",\n')
     (tmp_path / "pyproject.toml").write_text(config.replace(floors, reversed_floors))
     assert lint_imports(config_filename=str(tmp_path / "pyproject.toml"), no_cache=True, no_logo=True) == 1
 

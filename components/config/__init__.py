@@ -13,8 +13,8 @@ configs (`STAGE_PARAMS`, the fingerprint); `rules` holds `ConfigError` and `_req
 
 from components.config.data import DataConfig, PromptConfig, TaskConfig
 from components.config.evaluate import FIXED_METRICS, PASS_AT_K, EvaluateConfig, RegisterConfig
-from components.config.grpo import (DynamicSamplingConfig, GRPOConfig, LoRAConfig, OverlongConfig, ReferenceConfig,
-                                    RewardSpec)
+from components.config.grpo import (DynamicSamplingConfig, EpisodeConfig, GRPOConfig, LoRAConfig, OverlongConfig,
+                                    ReferenceConfig, RewardSpec)
 from components.config.hashing import (NOT_IN_FINGERPRINT, STAGE_PARAMS, config_value, default_fingerprint,
                                        section_hash, stage_params_hash, to_flat_dict, trained_value)
 from components.config.loading import apply_override, config_from_dict, load_config, read_params
@@ -28,7 +28,8 @@ from components.config.sft import SFTConfig
 __all__ = [
     "FIXED_METRICS", "NOT_IN_FINGERPRINT", "PASS_AT_K", "STAGE_PARAMS",
     "ConfigError",
-    "DataConfig", "DistributedConfig", "DynamicSamplingConfig", "EvaluateConfig", "GRPOConfig", "LoRAConfig",
+    "DataConfig", "DistributedConfig", "DynamicSamplingConfig", "EpisodeConfig", "EvaluateConfig", "GRPOConfig",
+    "LoRAConfig",
     "ModelConfig", "MonitorSpec", "MonitorsConfig", "NoSignalConfig", "NotLearningConfig", "OperationsConfig",
     "OverlongConfig", "PipelineConfig", "PromptConfig", "ReferenceConfig", "RegisterConfig", "ReportsConfig",
     "RewardSpec", "SFTConfig", "TaskConfig", "TinyModelConfig", "TrackingConfig",

@@ -12,9 +12,11 @@ from components.config.rules import ConfigError, _require
 class TaskConfig:
     """The embedded procedural task (used when no user data is given)."""
 
-    name: Literal["addition", "addition_question", "word_problems"] = "addition"
+    name: Literal["addition", "addition_question", "word_problems", "multiplication"] = "addition"
     """Built-in task generator. `addition`: "37+45=" -> "82"; `addition_question`: "What is 37 + 45?" -> "82";
-    `word_problems`: two-step word problems ("Ana has 7 apples. Ana buys 5 more and then gives 3 away. ...") -> "9"."""
+    `word_problems`: two-step word problems ("Ana has 7 apples. Ana buys 5 more and then gives 3 away. ...") -> "9";
+    `multiplication`: "What is 347 * 82?" -> "28454" (an operand in [min_operand, max_operand] times a two-digit
+    one: a task for the calculator tool)."""
     min_operand: int = 0
     """Smallest operand (inclusive)."""
     max_operand: int = 99
@@ -73,7 +75,8 @@ def check_task(t: TaskConfig) -> None:
     for name in ("n_sft", "n_train", "n_heldout"):
         _require(getattr(t, name) >= 1, f"task.{name}", "must be >= 1")
     if t.name != "word_problems":  # word_problems counts its own when it generates them (tasks.py)
-        span = (t.max_operand - t.min_operand + 1) ** 2
+        span = (t.max_operand - t.min_operand + 1) * (90 if t.name == "multiplication" else
+                                                      t.max_operand - t.min_operand + 1)
         _require(t.n_sft + t.n_train + t.n_heldout <= span, "task.n_train",
                  f"n_sft + n_train + n_heldout exceeds the {span} distinct problems of the operand range")
 

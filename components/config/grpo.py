@@ -78,6 +78,19 @@ class LoRAConfig:
 
 
 @dataclass
+class EpisodeConfig:
+    """Multi-turn episodes (`grpo.tools` or `grpo.environment`): the model acts, a tool or the environment answers.
+    An episode's tokens after its prompt, the model's and the answers' together, are at most
+    `grpo.max_completion_length` (an answer that would not fit ends the episode there, as TRL does)."""
+
+    max_turns: int = 4
+    """Model turns per episode at most; an episode still calling tools after the last is cut (counted)."""
+    timeout_s: float = 10.0
+    """Seconds a tool call, or an environment's reset or step, may take; past it the call fails (counted, and the
+    model reads the error, or the episode ends)."""
+
+
+@dataclass
 class GRPOConfig:
     """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
 
@@ -177,7 +190,19 @@ class GRPOConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """KL reference policy."""
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    """Reward components; their weighted sum drives the advantages."""
+    """Reward components; their weighted sum drives the advantages. With episodes they read the model's last turn
+    as the completion, and the whole episode in the `episode` column (plus `environment_reward`, `tool_calls`)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, each a built-in (`calculator`) or `package.module:function` with typed parameters
+    and a docstring describing them (its JSON schema is built from both, as TRL does). Rollouts become episodes:
+    tool calls are run and their results read back, until a turn calls none (docs/engine.md, "Tools and
+    environments")."""
+    environment: str | None = None
+    """`package.module:factory` building one environment per rollout: `reset(record)` gives the first messages,
+    `step(turn)` answers each model turn with messages or ends the episode (optionally with its reward). Not
+    together with `tools` (an environment answers the model itself)."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Limits of tool and environment episodes."""
     reward_timeout_s: float = 60.0
     """Time limit per reward call; a slower call fails that step (0 = no limit)."""
     max_reward_failures: int = 3
@@ -257,6 +282,11 @@ def check_grpo(g: GRPOConfig) -> None:
     _require(len(g.rewards) >= 1, "grpo.rewards", "needs at least one reward")
     _require(g.reward_timeout_s >= 0, "grpo.reward_timeout_s", "must be >= 0")
     _require(g.max_reward_failures >= 0, "grpo.max_reward_failures", "must be >= 0")
+    _require(not (g.tools and g.environment), "grpo.environment",
+             "cannot be set together with grpo.tools: an environment answers the model's turns itself (give it the "
+             "tools it needs)")
+    _require(g.episode.max_turns >= 1, "grpo.episode.max_turns", "must be >= 1")
+    _require(g.episode.timeout_s > 0, "grpo.episode.timeout_s", "must be > 0")
 
 
 def _check_variants(g: GRPOConfig) -> None:

@@ -63,6 +63,13 @@ def validate_config(cfg: PipelineConfig) -> None:
         _require(cfg.grpo.prompts_per_step % cfg.distributed.nproc == 0, "grpo.prompts_per_step",
                  f"must be divisible by distributed.nproc ({cfg.distributed.nproc}) with fsdp2, so every "
                  "process samples the same number of groups in lockstep")
+    episodes = bool(cfg.grpo.tools or cfg.grpo.environment)
+    _require(not (episodes and cfg.distributed.strategy == "fsdp2" and cfg.distributed.nproc > 1), "grpo.tools",
+             "episodes are not supported with distributed.strategy fsdp2 (each process's episodes take their own "
+             "number of turns; sharded forwards need them in lockstep): use ddp")
+    _require(not (episodes and cfg.prompt.chat_template == "never"), "prompt.chat_template",
+             "cannot be never with grpo.tools or grpo.environment: an episode's turns are told apart by the chat "
+             "template")
     _require(not (cfg.grpo.top_entropy_quantile < 1 and cfg.distributed.nproc > 1), "grpo.top_entropy_quantile",
              "must be 1 with several processes (distributed.nproc > 1): the entropy quantile is taken over one "
              "process's tokens only, so the masked tokens would depend on the process count")

@@ -103,4 +103,30 @@ def word_problems(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]]
     return splits
 
 
-TASKS = {"addition": addition_problems, "addition_question": addition_questions, "word_problems": word_problems}
+def multiplication(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Products of a number in [min_operand, max_operand] and a two-digit one ("What is 347 * 82?" -> "28454"), beyond
+    what a small model computes in its head: a task for a calculator tool. Disjoint splits, drawn without
+    replacement. SFT rows also carry `tool_solution`: the worked conversation after the prompt (a call of the
+    `calculator` tool, its result, the answer), for `sft.target_column: tool_solution`."""
+    pairs = [(a, b) for a in range(task.min_operand, task.max_operand + 1) for b in range(10, 100)]
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    splits: dict[str, list[dict[str, Any]]] = {}
+    start = 0
+    for split, size in {"sft": task.n_sft, "train": task.n_train, "heldout": task.n_heldout}.items():
+        rows = []
+        for i, (a, b) in enumerate(pairs[start: start + size]):
+            row = {"id": f"{split}-{i:06d}", "prompt": f"What is {a} * {b}?", "answer": str(a * b)}
+            if split == "sft":
+                call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+                row["tool_solution"] = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "name": "calculator", "content": str(a * b)},
+                                        {"role": "assistant", "content": str(a * b)}]
+            rows.append(row)
+        splits[split] = rows
+        start += size
+    return splits
+
+
+TASKS = {"addition": addition_problems, "addition_question": addition_questions, "word_problems": word_problems,
+         "multiplication": multiplication}

@@ -73,6 +73,12 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
         metrics["logprob_gap_mean"] = stats.gap_sum / stats.gap_tokens
         metrics["logprob_gap_max"] = stats.gap_max
     metrics.update({f"reward/{k}/mean": v for k, v in batch.rewards.component_means().items()})
+    if rollout.episodes:  # tools and environments: what the episodes did
+        episodes = rollout.episodes
+        metrics.update({"turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
+                        "tool_calls_per_episode": sum(e.tool_calls for e in episodes) / len(episodes),
+                        "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / len(episodes),
+                        "episodes_cut_frac": sum(e.cut is not None for e in episodes) / len(episodes)})
     return metrics
 
 

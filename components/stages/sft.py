@@ -17,6 +17,8 @@ import torch
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
+from components.engine.environments.spec import episode_spec
+from components.engine.evaluation.task_metrics import generate
 from components.engine.models.modeling import (
     load_policy_model,
     load_tokenizer,
@@ -45,12 +47,19 @@ from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
 
-def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"], target: str = "answer"
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_sft(tokenizer, records: list[dict], format_prompt=lambda r: r["prompt"], target: str = "answer",
+               conversation=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask, and labels with prompt and padding set to -100.
-    `target`: the column learned after the prompt (+ EOS)."""
+    `target`: the column learned after the prompt (+ EOS). A target holding a worked conversation (a list of
+    messages: assistant turns, tool results between them) is laid out by `conversation(record, turns)` as an episode
+    is, and only the model's turns are learned."""
     rows, labels = [], []
     for r in records:
+        if conversation is not None and isinstance(r[target], list):
+            ids, written = conversation(r, r[target])
+            rows.append(ids)
+            labels.append([t if w else -100 for t, w in zip(ids, written)])
+            continue
         prompt = tokenizer(format_prompt(r), add_special_tokens=False).input_ids
         answer = tokenizer(str(r[target]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
@@ -123,10 +132,17 @@ class WarmStartCheck:
         self.columns = reward_columns(records, 1)
         self.rewards = RewardModel(cfg.grpo.rewards)
         self.tokenizer, self.max_new_tokens = tokenizer, cfg.grpo.max_completion_length
+        self.records, self.episodes = records, episode_spec(cfg)  # with tools, the check plays episodes
 
     @torch.no_grad()
     def __call__(self, model, stop_together=None) -> float:
         """`stop_together`: with a sharded (FSDP) model every rank decodes the same prompts in lockstep."""
+        if self.episodes is not None:
+            out = generate(model, self.tokenizer, self.prompts, 1, self.max_new_tokens, 256, episodes=self.episodes,
+                           records=self.records)
+            columns = dict(self.columns, completion_token_lengths=out.lengths, **out.columns)
+            scores = self.rewards(self.raw_prompts, out.texts, columns).total
+            return sum(scores) / len(scores)
         was_training = model.training
         model.eval()
         try:
@@ -156,8 +172,10 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
 
         shard_model(model, ctx)
     records = read_jsonl(split_path(paths.data, "sft"))
+    spec = episode_spec(cfg)  # tools or an environment: worked conversations are laid out as episodes
     ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer),
-                                                              s.target_column))
+                                                              s.target_column,
+                                                              spec.conversation(tokenizer) if spec else None))
     n = ids.shape[0]
     steps_per_epoch = math.ceil(n / s.batch_size)
     total = steps_per_epoch * s.epochs

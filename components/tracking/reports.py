@@ -49,20 +49,20 @@ class GRPOReporter:
 
     def samples_text(self, rollout, scores, groups: int = 2) -> str:
         """The first completion of the first `groups` groups with its score, one line each (for a warning)."""
-        from components.engine.models.rollouts import decode_completions
+        from components.engine.environments.episodes import completion_texts
 
         rows = [i * rollout.group_size for i in range(groups) if i * rollout.group_size < len(rollout)]
         part = rollout.select(rows)
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
         scored = [scores.total[i] if i < len(scores.total) else None for i in rows]
-        completions = decode_completions(self.tokenizer, part)
+        completions = completion_texts(self.tokenizer, part)
         return "\n".join(f"  sample: {prompt[-120:]!r} -> {completion[:200]!r} (reward {score})"
                          for prompt, completion, score in zip(prompts, completions, scored))
 
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
-        from components.engine.models.rollouts import decode_completions
+        from components.engine.environments.episodes import completion_texts
 
         size = rollout.group_size
         n = min(len(rollout), max(size, self.samples_rows // size * size))
@@ -70,7 +70,7 @@ class GRPOReporter:
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
         table: dict[str, list[Any]] = {"group": [i // size for i in range(n)], "prompt": prompts,
-                                       "completion": decode_completions(self.tokenizer, part)}
+                                       "completion": completion_texts(self.tokenizer, part)}
         if len(scores.total) == len(rollout):  # rows line up with the scored round (no dynamic sampling)
             for name, values in scores.components.items():
                 table[f"reward/{name}"] = [None if v is None else float(v) for v in values[:n]]

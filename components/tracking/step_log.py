@@ -15,7 +15,8 @@ from components.engine.evaluation.monitors import not_learning
 
 # MLflow's run page shows one section of charts per prefix before "/", sections in alphabetical order
 # (unprefixed charts last): the charts that say whether training works come first as `learning/`, then
-# optim/, reward/<name>/, rollout/, time/ (plots/grpo_steps.csv keeps the plain names).
+# episode/ (tools and environments), optim/, reward/<name>/, rollout/, time/ (plots/grpo_steps.csv keeps the plain
+# names).
 METRIC_GROUPS = {
     "learning": ("reward_mean", "reward_std", "kl", "entropy", "completion_length", "completion_length_max"),
     "optim": ("loss", "pg_loss", "advantage_mean", "logprob_mean", "grad_norm", "learning_rate", "clip_low_frac",
@@ -24,6 +25,7 @@ METRIC_GROUPS = {
                 "kept_completions", "sampled_completions", "unscored_completions", "reward_failures",
                 "logprob_gap_mean", "logprob_gap_max"),
     "time": ("step_seconds", "completions_per_s"),
+    "episode": ("turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode", "episodes_cut_frac"),
 }
 _GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}
 

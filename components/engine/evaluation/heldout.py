@@ -26,6 +26,7 @@ from components.engine.models.modeling import (
     resolve_model_dir,
     seed_everything,
 )
+from components.engine.environments.spec import episode_spec
 from components.engine.models.prompting import PromptFormatter
 from components.engine.models.rollouts import decode_completions
 from components.engine.rewards.rewards import RewardModel
@@ -95,8 +96,13 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     heldout = split_path(paths.data, "heldout")
     records = read_jsonl(heldout)
     formatter = PromptFormatter(cfg.prompt, tokenizer)
-    completions = greedy_completions_of(model, tokenizer, formatter, records, e.max_new_tokens, e.batch_size)
-    rewards = score(records, completions, RewardModel(cfg.grpo.rewards))
+    from components.engine.evaluation.task_metrics import generate
+
+    out = generate(model, tokenizer, [formatter(r) for r in records], 1, e.max_new_tokens, e.batch_size,
+                   episodes=episode_spec(cfg), records=records)
+    completions = out.transcripts or out.texts
+    rewards = RewardModel(cfg.grpo.rewards)([r["prompt"] for r in records], out.texts,
+                                            {**reward_columns(records, 1), **out.columns}).total
     return {"checkpoint": str(path), "n": len(records), "heldout_md5": file_md5(heldout),
             "mean_reward": float(np.mean(rewards)), "rewards": rewards, "completions": completions}
 
@@ -120,7 +126,8 @@ class HeldoutProbe:
         formatter = PromptFormatter(cfg.prompt, tokenizer)
         self.prompts = [formatter(r) for r in self.records]
         # pass@k is skipped below; a reward that hangs is stopped as in a training step
-        self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric], cfg.grpo.reward_timeout_s)
+        self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric], cfg.grpo.reward_timeout_s,
+                                   episode_spec(cfg))
         self.seconds = 0.0
         self.origin: np.ndarray | None = None  # the start model's per-prompt keep_metric
         self.origin_scores: dict[str, float] = {}

@@ -8,14 +8,18 @@ compared prompt by prompt with the paired bootstrap:
   of the training reward of the same name, if there is one);
 - `pass@k`: whether a correct completion (training reward total >= `evaluate.correct_at`) is among k
   sampled at `evaluate.pass_k_temperature`, with Chen et al.'s unbiased estimator over n >= k samples;
-- `completion_length`: tokens of the greedy completion, EOS included;
-- `eos_rate`: 1 when the greedy completion ended with EOS within `evaluate.max_new_tokens`, else 0.
+- `completion_length`: tokens of the greedy completion, EOS included (in an episode, every model turn's);
+- `eos_rate`: 1 when the greedy completion ended with EOS within `evaluate.max_new_tokens`, else 0 (an episode:
+  when it ended without meeting a limit).
+
+With tools or an environment (`grpo.tools`, `grpo.environment`) every completion is an episode, played the same way
+as in training with `evaluate.max_new_tokens` tokens after each prompt; rewards read it as in training.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import comb
 from typing import Any, Sequence
 
@@ -23,9 +27,10 @@ import torch
 
 from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.models.rollouts import decode_completions
-from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
+from components.engine.environments.episodes import reward_inputs, transcript
+from components.engine.environments.spec import EpisodeSpec
+from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.hf import HFEngine, sample_texts
 from components.engine.rewards.rewards import RewardModel, resolve_reward
 
 
@@ -63,43 +68,57 @@ def check_metrics(names: Sequence[str]) -> None:
 
 @dataclass
 class Completions:
-    """Decoded completions with their token lengths and whether each ended with EOS (prompt-major)."""
+    """Decoded completions with their token lengths and whether each ended with EOS (prompt-major); for episodes,
+    the columns rewards read about them and each episode's transcript."""
 
     texts: list[str]
     lengths: list[int]
     ended: list[bool]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    transcripts: list[str] | None = None
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, batch_size: int, *,
              greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             generator: torch.Generator | None = None) -> Completions:
-    """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode."""
+             generator: torch.Generator | None = None, episodes: EpisodeSpec | None = None,
+             records: Sequence[dict[str, Any]] = ()) -> Completions:
+    """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode; with `episodes`, n
+    episodes of each of `records` instead (the prompts are then the environments' first messages)."""
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             greedy=greedy)
+    runner = episodes.runner(tokenizer, max_new_tokens) if episodes is not None else None
     was_training = model.training
     model.eval()
-    texts: list[str] = []
-    lengths: list[int] = []
-    ended: list[bool] = []
+    out = Completions([], [], [], {}, [] if runner is not None else None)
     try:
         for start in range(0, len(prompts), batch_size):
-            rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], params, generator)
-            texts += decode_completions(tokenizer, rollouts)
-            lengths += rollouts.completion_lengths()
-            ended += (~rollouts.truncated).tolist()
+            if runner is not None:
+                rollouts = runner.run(HFEngine(model, SpecialTokens.of(tokenizer)),
+                                      records[start: start + batch_size], params, generator)
+            else:
+                rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], params, generator)
+            texts, columns = reward_inputs(tokenizer, rollouts)
+            out.texts += texts
+            for key, values in columns.items():
+                out.columns.setdefault(key, []).extend(values)
+            if out.transcripts is not None:
+                out.transcripts += [transcript(e) for e in rollouts.episodes]
+            out.lengths += rollouts.completion_lengths()
+            out.ended += [bool(x) for x in ~rollouts.truncated]
     finally:
         model.train(was_training)
-    return Completions(texts, [int(x) for x in lengths], [bool(x) for x in ended])
+    return out
 
 
 class TaskMetrics:
     """Computes `evaluate.metrics` (plus `reward`, always) per prompt for one model."""
 
     def __init__(self, e: EvaluateConfig, rewards: Sequence[RewardSpec], names: Sequence[str] | None = None,
-                 timeout_s: float = 0.0):
-        """`timeout_s`: each reward call's time limit (0 = none); evaluation during training uses GRPO's."""
-        self.e = e
+                 timeout_s: float = 0.0, episodes: EpisodeSpec | None = None):
+        """`timeout_s`: each reward call's time limit (0 = none); evaluation during training uses GRPO's.
+        `episodes`: the run's tools or environment (`environments.spec.episode_spec`), None for single turns."""
+        self.e, self.episodes = e, episodes
         self.names = list(dict.fromkeys(["reward", *(e.metrics if names is None else names)]))
         self.reward = RewardModel(rewards, timeout_s=timeout_s)
         options = {spec.name: spec.options for spec in rewards}
@@ -115,8 +134,9 @@ class TaskMetrics:
                    greedy_only: bool = False) -> tuple[dict[str, list[float]], Completions]:
         """{metric: one value per prompt} and the greedy completions; pass@k left out when `greedy_only`."""
         e = self.e
-        out = generate(model, tokenizer, prompts, 1, e.max_new_tokens, e.batch_size)
-        columns = reward_columns(records, 1)
+        out = generate(model, tokenizer, prompts, 1, e.max_new_tokens, e.batch_size, episodes=self.episodes,
+                       records=records)
+        columns = {**reward_columns(records, 1), **out.columns}
         values: dict[str, list[float]] = {"reward": self.reward(prompts, out.texts, columns).total}
         for name in self.greedy_names:
             if name == "completion_length":
@@ -131,8 +151,9 @@ class TaskMetrics:
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
             sampled = generate(model, tokenizer, prompts, n, e.max_new_tokens, max(1, e.batch_size // n),
                                greedy=False, temperature=e.pass_k_temperature, top_p=e.pass_k_top_p,
-                               top_k=e.pass_k_top_k, generator=generator)
-            scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts, reward_columns(records, n)).total
+                               top_k=e.pass_k_top_k, generator=generator, episodes=self.episodes, records=records)
+            scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts,
+                                 {**reward_columns(records, n), **sampled.columns}).total
             correct = [sum(s >= e.correct_at for s in scores[i * n:(i + 1) * n]) for i in range(len(prompts))]
             for k in ks:
                 values[f"pass@{k}"] = [pass_at_k(n, c, k) for c in correct]

@@ -22,7 +22,8 @@ from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
 from components.engine.grpo.objectives import normalize_then_sum
 from components.engine.grpo.policy import Policy
-from components.engine.models.rollouts import Rollouts, concat_rollouts, decode_completions
+from components.engine.environments.episodes import reward_inputs
+from components.engine.models.rollouts import Rollouts, concat_rollouts
 from components.engine.parallel.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
 from components.engine.rewards.rewards import RewardError, RewardModel, RewardResult
 from components.engine.rollout.base import SamplingParams
@@ -182,10 +183,14 @@ def per_group_round(policy: Policy, records: list[dict[str, Any]], params: Sampl
 def score_groups(policy: Policy, parts: list[Rollouts], records: list[dict[str, Any]], rewards: RewardModel,
                  g: GRPOConfig) -> list[ScoredGroups]:
     """Score rollouts of `records`' groups (one rollout per part, parts in record order) in one call of the rewards:
-    completions decoded, the records' columns and each completion's token length passed along."""
-    completions = [text for part in parts for text in decode_completions(policy.tokenizer, part)]
+    completions decoded (an episode's: its last turn, and the episode in columns of its own), the records' columns
+    and each completion's token length passed along."""
+    read = [reward_inputs(policy.tokenizer, part) for part in parts]
+    completions = [text for texts, _ in read for text in texts]
     group_size = parts[0].group_size
     columns = reward_columns(records, group_size)
+    for key in read[0][1]:
+        columns[key] = [value for _, extra in read for value in extra[key]]
     columns["completion_token_lengths"] = [n for part in parts for n in part.completion_lengths()]
     t0 = time.perf_counter()
     scored = rewards([r["prompt"] for r in records for _ in range(group_size)], completions, columns)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
+from components.engine.environments.episodes import EpisodeRunner
+from components.engine.environments.spec import episode_spec
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
 from components.engine.models.prompting import PromptFormatter, longest_row
@@ -79,6 +81,7 @@ class Policy:
     lora: bool = False
     format_prompt: Callable[[dict[str, Any]], str] = raw_prompt
     trainer: Any | None = None  # the module gradient forwards go through (DDP's wrapper); None: `model`
+    episodes: EpisodeRunner | None = None  # multi-turn episodes (tools, an environment); None: one turn each
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any, engine: RolloutEngine | None = None, reference: Any | None = None,
@@ -107,7 +110,10 @@ class Policy:
 
     def sample(self, records: Sequence[dict[str, Any]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        """`params.n` completions of each record's prompt, formatted and tokenised as this policy reads it."""
+        """`params.n` completions of each record's prompt, formatted and tokenised as this policy reads it; with
+        tools or an environment, `params.n` episodes of each record (the engine samples each turn)."""
+        if self.episodes is not None:
+            return self.episodes.run(self.engine, records, params, generator)
         prompts = encode_prompts(self.tokenizer, [self.format_prompt(r) for r in records])
         return self.engine.sample(prompts, params, generator)
 
@@ -150,7 +156,11 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
         max_length=longest_row(tokenizer, format_prompt, records, g.max_completion_length) if records else None,
         completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)
     engine = build_engine(model.train(), SpecialTokens.of(tokenizer), settings, say)
-    return Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference, format_prompt), memory
+    policy = Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference, format_prompt)
+    spec = episode_spec(cfg)
+    if spec is not None:
+        policy = dataclasses.replace(policy, episodes=spec.runner(tokenizer, g.max_completion_length))
+    return policy, memory
 
 
 @torch.no_grad()

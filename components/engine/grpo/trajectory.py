@@ -47,12 +47,14 @@ class Trajectory:
 
 
 def loss_mask(rollouts: Rollouts, scorable: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
-    """The completion tokens the loss sees: none of a completion no reward scored, nor (DAPO's
-    `mask_truncated_completions`) of one cut off at max_completion_length without EOS."""
+    """The completion tokens the loss sees: the tokens the model wrote (in an episode, not what a tool or the
+    environment answered), none of a completion no reward scored, nor (DAPO's `mask_truncated_completions`) of one
+    cut off at max_completion_length without EOS (or an episode cut at a limit)."""
     keep = scorable
     if mask_truncated:
         keep = keep & ~rollouts.truncated
-    return rollouts.completion_mask * keep.unsqueeze(-1).to(rollouts.completion_mask.dtype)
+    dtype = rollouts.completion_mask.dtype
+    return rollouts.written.to(dtype) * keep.unsqueeze(-1).to(dtype)
 
 
 def build_trajectory(rollouts: Rollouts, advantage_rewards: list[float], loss: GRPOLoss, mask_truncated: bool,

@@ -167,7 +167,7 @@ def record_gap(stats: UpdateStats, trainer_logp: torch.Tensor, rollouts: Rollout
     a kernel, dtype or cache disagrees)."""
     if rollouts.sampling_logp is None:
         return
-    sampled, mask = rollouts.sampling_logp, rollouts.completion_mask.bool()
+    sampled, mask = rollouts.sampling_logp, rollouts.written
     if rows is not None:
         sampled, mask, trainer_logp = sampled[rows], mask[rows], trainer_logp[rows]
     gap = (trainer_logp.float() - sampled)[mask].abs()

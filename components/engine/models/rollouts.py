@@ -2,13 +2,16 @@
 
 Rows are prompt-major: group k (one prompt's G completions) is rows k*G .. k*G+G-1. Prompts are left-padded and
 position ids follow the attention mask (`positions_from_mask`), so log-probs recomputed over a rollout for the loss
-match the distribution its tokens were drawn from.
+match the distribution its tokens were drawn from. In a multi-turn episode the completion is everything after the
+prompt: the model's turns and the tokens a tool or environment wrote between them, which stay in the context but out
+of the loss (`model_mask`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -23,10 +26,18 @@ class Rollouts:
     completion_mask: torch.Tensor  # [N, T] 1 on tokens up to and including EOS
     truncated: torch.Tensor  # [N] bool: no EOS within the budget
     group_size: int = 1  # G completions per prompt: the layout of the rows
-    sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it
+    sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it (0 elsewhere)
+    model_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens the model wrote (None: every completion token)
+    episodes: tuple[Any, ...] | None = None  # per row, the episode's conversation (`environments.episodes.Episode`)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    @property
+    def written(self) -> torch.Tensor:
+        """[N, T] bool: the completion tokens the model wrote (the only ones a loss may see)."""
+        real = self.completion_mask.bool()
+        return real if self.model_mask is None else real & self.model_mask.bool()
 
     # ---- the group layout: every consumer asks here
     @property
@@ -46,10 +57,13 @@ class Rollouts:
 
     # ---- new rollouts from this one
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollouts:
-        """Every tensor through `fn` (rows, device, copies)."""
+        """Every tensor through `fn` (device, copies; `select` for rows)."""
+        def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
         return Rollouts(fn(self.prompt_ids), fn(self.prompt_mask), fn(self.completion_ids), fn(self.completion_mask),
-                        fn(self.truncated), self.group_size,
-                        None if self.sampling_logp is None else fn(self.sampling_logp))
+                        fn(self.truncated), self.group_size, maybe(self.sampling_logp), maybe(self.model_mask),
+                        self.episodes)
 
     def clone(self) -> Rollouts:
         """Fresh copies; made outside `torch.inference_mode`, they are ordinary tensors autograd can save."""
@@ -59,7 +73,8 @@ class Rollouts:
         """The given rows (same padding widths); itself when they are all rows in order (no copies)."""
         if list(rows) == list(range(len(self))):
             return self
-        return self.map(lambda t: t[list(rows)])
+        picked = self.map(lambda t: t[list(rows)])
+        return picked if self.episodes is None else replace(picked, episodes=tuple(self.episodes[r] for r in rows))
 
     def select_groups(self, groups: Sequence[int]) -> Rollouts:
         """The rows of the given groups (whole groups keep the layout)."""
@@ -72,7 +87,8 @@ class Rollouts:
         width = int(used[-1]) + 1 if len(used) else 0
         return replace(self, completion_ids=self.completion_ids[:, :width],
                        completion_mask=self.completion_mask[:, :width],
-                       sampling_logp=None if self.sampling_logp is None else self.sampling_logp[:, :width])
+                       sampling_logp=None if self.sampling_logp is None else self.sampling_logp[:, :width],
+                       model_mask=None if self.model_mask is None else self.model_mask[:, :width])
 
     # ---- views
     @property
@@ -84,8 +100,8 @@ class Rollouts:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
     def completion_lengths(self) -> list[int]:
-        """Tokens of each completion (EOS included)."""
-        return [int(x) for x in self.completion_mask.sum(-1)]
+        """Tokens of each completion the model wrote (EOS included; in an episode, every turn's)."""
+        return [int(x) for x in self.written.sum(-1)]
 
     def distinct_fraction(self) -> float:
         """Distinct (prompt, completion) rows over all rows: 1.0 when no completion repeats another of its group.
@@ -146,13 +162,19 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     sampled = [r.sampling_logp is not None for r in parts]
     if any(sampled) and not all(sampled):  # a part lost its sampler log-probs: say so, not a silent on-policy check
         raise ValueError("concat_rollouts: some rollouts carry the sampler's log-probs and some do not")
+    if len({r.episodes is None for r in parts}) != 1:
+        raise ValueError("concat_rollouts: some rollouts are episodes and some are not")
+    masked = any(r.model_mask is not None for r in parts)
     return Rollouts(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
                     prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
                     completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
                     completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
                     truncated=torch.cat([r.truncated for r in parts]), group_size=sizes.pop(),
                     sampling_logp=torch.cat([right(r.sampling_logp, c_width, 0) for r in parts])
-                    if all(sampled) else None)
+                    if all(sampled) else None,
+                    model_mask=torch.cat([right(r.completion_mask if r.model_mask is None else r.model_mask,
+                                                c_width, 0) for r in parts]) if masked else None,
+                    episodes=None if parts[0].episodes is None else tuple(e for r in parts for e in r.episodes))
 
 
 def decode_completions(tokenizer, rollouts: Rollouts) -> list[str]:

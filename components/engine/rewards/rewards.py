@@ -248,11 +248,20 @@ def judge_model(prompts: Sequence[str], completions: Sequence[str], path: str = 
     return scores
 
 
+def environment_reward(prompts: Sequence[str], completions: Sequence[str],
+                       environment_reward: Sequence[float | None] | None = None, **_: Any) -> list[float | None]:
+    """The reward an environment gave its episode (`grpo.environment`); None where it gave none, or where rollouts
+    are no episodes."""
+    if environment_reward is None:
+        return [None] * len(completions)
+    return [None if r is None else float(r) for r in environment_reward]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match, "numeric_match": numeric_match, "regex_format": regex_format,
     "token_f1": token_f1, "rouge_l": rouge_l, "bleu": bleu, "f1rougebleu": f1rougebleu,
     "length_penalty": length_penalty, "overlong_penalty": overlong_penalty, "code_execution": code_execution,
-    "distinct_ngrams": distinct_ngrams,
+    "distinct_ngrams": distinct_ngrams, "environment_reward": environment_reward,
     "judge_model": judge_model, "math_verify": math_verify,
 }
 OPTIONAL_PACKAGES = {"math_verify": ("math_verify", "pip install -c constraints.txt -e '.[math]'")}
