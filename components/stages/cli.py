@@ -65,6 +65,10 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     try:
         cfg = load_config(args.params, args.overrides)
         check_rewards(cfg.grpo.rewards)
+        if cfg.grpo.tools or cfg.grpo.environment:  # imports the user's code (and torch): only when there is some
+            from components.engine.environments.spec import check_episodes
+
+            check_episodes(cfg.grpo)
         entered = time.time()
         _warm_up(cfg, stage)
         started, started_at = time.perf_counter(), time.time()

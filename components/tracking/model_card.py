@@ -19,11 +19,32 @@ DESCRIPTION_LIMIT = 5000  # model_versions.description is VARCHAR(5000) in MLflo
 
 def reward_source_hash(name: str) -> str:
     """sha256 (first 16 hex digits) of a reward function's source: which code scored the completions."""
+    return _source_hash(lambda: resolve_reward(name))
+
+
+def _source_hash(resolve) -> str:
     try:
-        source = inspect.getsource(resolve_reward(name))
+        source = inspect.getsource(resolve())
     except (OSError, TypeError, KeyError, ImportError, AttributeError) as err:
         return f"unavailable ({type(err).__name__})"
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def episodes_lines(cfg: PipelineConfig) -> list[str]:
+    """The card's lines on tools or an environment: which code answered the model (sources' hashes), the limits, and
+    that the served model answers single turns."""
+    g = cfg.grpo
+    if not (g.tools or g.environment):
+        return []
+    from components.engine.environments.tools import BUILTIN_TOOLS, resolve_callable
+
+    kind, names, known = ("tools", g.tools, BUILTIN_TOOLS) if g.tools else ("environment", [g.environment], {})
+    listed = "; ".join(f"`{n}` (source sha256 `{_source_hash(lambda n=n: resolve_callable(n, known, kind))}`)"
+                       for n in names)
+    return [f"- Episodes with {kind}: {listed}; at most {g.episode.max_turns} model turns and "
+            f"{g.max_completion_length} tokens after the prompt, {g.episode.timeout_s:g} s a call",
+            "- Serving: the registered model answers single turns; it does not call the tools or the environment "
+            "(evaluate episodes with the pipeline)"]
 
 
 def _ci(imp: dict[str, float] | None) -> str:
@@ -93,7 +114,7 @@ def _training(cfg: PipelineConfig, grpo: dict[str, Any], tags: dict[str, str]) -
                 f"epsilon {g.epsilon:g}, temperature {g.temperature:g}, max {g.max_completion_length} tokens"
                 + (f", LoRA rank {g.lora.rank}" if g.lora.enabled else ", full fine-tuning"),
                 "- Rewards: " + "; ".join(f"`{r.name}` x {r.weight:g} (source sha256 `{reward_source_hash(r.name)}`)"
-                                          for r in g.rewards)]
+                                          for r in g.rewards), *episodes_lines(cfg)]
     kept = grpo.get("kept") or {}
     if kept:
         value = kept.get("value")

@@ -264,3 +264,51 @@ def test_dry_run_on_the_real_model_example(tmp_path, converted):
                env={"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
     assert "dry run: config, data and model valid; one rollout of 16 completions" in proc.stdout, proc.stdout[-2000:]
     assert not (repo / "models").exists() and not (repo / "mlflow.db").exists()
+
+
+CALCULATOR = ROOT / "configs" / "examples" / "smollm2_calculator.yaml"
+
+
+def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, converted, mlflow_store):
+    """The calculator example, shrunk: SFT on worked tool conversations (only the model's turns learned), GRPO over
+    episodes (the calculator's answers in the context, out of the loss; per-step tool metrics), held-out evaluation
+    playing episodes, and a model card that names the tool, its source hash and that serving is single-turn."""
+    import csv
+
+    from components.stages.evaluate import evaluate
+    from components.stages.grpo import train_grpo
+    from components.stages.prepare import prepare
+    from components.stages.register import register
+    from components.stages.sft import train_sft
+
+    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(CALCULATOR.read_text())), {
+        "task": {"n_sft": 8, "n_train": 16, "n_heldout": 6},
+        "sft": {"epochs": 1, "batch_size": 8, "stop_at_reward": None},
+        "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_completion_length": 48,
+                 "checkpoint_every": 0, "log_every": 1},
+        "evaluate": {"max_new_tokens": 48, "batch_size": 6, "every": 0, "bootstrap_samples": 100},
+        "register": {"model_name": "smollm2-tools-test", "require_improvement": False},
+        "reports": {"samples_every": 1}})
+    cfg, paths = config_from_dict(raw), Paths(root=tmp_path)
+    prepare(cfg, paths)
+    import shutil
+
+    shutil.copytree(converted, paths.base_model)
+    sft = train_sft(cfg, paths)
+    assert sft["enabled"] and sft["examples"] == 8
+    summary = train_grpo(cfg, paths)
+    assert summary["steps"] == 2
+    rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
+    assert {"turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode", "episodes_cut_frac"} <= set(rows[0])
+    assert all(1.0 <= float(r["turns_per_episode"]) <= 3.0 for r in rows)
+    assert float(rows[0]["tool_calls_per_episode"]) > 0, "the warm start never called the calculator"
+    report = evaluate(cfg, paths)
+    assert report["n"] == 6
+    predictions = [json.loads(line) for line in (paths.eval_dir / "predictions.jsonl").read_text().splitlines()]
+    assert any("[tool/calculator]" in p["candidate_completion"] for p in predictions)
+    register(cfg, paths)
+    from mlflow.tracking import MlflowClient
+
+    card = MlflowClient().get_model_version("smollm2-tools-test", "1").description
+    assert "Episodes with tools: `calculator` (source sha256 `" in card
+    assert "Serving: the registered model answers single turns" in card
