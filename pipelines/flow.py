@@ -123,9 +123,14 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
         refused = Path(report).read_text(encoding="utf-8").strip()
         if refused.startswith(INTERRUPT_PREFIX):
             raise StageInterruptedError(refused, detail=tail) from None
-        if refused:  # the stage's own report: the whole message, once
-            raise StageError(f"{stage}: {refused}", detail=tail) from None
+        if refused:  # the stage's own report (or its launcher's): the whole message, once
+            said = refused if refused.startswith(f"{stage}: ") else f"{stage}: {refused}"
+            raise StageError(said, detail=tail) from None
         cause = f": {err.__cause__}" if err.__cause__ else ""
+        signum = killed_by(err)
+        if signum:  # named by its signal (DVC's "exited with -9"; a shell's 137)
+            raise StageError(f"stage '{stage}' was killed by {signal.Signals(signum).name}; its last lines:\n{tail}",
+                             detail=tail) from None
         raise StageError(f"stage '{stage}' failed ({err}{cause}); its last lines:\n{tail}", detail=tail) from None
     finally:
         os.chdir(previous_cwd)
@@ -136,6 +141,21 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     skipped = not ran
     logger.info("stage %s %s in %.1fs", stage, "up to date" if skipped else "ran", seconds)
     return {"stage": stage, "skipped": skipped, "seconds": round(seconds, 2)}
+
+
+def killed_by(err: BaseException) -> int | None:
+    """The signal that ended the stage's command, from DVC's `exited with STATUS` (minus the signal, or 128 + it
+    where a shell ran the command and did not exec it)."""
+    import re
+
+    while err is not None:
+        found = re.search(r"exited with (-?\d+)", str(err))
+        if found:
+            status = int(found.group(1))
+            signum = -status if status < 0 else status - 128 if 128 < status < 128 + 65 else 0
+            return signum if signum in {s.value for s in signal.Signals} else None
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def print_dvc_lines_once() -> None:
