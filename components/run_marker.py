@@ -34,8 +34,10 @@ def _alive(pid: int) -> bool:
 
 
 def marker_path(stage: str, root: Path = Path(".")) -> Path:
-    """Where stage `stage` keeps its note: checkpoints/<stage>.running.json."""
-    return root / "checkpoints" / f"{stage}.running.json"
+    """Where stage `stage` keeps its note: checkpoints/<stage>.running.json, beside the training checkpoints."""
+    from components.data.paths import Paths
+
+    return Paths(root).grpo_checkpoints.parent / f"{stage}.running.json"
 
 
 _current: dict[str, "RunMarker | None"] = {"marker": None}
