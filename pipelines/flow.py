@@ -129,7 +129,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
                 print(f"{stage}: stored {', '.join(stored)} in the DVC cache, which a failed write had left without "
                       "them; nothing to run again for them", flush=True)
             ran = repo.reproduce(stage, single_item=True)
-            cache_dir = repo.cache.local.path
+            cache_dir = repo.cache.local_cache_dir
         if refused_writes:
             raise StageError(cache_write_text(stage, refused_writes, root, cache_dir), keep_finished=True) from None
     except DvcException as err:
