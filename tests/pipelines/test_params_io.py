@@ -90,3 +90,14 @@ def test_an_example_run_leaves_the_users_settings_alone(tmp_path):
     assert len(aside) == 1
     again = run(cli, repo, env=env)  # a plain run on the user's settings changes nothing
     assert (repo / "params.yaml").read_bytes() == mine and "params.yaml" not in again.stdout.split("Running stage")[0]
+
+
+def test_a_refused_override_leaves_params_yaml_untouched(tmp_path):
+    from components.config import ConfigError
+
+    params = tmp_path / "params.yaml"
+    original = (ROOT / "params.yaml").read_bytes()
+    params.write_bytes(original)
+    with pytest.raises(ConfigError, match="grpo.kl_beta: must be >= 0"):
+        prepare_params(tmp_path, [], ["seed=7", "grpo.kl_beta=-1"], persist=False)
+    assert params.read_bytes() == original and not (tmp_path / BASE_FILE).exists()
