@@ -74,10 +74,16 @@ class RunMarker:
             os.ftruncate(self._fd, len(data))
 
     def clear(self) -> None:
+        """Remove the note (and its folder when nothing else is in it: a stage before GRPO leaves no trace)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         self.path.unlink(missing_ok=True)
+        if self.path.parent.name == "checkpoints":  # the folder marker_path puts notes in; nothing else is touched
+            try:
+                self.path.parent.rmdir()
+            except OSError:
+                pass  # not empty (checkpoints, another stage's note) or already gone
         if _current["marker"] is self:
             _current["marker"] = None
 
@@ -98,8 +104,8 @@ def read_dead_note(path: Path) -> dict[str, Any] | None:
 
 
 def _where(note: dict[str, Any]) -> str:
-    """` at step 5 of 6; the last checkpoint is step 3` (where the user's code ran), ` at step 12 of 24` (the
-    last step the note recorded), or nothing."""
+    """` at step 5 of 6; the last checkpoint is step 3` (where the user's code was running, while it runs),
+    ` at step 12 of 24` (the last step the note recorded), or nothing."""
     if note.get("progress"):
         return f" {note['progress']}"
     return f" at step {note['step']} of {note['steps']}" if "step" in note and "steps" in note else ""

@@ -43,4 +43,4 @@ def calling(what: str, doing: str = "running", error: type[UserCodeError] = User
         text = str(err).splitlines()[0][:300] if str(err) else ""
         raise error(f"{what} raised {type(err).__name__}" + (f": {text}" if text else "")) from err
     finally:
-        marker.write(user_code=None, user_code_doing=None)
+        marker.write(user_code=None, user_code_doing=None, progress=None)
