@@ -5,6 +5,7 @@ judged (so a rerun with room runs nothing again), and a stage killed by a signal
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import signal
@@ -58,17 +59,37 @@ def _outputs_of(stage: str, root: str) -> list[str]:
             for section in ("outs", "metrics", "plots") for item in entry.get(section, []) or []]
 
 
-def store_outputs_missing_from_cache(repo, stage: str) -> list[str]:
-    """Outputs of `stage` that match dvc.lock in the workspace while their copy is missing from the cache (a write
-    that failed; `dvc gc`) are stored, as `dvc commit` would; then the stage is up to date and is not run again.
-    Nothing is done when anything else about the stage changed. Returns what was stored."""
+UNSTORED = Path(".dvc") / "tmp" / "grpo-pipeline-unstored.json"  # stages whose outputs a failed write left out
+
+
+def remember_unstored(root: str, stage: str) -> None:
+    """Note that DVC could not store `stage`'s outputs, for the next run to store them (and only then look)."""
+    path = Path(root) / UNSTORED
+    stages = set(json.loads(path.read_text())) if path.exists() else set()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sorted(stages | {stage})))
+
+
+def store_outputs_missing_from_cache(repo, stage: str, root: str) -> list[str]:
+    """After a failed write into DVC's cache (`remember_unstored`): `stage`'s outputs that match dvc.lock in the
+    workspace while their copy is missing from the cache are stored, as `dvc commit` would; then the stage is up
+    to date and is not run again. Nothing is done when anything else about the stage changed, nor for a stage no
+    write failed for (collecting a stage costs ~60 ms). Returns what was stored."""
+    path = Path(root) / UNSTORED
+    stages = set(json.loads(path.read_text())) if path.exists() else set()
+    if stage not in stages:
+        return []
+    stages.discard(stage)
+    path.write_text(json.dumps(sorted(stages)))
     found = repo.stage.collect(stage)
-    if len(found) != 1 or found[0].changed_stage() or any(dep.changed() for dep in found[0].deps):
+    if len(found) != 1:
         return []
     outs = found[0].outs
-    missing = [o for o in outs if o.use_cache and o.hash_info and o.exists and o.changed_cache()
-               and not o.workspace_status()]
-    if not missing or any(o.changed() for o in outs if o not in missing):
+    missing = [o for o in outs if o.use_cache and o.hash_info and o.exists and o.changed_cache()]
+    if not missing:  # the usual case, decided without hashing anything
+        return []
+    if found[0].changed_stage() or any(dep.changed() for dep in found[0].deps) \
+            or any(o.workspace_status() for o in missing) or any(o.changed() for o in outs if o not in missing):
         return []
     repo.commit(stage, force=True)
     return [str(o) for o in missing]

@@ -110,7 +110,13 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.repo import Repo
 
     from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
-    from pipelines.dvc_writes import cache_write_text, failed_cache_writes, killed_by, store_outputs_missing_from_cache
+    from pipelines.dvc_writes import (
+        cache_write_text,
+        failed_cache_writes,
+        killed_by,
+        remember_unstored,
+        store_outputs_missing_from_cache,
+    )
 
     print_dvc_lines_once()
     logger = get_run_logger()
@@ -124,13 +130,14 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     try:
         with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes:
             repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
-            stored = store_outputs_missing_from_cache(repo, stage)
+            stored = store_outputs_missing_from_cache(repo, stage, root)
             if stored:
                 print(f"{stage}: stored {', '.join(stored)} in the DVC cache, which a failed write had left without "
                       "them; nothing to run again for them", flush=True)
             ran = repo.reproduce(stage, single_item=True)
             cache_dir = repo.cache.local_cache_dir
         if refused_writes:
+            remember_unstored(root, stage)
             raise StageError(cache_write_text(stage, refused_writes, root, cache_dir), keep_finished=True) from None
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
