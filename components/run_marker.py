@@ -61,8 +61,8 @@ class RunMarker:
 
     def write(self, **fields: Any) -> None:
         """Update the note in place: one write of one padded page at offset 0 (a kill leaves the previous note or
-        this one). Cheap enough for every reward call (microseconds); a temp file renamed into place cost ~2 ms
-        on ext4, where replacing a file's contents flushes them."""
+        this one). Cheap enough for every reward call; a temp file renamed over the note would make ext4 flush
+        the replaced contents each time."""
         self.fields.update(fields, pid=os.getpid())
         self.fields.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
         if self._fd is None:

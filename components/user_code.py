@@ -9,8 +9,8 @@ goes on as the interruption it is.
 What no exception can report (the process ends inside the user's code: `os._exit`, a segfault, an abort
 in a C extension, the out-of-memory killer) is written down before the call: the stage's note
 (components/run_marker.py) says which function was running, and the stage's parent, seeing the process
-gone, reports "the stage ended while reward 'X' was scoring (exit code N)". Cost: two small file writes
-(write, rename) per call, next to a reward that scores a whole batch.
+gone, reports "the stage ended while reward 'X' was scoring (exit code N)". Cost: two in-place writes of one
+page of the note per call (no rename, no flush), next to a reward that scores a whole batch.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def store_outputs_missing_from_cache(repo, stage: str, root: str) -> list[str]:
     """After a failed write into DVC's cache (`remember_unstored`): `stage`'s outputs that match dvc.lock in the
     workspace while their copy is missing from the cache are stored, as `dvc commit` would; then the stage is up
     to date and is not run again. Nothing is done when anything else about the stage changed, nor for a stage no
-    write failed for (collecting a stage costs ~60 ms). Returns what was stored."""
+    write failed for (collecting a stage from dvc.yaml is not free). Returns what was stored."""
     path = Path(root) / UNSTORED
     stages = set(json.loads(path.read_text())) if path.exists() else set()
     if stage not in stages:
