@@ -124,8 +124,8 @@ def killed_run_text(stage: str, note: dict[str, Any]) -> str:
         return (f"{who} ended while {note['user_code']} was {note.get('user_code_doing', 'running')}"
                 f"{_where(note)}: the user's code ended the process (os._exit, a crash or an abort in a C "
                 "extension), not the pipeline")
-    return (f"{who} ended without a word{_where(note) or ' during its run'}: it was killed (SIGKILL), most often by the kernel's "
-            f"out-of-memory killer{_memory(note)}, or a preempted machine")
+    return (f"{who} ended without a word{_where(note) or ' during its run'}: it was killed (SIGKILL), most often by "
+            f"the kernel's out-of-memory killer{_memory(note)}, or a preempted machine")
 
 
 def ended_text(note: dict[str, Any], status: int) -> str:
