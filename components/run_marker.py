@@ -53,7 +53,6 @@ class RunMarker:
         same = active is not None and os.path.abspath(active.path) == os.path.abspath(path)
         self.fields: dict[str, Any] = active.fields if same else {}
         self._fd: int | None = None
-        _current["marker"] = self
 
     def left_by_a_killed_run(self) -> dict[str, Any] | None:
         """The note of an earlier run whose process is gone without removing it, else None."""
@@ -65,6 +64,7 @@ class RunMarker:
         the replaced contents each time."""
         self.fields.update(fields, pid=os.getpid())
         self.fields.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
+        _current["marker"] = self  # the process's note from its first write on (one only read never is)
         if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
