@@ -14,7 +14,7 @@ import signal
 import threading
 from typing import Iterator
 
-_state: dict = {"depth": 0, "pending": None, "progress": ""}
+_state: dict = {"depth": 0, "pending": None, "progress": "", "signum": None}
 
 
 class StageInterrupted(KeyboardInterrupt):
@@ -34,7 +34,13 @@ def progress() -> str:
     return _state["progress"]
 
 
+def stop_requested() -> int | None:
+    """The stop signal this stage received, if any (code that catches everything must let it through)."""
+    return _state["signum"]
+
+
 def _interrupted(signum: int, _frame) -> None:
+    _state["signum"] = signum
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     if _state["depth"]:

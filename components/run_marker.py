@@ -1,15 +1,23 @@
-"""A stage's note that it is running, so that the rerun after a silent death can say what happened.
+"""A stage's note that it is running, so that whoever sees it die silently can say what happened.
 
 Every way a stage can end runs Python's `finally` (success, an error, SIGINT/SIGTERM), which removes the
-note, except SIGKILL: the kernel's out-of-memory killer, a preempted machine, `kill -9`. A note left by a
-process that no longer exists is therefore that case, and it still says how far the run got and how much
-memory its step was estimated to need.
+note, except a death no Python code sees: SIGKILL (the kernel's out-of-memory killer, a preempted machine,
+`kill -9`), `os._exit`, a segfault or an abort in a C extension. A note left by a process that no longer
+exists is therefore one of those; it says how far the run got, how much memory its step was estimated to
+need, and whether the user's code was running at that moment (`user_code`, written by components/user_code.py).
+
+The stage's launcher reads it first (components/runtime/launch.py: it knows the exit code or the signal)
+and reports in one line; when the launcher died too, the rerun reads it (`killed_run_text`).
+
+One note per stage process: a second `RunMarker` on the same path in the same process (the grpo stage's own,
+beside the stage CLI's) shares the first one's fields, so neither overwrites what the other wrote.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,51 +33,121 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def marker_path(stage: str, root: Path = Path(".")) -> Path:
+    """Where stage `stage` keeps its note: checkpoints/<stage>.running.json, beside the training checkpoints."""
+    from components.data.paths import Paths
+
+    return Paths(root).grpo_checkpoints.parent / f"{stage}.running.json"
+
+
+_current: dict[str, "RunMarker | None"] = {"marker": None}
+PAGE = 4096  # the note's size on disk, padded with spaces (valid JSON whitespace)
+
+
 class RunMarker:
-    """`path` holds {pid, started, step, steps, last_checkpoint, ...} while the stage runs."""
+    """`path` holds {pid, started, step, steps, last_checkpoint, user_code, ...} while the stage runs."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.fields: dict[str, Any] = {}
+        active = _current["marker"]
+        same = active is not None and os.path.abspath(active.path) == os.path.abspath(path)
+        self.fields: dict[str, Any] = active.fields if same else {}
+        self._fd: int | None = None
 
     def left_by_a_killed_run(self) -> dict[str, Any] | None:
         """The note of an earlier run whose process is gone without removing it, else None."""
-        try:
-            note = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        pid = note.get("pid")
-        return None if isinstance(pid, int) and (pid == os.getpid() or _alive(pid)) else note
+        return read_dead_note(self.path)
 
     def write(self, **fields: Any) -> None:
-        """Update the note (temp file, then rename: a kill mid-write leaves the previous note)."""
+        """Update the note in place: one write of one padded page at offset 0 (a kill leaves the previous note or
+        this one). Cheap enough for every reward call; a temp file renamed over the note would make ext4 flush
+        the replaced contents each time."""
         self.fields.update(fields, pid=os.getpid())
         self.fields.setdefault("started", time.strftime("%Y-%m-%d %H:%M:%S"))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.fields))
-        os.replace(tmp, self.path)
+        _current["marker"] = self  # the process's note from its first write on (one only read never is)
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        data = json.dumps(self.fields).encode()
+        os.pwrite(self._fd, data.ljust(PAGE), 0)
+        if len(data) > PAGE:
+            os.ftruncate(self._fd, len(data))
 
     def clear(self) -> None:
+        """Remove the note (and its folder when nothing else is in it: a stage before GRPO leaves no trace)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.path.unlink(missing_ok=True)
+        if self.path.parent.name == "checkpoints":  # the folder marker_path puts notes in; nothing else is touched
+            try:
+                self.path.parent.rmdir()
+            except OSError:
+                pass  # not empty (checkpoints, another stage's note) or already gone
+        if _current["marker"] is self:
+            _current["marker"] = None
+
+
+def current() -> RunMarker:
+    """This process's note (the stage's), or one that writes nothing when there is none."""
+    return _current["marker"] or NoMarker()
+
+
+def read_dead_note(path: Path) -> dict[str, Any] | None:
+    """The note at `path` when the process that wrote it is gone, else None."""
+    try:
+        note = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = note.get("pid")
+    return None if isinstance(pid, int) and (pid == os.getpid() or _alive(pid)) else note
+
+
+def _where(note: dict[str, Any]) -> str:
+    """` at step 5 of 6; the last checkpoint is step 3` (where the user's code was running, while it runs),
+    ` at step 12 of 24` (the last step the note recorded), or nothing."""
+    if note.get("progress"):
+        return f" {note['progress']}"
+    return f" at step {note['step']} of {note['steps']}" if "step" in note and "steps" in note else ""
+
+
+def _memory(note: dict[str, Any]) -> str:
+    memory = (f"; its step was estimated at {note['estimate_gb']:.1f} GB with {note['available_gb']:.1f} GB free"
+              if "estimate_gb" in note and "available_gb" in note else "")
+    return memory + (f" (lower it with {note['knobs']})" if note.get("knobs") else "")
 
 
 def killed_run_text(stage: str, note: dict[str, Any]) -> str:
     """One line for the rerun: what the note says about the run that died without a word."""
-    where = f"at step {note['step']} of {note['steps']}" if "step" in note and "steps" in note else "during its run"
-    memory = (f"; its step was estimated at {note['estimate_gb']:.1f} GB with {note['available_gb']:.1f} GB free"
-              if "estimate_gb" in note and "available_gb" in note else "")
-    knobs = f" (lower it with {note['knobs']})" if note.get("knobs") else ""
-    return (f"{stage}: the previous run of this stage (pid {note.get('pid')}, started {note.get('started')}) ended "
-            f"without a word {where}: it was killed (SIGKILL), most often by the kernel's out-of-memory killer"
-            f"{memory}{knobs}, or a preempted machine")
+    who = f"{stage}: the previous run of this stage (pid {note.get('pid')}, started {note.get('started')})"
+    if note.get("user_code"):
+        return (f"{who} ended while {note['user_code']} was {note.get('user_code_doing', 'running')}"
+                f"{_where(note)}: the user's code ended the process (os._exit, a crash or an abort in a C "
+                "extension), not the pipeline")
+    return (f"{who} ended without a word{_where(note) or ' during its run'}: it was killed (SIGKILL), most often by "
+            f"the kernel's out-of-memory killer{_memory(note)}, or a preempted machine")
+
+
+def ended_text(note: dict[str, Any], status: int) -> str:
+    """One line for the stage's parent, which saw it end with `status` (an exit code, or minus a signal) and
+    found its note: what was running when it died."""
+    how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit code {status}"
+    if note.get("user_code"):
+        return (f"the stage ended while {note['user_code']} was {note.get('user_code_doing', 'running')} ({how})"
+                f"{_where(note)}: the user's code ended the process; fix it and rerun")
+    if status == -signal.SIGKILL:
+        return (f"the stage was killed by SIGKILL{_where(note)}, most often by the kernel's out-of-memory "
+                f"killer{_memory(note)}, or a preempted machine; rerun to resume")
+    return f"the stage ended without a word ({how}){_where(note)}; rerun to resume"
 
 
 class NoMarker(RunMarker):
     """For processes that keep no note (ranks other than 0): every method does nothing, nothing is written."""
 
     def __init__(self) -> None:
-        super().__init__(Path())
+        self.path = Path()
+        self.fields = {}
+        self._fd = None
 
     def left_by_a_killed_run(self) -> dict[str, Any] | None:
         return None

@@ -32,11 +32,17 @@ GPU_TAG = "gpu"
 
 class StageError(RuntimeError):
     """A stage exited non-zero. The message is its one report (a refused input: the rule, the file,
-    the row or key); `detail` keeps its last lines of output for the log and the retry rule."""
+    the row or key); `detail` keeps its last lines of output for the log and the retry rule.
 
-    def __init__(self, message: str, detail: str = "") -> None:
+    `keep_finished`: what the finished stages produced stays (dvc.lock, their outputs, the run's params), as
+    `dvc repro` leaves it after a later stage failed: a failure that says nothing against them (registering
+    could not reach the tracking server; DVC could not store an output in its cache). `finished`: those stages."""
+
+    def __init__(self, message: str, detail: str = "", keep_finished: bool = False) -> None:
         super().__init__(message)
         self.detail = detail
+        self.keep_finished = keep_finished
+        self.finished: list[str] = []
 
 
 class StageInterruptedError(StageError):
@@ -104,6 +110,13 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.repo import Repo
 
     from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
+    from pipelines.dvc_writes import (
+        cache_write_text,
+        failed_cache_writes,
+        killed_by,
+        remember_unstored,
+        store_outputs_missing_from_cache,
+    )
 
     print_dvc_lines_once()
     logger = get_run_logger()
@@ -115,17 +128,30 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     os.environ[ERROR_FILE_ENV] = report
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
-        with captured_output() as lines, Repo(root) as repo:
+        with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes:
             repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
+            stored = store_outputs_missing_from_cache(repo, stage, root)
+            if stored:
+                print(f"{stage}: stored {', '.join(stored)} in the DVC cache, which a failed write had left without "
+                      "them; nothing to run again for them", flush=True)
             ran = repo.reproduce(stage, single_item=True)
+            cache_dir = repo.cache.local_cache_dir
+        if refused_writes:
+            remember_unstored(root, stage)
+            raise StageError(cache_write_text(stage, refused_writes, root, cache_dir), keep_finished=True) from None
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
         refused = Path(report).read_text(encoding="utf-8").strip()
         if refused.startswith(INTERRUPT_PREFIX):
             raise StageInterruptedError(refused, detail=tail) from None
-        if refused:  # the stage's own report: the whole message, once
-            raise StageError(f"{stage}: {refused}", detail=tail) from None
+        if refused:  # the stage's own report (or its launcher's): the whole message, once
+            said = refused if refused.startswith(f"{stage}: ") else f"{stage}: {refused}"
+            raise StageError(said, detail=tail) from None
         cause = f": {err.__cause__}" if err.__cause__ else ""
+        signum = killed_by(err)
+        if signum:  # named by its signal (DVC's "exited with -9"; a shell's 137)
+            raise StageError(f"stage '{stage}' was killed by {signal.Signals(signum).name}; its last lines:\n{tail}",
+                             detail=tail) from None
         raise StageError(f"stage '{stage}' failed ({err}{cause}); its last lines:\n{tail}", detail=tail) from None
     finally:
         os.chdir(previous_cwd)
@@ -338,7 +364,12 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
     timings = Path(tempfile.mkstemp(prefix="grpo-stage-times-", suffix=".jsonl")[1])
     os.environ[STAGE_TIMINGS_ENV] = str(timings)
     os.environ.setdefault("MLFLOW_TRACKING_URI", tracking_uri(root_path))
+    from pipelines.open_runs import OPEN_RUNS_FILE, OpenRuns
+
+    open_runs = OpenRuns(root_path / OPEN_RUNS_FILE)
+    open_runs.close_killed()
     parent = ParentRun.start(cfg.tracking.experiment, to_flat_dict(cfg), parent_run_name(cfg))
+    open_runs.add(parent.run_id)
     stages: list[dict[str, Any]] = []
     status = "FAILED"
     gpu_tags = {GPU_TAG} if tag_limit_exists(GPU_TAG) else set()
@@ -353,7 +384,14 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
             task_ = run_stage.with_options(name=f"stage-{stage}", tags=stage_tags, retries=ops.stage_retries,
                                            retry_delay_seconds=backoff_delays(ops.retry_delay_s, ops.stage_retries),
                                            retry_condition_fn=retry_transient)
-            stages.append(task_(stage, str(root_path), parent.run_id))
+            try:
+                stages.append(task_(stage, str(root_path), parent.run_id))
+            except StageError as failed:
+                if stage == "register" and not isinstance(failed, StageInterruptedError):
+                    failed.keep_finished = True  # everything it registers is finished and stays for the rerun
+                failed.finished = [s["stage"] for s in stages] + ([stage] if stage != "register" and
+                                                                  failed.keep_finished else [])
+                raise
         evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
         registration = json.loads((root_path / "metrics" / "register.json").read_text())
         metrics = {"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
@@ -379,6 +417,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
         tags["stages.ran"] = ",".join(s["stage"] for s in stages if not s["skipped"]) or "none"
         try:  # one job: the outcome, and on success the rewards, data hashes and model version
             parent.update(metrics=metrics, tags=tags, status=status)
+            open_runs.remove(parent.run_id)
         except Exception as err:  # noqa: BLE001 - a failed stage's own error is the one to report
             if status == "FINISHED":
                 raise

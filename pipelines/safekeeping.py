@@ -8,9 +8,15 @@ outputs existed; on failure it puts them back, and restores the cached outputs (
 models/...) from the DVC cache as the restored dvc.lock names them (`dvc checkout`). The overrides of a
 failed run are therefore not applied; they are applied for good only when the run succeeds.
 
-Kept as the failed run left them: persistent outputs (GRPO checkpoints, keyed to their inputs, so a
-rerun of the same command resumes from them and nothing else ever does) and the run's log in logs/,
-where the failed run's own reports (e.g. metrics/validation.json) are copied for reading.
+Kept as the failed run left them: GRPO's checkpoints (not DVC outputs; keyed to their inputs, so a rerun of
+the same command resumes from them and nothing else ever does) and the run's log in logs/, where the failed
+run's own reports (e.g. metrics/validation.json) are copied for reading.
+
+A failure that says nothing against the stages that finished (registering could not reach the tracking server;
+DVC could not store an output in its cache) keeps what they produced instead (`restore(finished=...)`): their
+outputs, dvc.lock and the run's params, as `dvc repro` leaves them after a later stage failed, so the rerun of
+the same command runs only what did not finish. Any other failure: a rerun of the same command gets the
+finished stages back from DVC's run cache, not by running them again.
 
 Chosen over `dvc exp run`: experiments apply params in a temporary commit and are restored with
 `dvc exp apply`, but they need a clean git tree and do not undo dvc.lock or outputs of a run that failed.
@@ -33,18 +39,19 @@ class Output:
     path: str
     cached: bool
     persist: bool
+    stage: str = ""
 
 
 def dvc_outputs(root: Path) -> list[Output]:
-    """Every out, metric and plot path of dvc.yaml with its cache and persist flags."""
+    """Every out, metric and plot path of dvc.yaml with its cache and persist flags and its stage."""
     stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
     found = []
-    for stage in stages.values():
+    for name, stage in stages.items():
         for section in ("outs", "metrics", "plots"):
             for entry in stage.get(section, []) or []:
                 path, flags = (entry, {}) if isinstance(entry, str) else next(iter(entry.items()))
                 flags = flags or {}
-                found.append(Output(path, bool(flags.get("cache", True)), bool(flags.get("persist", False))))
+                found.append(Output(path, bool(flags.get("cache", True)), bool(flags.get("persist", False)), name))
     return found
 
 
@@ -99,13 +106,16 @@ class WorkingCopySnapshot:
                 copied.append(log_dir / report.name)
         return copied
 
-    def restore(self) -> None:
-        """params.yaml, dvc.lock and every non-persistent output as they were before the run."""
-        for name in KEPT_FILES:
-            self._put_back(name)
+    def restore(self, finished: frozenset[str] | set[str] = frozenset()) -> None:
+        """params.yaml, dvc.lock and every non-persistent output as they were before the run; with `finished`
+        stages, what those produced stays (their outputs, dvc.lock, the run's params), as `dvc repro` leaves it
+        after a later stage failed, and only the other stages' outputs are put back."""
+        if not finished:
+            for name in KEPT_FILES:
+                self._put_back(name)
         restore_from_cache = []
         for out in dvc_outputs(self.root):
-            if out.persist:
+            if out.persist or out.stage in finished:
                 continue
             if not out.cached:
                 self._put_back(out.path)

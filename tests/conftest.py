@@ -112,3 +112,42 @@ def setup_stage_inputs(root, overrides):
     build_base_model(cfg, paths)
     train_sft(cfg, paths)
     return cfg, paths
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_mlflow_server(workdir: Path, port: int):
+    """A real `mlflow server` on 127.0.0.1:`port` (one worker, no job runner), its store in `workdir`; returns once
+    it accepts connections (a restart on the same port and store finds its runs again)."""
+    import socket
+    import time
+
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1", "--backend-store-uri", f"sqlite:///{workdir / 'server.db'}",
+                             "--artifacts-destination", str(workdir / "server-artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                time.sleep(1.0)
+                return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def stop_server_group(proc) -> None:
+    """SIGKILL to the server's whole process group (a crash, not a shutdown)."""
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

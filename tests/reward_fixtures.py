@@ -77,3 +77,34 @@ def starts_with_one_slowly(prompts, completions, **_):
 
     time.sleep(0.25)
     return starts_with_one(prompts, completions)
+
+
+def exits(prompts, completions, **_):
+    """Leaves by another door than an exception: `sys.exit(1)` (SystemExit)."""
+    import sys
+
+    sys.exit(1)
+
+
+def interrupts(prompts, completions, **_):
+    """Raises KeyboardInterrupt itself (no signal came): the reward's failure, not a Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def runs_out_of_memory(prompts, completions, **_):
+    raise MemoryError("cannot allocate the judge's batch")
+
+
+def ends_the_process(prompts, completions, **_):
+    """`os._exit(3)`, as a C extension that aborts or exits would: no exception, no `finally`."""
+    import os
+
+    os._exit(3)
+
+
+def is_killed(prompts, completions, **_):
+    """The process is killed while this reward scores (the out-of-memory killer's SIGKILL)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -5,18 +5,28 @@ mid-write never leaves a corrupt "latest": the previous checkpoint survives inta
 hash of the inputs it was trained from; a checkpoint from other inputs is never resumed. Its meta.json,
 written last, also holds the sha256 of every other file: a checkpoint damaged afterwards (a disk error, a
 truncated copy) is skipped on resume, with one line saying why, for the newest intact one.
+
+checkpoints/grpo holds the checkpoints of the inputs being trained; those of other inputs are set aside, not
+removed (`set_aside_other_inputs`: checkpoints/grpo-other-inputs/<inputs hash>/, the `KEEP_OTHER_INPUTS` most
+recently set aside), and come back when their inputs are trained again: going back to settings a run was
+interrupted on resumes it. Not a DVC output: DVC's run cache (which brings a finished stage's result back when
+its inputs come back) takes no stage with a persistent output, and these are the resume state of unfinished
+runs, not a result.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 PREFIX = "step-"
 KEEP = 2
+KEEP_OTHER_INPUTS = 3  # sets of checkpoints of other inputs kept aside (each up to KEEP steps and `best`)
+OTHER_INPUTS = "-other-inputs"  # checkpoints/grpo -> checkpoints/grpo-other-inputs/<inputs hash>/
 
 
 class CheckpointWriteError(RuntimeError):
@@ -117,20 +127,41 @@ def latest_checkpoint(root: Path, run_hash: str, say: Callable[[str], Any] = pri
     return None
 
 
-def discard_foreign(root: Path, run_hash: str) -> list[Path]:
-    """Remove checkpoints (and stray temp dirs) trained from other inputs; they must never be resumed. One whose
-    meta.json is unreadable is left for `latest_checkpoint` to report as damaged."""
-    removed = []
-    if not root.exists():
-        return removed
-    for path in root.iterdir():
-        meta = _meta(path)
-        unreadable = (path / "meta.json").exists() and meta is None
-        foreign = not unreadable and (meta is None or meta.get("run_hash") != run_hash)
-        if path.is_dir() and foreign:
+def set_aside_other_inputs(root: Path, run_hash: str, say: Callable[[str], Any] = print) -> None:
+    """Make `root` hold this run's checkpoints only, each move said in one line: half-written ones (`.tmp-*`, left
+    by a kill mid-write) are removed; those of other inputs are set aside under their inputs' hash (never resumed
+    by this run, kept for theirs); this run's, set aside by an earlier run of other inputs, come back. One whose
+    meta.json is unreadable stays for `latest_checkpoint` to report as damaged."""
+    aside = root.with_name(root.name + OTHER_INPUTS)
+    for path in sorted(root.iterdir()) if root.exists() else []:
+        if not path.is_dir():
+            continue
+        if path.name.startswith(".tmp-"):
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+            say(f"grpo: removed {path}: a checkpoint whose writing was cut off (half-written, never resumed)")
+            continue
+        meta = _meta(path)
+        if meta is None or meta.get("run_hash") == run_hash:
+            continue
+        target = aside / str(meta.get("run_hash"))[:16] / path.name
+        shutil.rmtree(target, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+        os.utime(target.parent)  # most recently set aside: kept longest
+        say(f"grpo: set aside checkpoint {path} (trained from other inputs) as {target}; a run of those inputs "
+            "resumes from it")
+    mine = aside / run_hash[:16]
+    if mine.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        for path in sorted(mine.iterdir()):
+            if not (root / path.name).exists():
+                path.rename(root / path.name)
+                say(f"grpo: brought back checkpoint {root / path.name} of these inputs (set aside by a run of others)")
+        shutil.rmtree(mine, ignore_errors=True)
+    sets = sorted((p for p in aside.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime) if aside.is_dir() else []
+    for old in sets[:-KEEP_OTHER_INPUTS] if len(sets) > KEEP_OTHER_INPUTS else []:
+        shutil.rmtree(old, ignore_errors=True)
+        say(f"grpo: removed {old}: checkpoints of other inputs beyond the {KEEP_OTHER_INPUTS} most recent sets kept")
 
 
 def _save_weights(model, folder: Path) -> None:

@@ -14,17 +14,21 @@ Requests:
       -> {"run_id": ..., "experiment_id": ...}; logs the params and the installed package list
   {"action": "update", "run_id": ID, "metrics": {...}, "tags": {...}, "status": "FINISHED" | null}
       -> {}
+  {"action": "close_killed", "run_ids": [ID, ...]}
+      -> {"marked": [run names], "left": [ids not reached]}; the runs of pipeline runs that were killed
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from components.tracking.runs import StageRun, experiment_id, start_run
+from components.tracking.outbox import Outbox
+from components.tracking.runs import PARENT_RUN_ENV, StageRun, experiment_id, start_run
 
 
 def open_store(experiment: str) -> dict[str, str]:
@@ -33,6 +37,8 @@ def open_store(experiment: str) -> dict[str, str]:
 
 def start(experiment: str, params: dict[str, Any], tags: dict[str, str], run_name: str = "pipeline") -> dict[str, str]:
     run = start_run(experiment, run_name, tags=tags)
+    if run.offline:  # said just now: the run's stages, which carry its id, do not say it again
+        Outbox().announce_outage(run.run_id)
     run.log_params(params)
     log_environment(run)
     return {"run_id": run.run_id, "experiment_id": None if run.offline else experiment_id(experiment)}
@@ -40,6 +46,7 @@ def start(experiment: str, params: dict[str, Any], tags: dict[str, str], run_nam
 
 def update(run_id: str, metrics: dict[str, float] | None = None, tags: dict[str, Any] | None = None,
            status: str | None = None) -> dict:
+    os.environ[PARENT_RUN_ENV] = run_id  # this job is the run's own: an outage it meets was said once already
     run = StageRun(run_id)
     if metrics:
         run.log_metrics(metrics)
@@ -48,6 +55,33 @@ def update(run_id: str, metrics: dict[str, float] | None = None, tags: dict[str,
     if status:
         run.terminate(status)
     return {}
+
+
+def close_killed(run_ids: list[str]) -> dict[str, list[str]]:
+    """Mark KILLED what a killed pipeline run left RUNNING: its parent run and its stages' runs (a SIGKILL, a lost
+    machine: nothing of the run could close them). Returns the names of the runs marked, and the ids it could not
+    look at (the server away: tried again by the next run)."""
+    from components.tracking.outbox import Outbox
+    from components.tracking.runs import client
+
+    c, outbox = client(), Outbox()
+    marked, left = [], []
+    for run_id in run_ids:
+        server_id = outbox.resolve(run_id)
+        if not server_id or server_id.startswith("offline-"):
+            left.append(run_id)  # created offline and never sent: nothing on the server to close yet
+            continue
+        try:
+            parent = c.get_run(server_id)
+            children = c.search_runs([parent.info.experiment_id],
+                                     filter_string=f"tags.mlflow.parentRunId = '{server_id}'")
+            for run in [parent, *children]:
+                if run.info.status == "RUNNING":
+                    c.set_terminated(run.info.run_id, status="KILLED")
+                    marked.append(run.info.run_name or run.info.run_id)
+        except Exception:  # noqa: BLE001 - the server away or the run gone: the next run tries again
+            left.append(run_id)
+    return {"marked": marked, "left": left}
 
 
 def log_environment(run: StageRun) -> None:
@@ -80,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[0])
     request = json.loads(path.read_text())
     action = request.pop("action")
-    answer = {"open": open_store, "start": start, "update": update}[action](**request)
+    answer = {"open": open_store, "start": start, "update": update, "close_killed": close_killed}[action](**request)
     path.with_name(path.name + ".out").write_text(json.dumps(answer))
     return 0
 

@@ -15,7 +15,9 @@ from components.config import ConfigError, PipelineConfig, load_config
 from components.errors import StageFailed
 from components.interruptions import StageInterrupted, progress, stop_on_signals
 from components.quiet import quiet_libraries
+from components.run_marker import NoMarker, RunMarker, killed_run_text, marker_path
 from components.tracking.outbox import is_outage
+from components.user_code import UserCodeError
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
 # Imported before a stage's clock starts, so its recorded compute time excludes library start-up.
@@ -62,6 +64,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     stage = _stage_name(run)
     quiet_libraries()
     stop_on_signals()
+    marker = _stage_marker(stage)
     try:
         cfg = load_config(args.params, args.overrides)
         check_rewards(cfg.grpo.rewards)
@@ -78,6 +81,9 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         report_error(str(err))
         return 1
+    except UserCodeError as err:  # the user's function failed (components/user_code.py): named, one line
+        report_error(f"{stage}: {err}; nothing of this stage was kept: fix it and rerun")
+        return 1
     except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
         if not is_outage(err):
             raise
@@ -93,7 +99,21 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
         report_error(f"{INTERRUPT_PREFIX}{'model' if stage == 'base_model' else stage}{where} ({stop}); "
                      "rerun to resume")
         return 128 + stop.signum
+    finally:
+        marker.clear()
     return 0
+
+
+def _stage_marker(stage: str) -> RunMarker:
+    """The stage's note while it runs (components/run_marker.py), on the main process only (rank 0); first, what
+    the note of an earlier run that died without a word says about it."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return NoMarker()
+    marker = RunMarker(marker_path("model" if stage == "base_model" else stage))
+    if note := marker.left_by_a_killed_run():
+        print(killed_run_text(stage, note), flush=True)
+    marker.write(stage=stage)
+    return marker
 
 
 def _stage_name(run: Callable) -> str:

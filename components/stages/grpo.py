@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from components.config import ConfigError, PipelineConfig, config_warnings, stage_params_hash, to_flat_dict
-from components.data.checkpoints import best_meta, discard_foreign, latest_checkpoint
+from components.data.checkpoints import best_meta, latest_checkpoint, set_aside_other_inputs
 from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.evaluation.heldout import HeldoutProbe
@@ -208,13 +208,11 @@ def _check_settings(cfg: PipelineConfig, ctx: DistContext, callbacks: Sequence[S
 
 
 def _checkpoint_to_resume(paths: Paths, run_hash: str, ctx: DistContext) -> Path | None:
-    """Drop checkpoints trained from other inputs and damaged ones (rank 0, each said), then the newest intact
-    one of this run, if any."""
+    """Set aside checkpoints trained from other inputs, drop half-written and damaged ones (rank 0, each said),
+    then the newest intact one of this run, if any."""
     found = None
     if ctx.is_main:
-        for stale in discard_foreign(paths.grpo_checkpoints, run_hash):
-            print(f"grpo: removed checkpoint {stale} (trained from other inputs)")
-        # A DVC output even when the run is shorter than checkpoint_every (or checkpointing is off).
+        set_aside_other_inputs(paths.grpo_checkpoints, run_hash)
         paths.grpo_checkpoints.mkdir(parents=True, exist_ok=True)
         skipped: list[str] = []
         found = latest_checkpoint(paths.grpo_checkpoints, run_hash, lambda line: (print(line), skipped.append(line)),

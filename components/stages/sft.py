@@ -42,7 +42,7 @@ from components.engine.parallel.distributed import (
     shutdown,
     wrap_ddp,
 )
-from components.engine.rewards.rewards import RewardModel
+from components.engine.rewards.rewards import RewardError, RewardModel
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
@@ -156,7 +156,10 @@ class WarmStartCheck:
         finally:
             model.train(was_training)
         columns = dict(self.columns, completion_token_lengths=lengths)
-        scores = self.rewards(self.raw_prompts, completions, columns).total
+        try:
+            scores = self.rewards(self.raw_prompts, completions, columns).total
+        except RewardError as err:  # said with where it happened: SFT's stop check, not GRPO
+            raise RewardError(f"{err} (in SFT's stop check, sft.stop_at_reward)") from err
         return sum(scores) / len(scores)
 
 

@@ -81,9 +81,26 @@ class Outbox:
     (local id -> server id) and `files/` (copies of queued artifacts, so later changes do not alter them)."""
 
     def __init__(self, root: Path | None = None):
-        self.root = Path(root or os.environ.get(OUTBOX_ENV) or OUTBOX_DIR)
+        from components.data.paths import repository_root
+
+        self.root = Path(root or os.environ.get(OUTBOX_ENV) or repository_root() / OUTBOX_DIR)
         self.queue, self.sent_file, self.ids_file = (self.root / "queue.jsonl", self.root / "sent",
                                                      self.root / "ids.json")
+
+    def announce_outage(self, run_key: str | None) -> bool:
+        """Whether this process should say that the server is away: once per pipeline run (`run_key`, its MLflow
+        parent run; stages are processes of their own), until the outage ends; without a key, each time asked."""
+        said = self.root / "outage-said"
+        if run_key and said.exists() and said.read_text() == run_key:
+            return False
+        if run_key:
+            self.root.mkdir(parents=True, exist_ok=True)
+            said.write_text(run_key)
+        return True
+
+    def outage_ended(self) -> None:
+        """The server answers again (its queue was sent, which is said once): the next outage is said again."""
+        (self.root / "outage-said").unlink(missing_ok=True)
 
     def pending(self) -> int:
         if not self.queue.exists():

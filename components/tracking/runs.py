@@ -23,8 +23,11 @@ _SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret
 
 
 def tracking_uri(root: Path = Path(".")) -> str:
-    """`MLFLOW_TRACKING_URI` when set, else the SQLite store `mlflow.db` at the repository root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+    """`MLFLOW_TRACKING_URI` when set, else the SQLite store `mlflow.db` at the repository root (the repository's
+    own in a DVC experiment run in a temporary copy: components/data/paths.py `repository_root`)."""
+    from components.data.paths import repository_root
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(repository_root(root) / 'mlflow.db').resolve()}"
 
 
 def is_secret_key(name: str) -> bool:
@@ -140,11 +143,11 @@ class StageRun:
         from components.tracking.outbox import retry_every_s
 
         self._offline, self._last_try = True, time.monotonic()
-        if not StageRun._offline_said:
-            StageRun._offline_said = True
+        if not StageRun._offline_said and self._outbox.announce_outage(os.environ.get(PARENT_RUN_ENV)):
             print(f"tracking: the MLflow tracking server at {tracking_uri()} does not answer ({type(err).__name__}); "
                   f"logging to {self._outbox.root}/ and going on; sent when it answers again (tried every "
                   f"{retry_every_s():.0f} s, and at the next run's start)", flush=True)
+        StageRun._offline_said = True
 
     # ---- the calls
 
@@ -250,6 +253,7 @@ def send_queue(mlflow_client, say: bool = False) -> bool:
         if is_outage(err):
             return False
         raise
+    outbox.outage_ended()
     if say or sent:
         print(f"tracking: the tracking server answers again: sent {sent} queued records", flush=True)
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from pipelines import warmup
 
 def cmd_run(args: argparse.Namespace) -> int:
     root = Path(args.root).resolve()
+    # A write the device refuses as too large (RLIMIT_FSIZE; what a full or small filesystem answers) fails with
+    # an error each writer reports (a checkpoint, DVC's cache) instead of killing the process that made it.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.dry_run:
         return _run_locked(args)
     try:  # one run per repository: held across writing params.yaml and the whole flow

@@ -17,7 +17,7 @@ from components.errors import StageFailed
 from components.runtime.stage_server import imports_without_collection
 from pipelines import interrupts, warmup
 from pipelines.commands.run_report import band_report, report_overhead
-from pipelines.params_io import merged_config, prepare_params, preset_path, user_params
+from pipelines.params_io import mark_finished, merged_config, prepare_params, preset_path, user_params
 from pipelines.safekeeping import WorkingCopySnapshot
 
 
@@ -46,15 +46,33 @@ def check_and_run(args: argparse.Namespace, root: Path, api) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        code = _run_flow(args, root, cfg, api)
+        code, failure = _run_flow(args, root, cfg, api)
     except BaseException:
         _undo(snapshot, None)
         raise
     if code == 0:
+        mark_finished(root)
         snapshot.discard()
+    elif getattr(failure, "keep_finished", False):
+        mark_finished(root)
+        _keep_finished(snapshot, list(getattr(failure, "finished", [])))
     else:
         _undo(snapshot, Path(os.environ.get("GRPO_RUN_LOG", root / "logs" / "run.log")))
     return code
+
+
+def _keep_finished(snapshot, finished: list[str]) -> None:
+    """A failure that says nothing against the stages that finished: what they produced stays (their outputs,
+    dvc.lock, this run's params), the other stages' outputs are put back (pipelines/safekeeping.py)."""
+    try:
+        snapshot.restore(finished=set(finished))
+    except Exception as err:  # noqa: BLE001 - the run's own failure stays the report
+        print(f"warning: could not put back the unfinished stages' outputs ({err})", file=sys.stderr)
+    else:
+        print(f"kept what the finished stages produced ({', '.join(finished) or 'none'}: their outputs, dvc.lock, "
+              "params.yaml with this run's settings): rerun the same command; it runs only what did not finish",
+              file=sys.stderr)
+    snapshot.discard()
 
 
 def _undo(snapshot, log_file: Path | None) -> None:
@@ -72,7 +90,7 @@ def _undo(snapshot, log_file: Path | None) -> None:
     snapshot.discard()
 
 
-def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
+def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> tuple[int, BaseException | None]:
     # Prefect, DVC and the flow are imported here, in this order, with the collector off: the temporary
     # API is forked after Prefect's import, and the tracking store starts while DVC and the flow import.
     if api is not None:
@@ -100,14 +118,14 @@ def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
         with log_file.open("a", encoding="utf-8") as fh:
             fh.write(f"cancelled: {stop}\n")
         print(f"\n{stop}", file=sys.stderr)
-        return interrupts.exit_code()
+        return interrupts.exit_code(), None
     except Exception as err:  # noqa: BLE001 - the stage's own message is the report
         with log_file.open("a", encoding="utf-8") as fh:
             fh.write(traceback.format_exc() + "\n" + getattr(err, "detail", "") + "\n")
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"\nerror: {err}\n(full log with the traceback: {log_file})", file=sys.stderr)
-        return 1
+        return 1, err
     finally:
         interrupts.uninstall()
     ev, reg = result["evaluation"], result["registration"]
@@ -121,10 +139,11 @@ def _run_flow(args: argparse.Namespace, root: Path, cfg, api) -> int:
           f"({reg['reason']})")
     print(f"load it with: mlflow.pyfunc.load_model('{reg['champion_uri']}')")
     if any(not stage["skipped"] for stage in result["stages"]):  # DVC's own hint came once per stage
-        print("record the run in git: git add -f dvc.lock params.yaml metrics plots && git commit")
+        print("record the run in git: git add -f dvc.lock params.yaml metrics plots/*.png && git commit "
+              "(DVC keeps the data, models and plots/grpo_steps.csv: `dvc push` sends them)")
     report_overhead(result)
     print("=" * 72)
-    return 0
+    return 0, None
 
 
 def attach_run_log(root: Path) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.params_io import apply_to_params
+from pipelines.params_io import BASE_FILE, apply_to_params, prepare_params, user_params
 
 from conftest import ROOT
 
@@ -27,6 +27,33 @@ def test_an_override_changes_its_own_line_only(tmp_path):
     changed = [(a, b) for a, b in zip(original.splitlines(), params.read_text().splitlines()) if a != b]
     assert changed == [("seed: 1234", "seed: 7")] and len(params.read_text().splitlines()) == len(original.splitlines())
     assert "  train_path: null" in params.read_text()  # ruamel's default would write an empty value
+
+
+def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their_edits(tmp_path):
+    """A run with one-off overrides was killed (nothing put the user's settings back); the user then edited
+    params.yaml. The next run (the same command) starts from the user's own settings with that edit, says which
+    edit it kept, and applies its own overrides on top; the plain run after it is the user's own again."""
+    params = tmp_path / "params.yaml"
+    mine = (ROOT / "params.yaml").read_text()
+    params.write_text(mine)
+    once = ["grpo.steps=40", "seed=7"]
+    prepare_params(tmp_path, [], once, persist=False, described="--set grpo.steps=40 --set seed=7")
+    # ... killed here; the user edits a learning rate in the file that still holds the overrides
+    params.write_text(params.read_text().replace("learning_rate: 0.0005", "learning_rate: 0.0002"))
+    assert user_params(tmp_path).read_text() == mine.replace("learning_rate: 0.0005", "learning_rate: 0.0002")
+    said = prepare_params(tmp_path, [], once, persist=False, described="--set grpo.steps=40 --set seed=7")
+    assert said[0] == ("params.yaml: back to your own settings (the previous run's one-off overrides (--set "
+                       "grpo.steps=40 --set seed=7), whose run was stopped before it could put your settings back, "
+                       "were still in it), keeping your edit since: grpo.learning_rate: 0.0002")
+    edited = mine.replace("learning_rate: 0.0005", "learning_rate: 0.0002")
+    assert (tmp_path / BASE_FILE).read_text() == edited
+    assert "steps: 40" in params.read_text() and "seed: 7" in params.read_text()
+    assert "learning_rate: 0.0002" in params.read_text()
+    said = prepare_params(tmp_path, [], [], persist=False)
+    assert params.read_text() == edited and not (tmp_path / BASE_FILE).exists()
+    assert said == ["params.yaml: back to your own settings (the previous run's one-off overrides (--set "
+                    "grpo.steps=40 --set seed=7), whose run was stopped before it could put your settings back, were "
+                    "for that run only; --persist keeps them)"]
 
 
 @pytest.mark.slow
@@ -53,8 +80,24 @@ def test_an_example_run_leaves_the_users_settings_alone(tmp_path):
     plain = run(cli, repo, env=env)
     assert "params.yaml: back to your own settings" in plain.stdout
     assert (repo / "params.yaml").read_bytes() == mine and not (repo / ".params.base.yaml").exists()
-    # DVC reuses its cache: the evaluation of these settings' model comes from its run-cache; GRPO, whose
-    # checkpoints persist, re-trains (to the same bytes: evaluate's inputs match the cached run's)
-    assert "Stage 'evaluate' is cached - skipping run, checking out outputs" in plain.stdout
+    # Going back costs no training: GRPO's result comes back from DVC's run cache like every other stage's, and
+    # the checkpoints of these settings were set aside by the example run, not removed (keyed by their inputs).
+    for stage in ("grpo", "evaluate"):
+        assert f"Stage '{stage}' is cached - skipping run, checking out outputs" in plain.stdout
+    assert "grpo: step" not in plain.stdout and "Running stage 'grpo'" not in plain.stdout
+    assert "set aside checkpoint checkpoints/grpo/step-0000003 (trained from other inputs)" in example.stdout
+    aside = list((repo / "checkpoints" / "grpo-other-inputs").glob("*/step-0000003/state.pt"))
+    assert len(aside) == 1
     again = run(cli, repo, env=env)  # a plain run on the user's settings changes nothing
     assert (repo / "params.yaml").read_bytes() == mine and "params.yaml" not in again.stdout.split("Running stage")[0]
+
+
+def test_a_refused_override_leaves_params_yaml_untouched(tmp_path):
+    from components.config import ConfigError
+
+    params = tmp_path / "params.yaml"
+    original = (ROOT / "params.yaml").read_bytes()
+    params.write_bytes(original)
+    with pytest.raises(ConfigError, match="grpo.kl_beta: must be >= 0"):
+        prepare_params(tmp_path, [], ["seed=7", "grpo.kl_beta=-1"], persist=False)
+    assert params.read_bytes() == original and not (tmp_path / BASE_FILE).exists()

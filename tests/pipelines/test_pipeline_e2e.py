@@ -72,7 +72,7 @@ def test_run_prints_before_after_and_model_uri(completed):
     # DVC's lines once each (not again through Prefect's console handler), its git hint once per run
     assert all(out.count(f"Running stage '{stage}'") == 1 for stage in STAGES), out
     assert "To track the changes with git" not in out
-    assert out.count("record the run in git: git add -f dvc.lock params.yaml metrics plots") == 1
+    assert out.count("record the run in git: git add -f dvc.lock params.yaml metrics plots/*.png") == 1
 
 
 def test_run_reports_overhead_and_shuts_down_without_prefect_log_errors(completed):
@@ -243,13 +243,15 @@ def test_the_temporary_api_records_the_flow_run_without_heartbeats(completed):
     assert "prefect.flow-run.heartbeat" not in events
 
 
-def test_dvc_push_then_pull_into_a_fresh_clone_restores_data_and_checkpoints(completed, tmp_path):
-    """A run is restorable from git + a DVC remote: cached outs (data, models, checkpoints) travel through
-    `dvc push`/`dvc pull`; the small uncached metrics and plots are committed with dvc.lock."""
+def test_dvc_push_then_pull_into_a_fresh_clone_restores_data_and_models(completed, tmp_path):
+    """A run is restorable from git + a DVC remote: cached outs (data, models, predictions) travel through
+    `dvc push`/`dvc pull`; the small uncached metrics and plots are committed with dvc.lock. Training checkpoints
+    are the resume state of unfinished runs, not an output: they stay where they were trained."""
     repo, env = completed["repo"], completed["env"]
     dvc = str(BIN / "dvc")
     run([dvc, "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], repo)
-    run(["git", "add", "-f", "dvc.lock", "params.yaml", ".dvc/config", "metrics", "plots"], repo)
+    run(["git", "add", "-f", "dvc.lock", "params.yaml", ".dvc/config", "metrics", *map(str, repo.glob("plots/*.png"))],
+        repo)
     run(["git", "commit", "-qm", "pipeline run"], repo)
     pushed = run([dvc, "push"], repo).stdout
     assert re.search(r"\d+ files? pushed", pushed), pushed
@@ -259,9 +261,10 @@ def test_dvc_push_then_pull_into_a_fresh_clone_restores_data_and_checkpoints(com
     run([dvc, "pull"], clone)
     restored = ["data/prepared/train.jsonl", "data/prepared/heldout.jsonl", "models/base/model.safetensors",
                 "models/sft/model.safetensors", "models/grpo/model.safetensors", "eval/predictions.jsonl",
-                "checkpoints/grpo/step-0000003/model.safetensors", "checkpoints/grpo/step-0000003/state.pt"]
+                "plots/grpo_steps.csv"]
     for rel in restored:
         assert (clone / rel).read_bytes() == (repo / rel).read_bytes(), rel
+    assert not (clone / "checkpoints").exists()
     fresh = {**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'clone-store.db'}"}
     out = run([dvc, "repro"], clone, env=fresh).stdout
     assert ran_stages(out) == set() and "Data and pipelines are up to date." in out, out

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from components.config import ConfigError, RewardSpec
 from components.engine.rewards.extract import extract_answer
+from components.user_code import UserCodeError, calling
 
 LOG = logging.getLogger(__name__)
 
@@ -302,8 +303,9 @@ def check_rewards(specs: Sequence[RewardSpec]) -> None:
             raise ConfigError(f"grpo.rewards[{i}].name: {err}") from err
 
 
-class RewardError(RuntimeError):
-    """A reward function misbehaved (raised, wrong length, NaN/inf); names the reward."""
+class RewardError(UserCodeError):
+    """A reward function misbehaved (raised anything, `SystemExit` included; wrong length, NaN/inf); names the
+    reward."""
 
 
 @dataclass
@@ -365,11 +367,9 @@ class RewardModel:
         per_component: dict[str, list[float | None]] = {}
         ordered: list[list[float | None]] = []
         for name, fn, weight, options in self.components:
-            try:
-                with time_limit(self.timeout_s, f"reward {name!r}"):
-                    scores = list(fn(prompts, completions, **{**columns, **options}))
-            except Exception as err:  # noqa: BLE001 - user code; re-raised with the reward's name
-                raise RewardError(f"reward {name!r} raised {type(err).__name__}: {err}") from err
+            # One door for the user's code (components/user_code.py): named failures, a note while it runs.
+            with calling(f"reward {name!r}", "scoring", RewardError), time_limit(self.timeout_s, f"reward {name!r}"):
+                scores = list(fn(prompts, completions, **{**columns, **options}))
             if len(scores) != len(completions):
                 raise RewardError(f"reward {name!r} returned {len(scores)} values for {len(completions)} completions")
             for i, score in enumerate(scores):

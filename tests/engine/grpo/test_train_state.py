@@ -1,5 +1,5 @@
 """A checkpoint keeps the run's state, never its wall-clock figures: two runs that differ only in timing
-write byte-identical checkpoints, so `dvc repro` in two clones records the same checkpoints/grpo hash."""
+write byte-identical checkpoints, so two clones resume from the same bytes."""
 
 from __future__ import annotations
 

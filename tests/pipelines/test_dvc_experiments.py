@@ -1,0 +1,74 @@
+"""DVC's own experiment workflow on the pipeline (docs/operations.md "DVC experiments"): `dvc exp run -S`, a queue
+of two run by `dvc queue start`, `dvc exp show` with each experiment's held-out figures side by side, and `dvc exp
+apply`. Real git + DVC on the fast preset; every experiment's MLflow runs and checkpoints land where a plain
+run's do (the repository's mlflow.db and checkpoints/), also those the queue ran in temporary copies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import BIN, copy_project, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_dvc_experiments_run_queue_show_and_apply(tmp_path):
+    from dvc.api import exp_show
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+    from pipelines.params_io import apply_to_params, preset_path
+
+    repo = copy_project(tmp_path / "repo")
+    apply_to_params(repo / "params.yaml", [preset_path("fast_test")], ["threads=1"])
+    run(["git", "commit", "-qam", "the fast preset as my settings"], repo)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default store: ./mlflow.db
+    server = start_server(str(repo))  # the stages skip their imports; not what is under test
+    env[SERVER_ENV] = server[1]
+    dvc = str(BIN / "dvc")
+    try:
+        run([dvc, "exp", "run", "-S", "grpo.kl_beta=0.1"], repo, env=env)
+        for beta in ("0.2", "0.3"):
+            run([dvc, "exp", "run", "--queue", "-S", f"grpo.kl_beta={beta}"], repo, env=env)
+        run([dvc, "queue", "start"], repo, env=env)
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            status = run([dvc, "queue", "status"], repo, env=env).stdout
+            if "Queued" not in status and "Running" not in status:
+                break
+            time.sleep(5)
+        assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "--help"], repo, check=False).stdout
+    finally:
+        stop_server(*server)
+
+    shown = exp_show(repo=str(repo))
+    experiments = {row["grpo.kl_beta"]: row for row in shown if row.get("Experiment")}
+    assert sorted(experiments) == [0.1, 0.2, 0.3], shown
+    for row in experiments.values():  # each experiment's held-out figures, side by side
+        assert isinstance(row["candidate.mean_reward"], float) and isinstance(row["improvement.mean"], float), row
+    table = run([dvc, "exp", "show", "--md", "--drop", ".*", "--keep",
+                 "Experiment|grpo.kl_beta|candidate.mean_reward|improvement.mean"], repo, env=env).stdout
+    assert all(name in table for name in (row["Experiment"] for row in experiments.values())), table
+
+    # Where a plain run's land: the repository's own store and checkpoints, none in the queue's copies.
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    grpo_runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                   filter_string="tags.`grpo.stage` = 'grpo'")
+    assert sorted(float(r.data.params["grpo.kl_beta"]) for r in grpo_runs) == [0.1, 0.2, 0.3]
+    aside = sorted(p.name for p in (repo / "checkpoints" / "grpo-other-inputs").iterdir())
+    assert len(aside) == 2 and list((repo / "checkpoints" / "grpo").glob("step-*"))  # three inputs, three sets
+    stray = subprocess.run(["find", str(repo / ".dvc" / "tmp"), "-name", "mlflow.db", "-o", "-name", "step-*"],
+                           capture_output=True, text=True).stdout
+    assert stray == ""
+
+    chosen = experiments[0.2]
+    run([dvc, "exp", "apply", chosen["Experiment"]], repo, env=env)
+    assert yaml.safe_load((repo / "params.yaml").read_text())["grpo"]["kl_beta"] == 0.2
+    applied = yaml.safe_load((repo / "metrics" / "eval.json").read_text())
+    assert applied["candidate"]["mean_reward"] == chosen["candidate.mean_reward"]
+    assert "Data and pipelines are up to date." in run([dvc, "status"], repo, env=env).stdout
