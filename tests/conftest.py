@@ -112,3 +112,17 @@ def setup_stage_inputs(root, overrides):
     build_base_model(cfg, paths)
     train_sft(cfg, paths)
     return cfg, paths
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped without one (benchmarks/gpu_rows.py runs them on a GPU)."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in marked:
+        item.add_marker(skip)

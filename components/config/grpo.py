@@ -163,6 +163,11 @@ class GRPOConfig:
     encoded once per group in sampling, reference and policy forwards. Llama/Qwen2/Qwen3/Mistral only, checked against
     the Hugging Face forward at start; others fall back to the plain engine, as do several processes and per-group
     sampling (those need the wrapped, N-independent forward)."""
+    cuda_graphs: bool = True
+    """With prefix sharing on a CUDA device, decode with every step captured as a CUDA graph
+    (components/engine/rollout/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside the
+    graph); a trial capture at start, and any capture that fails, turns it off with one line. False: the prompt-once
+    engine's host-driven loop. No effect on the CPU."""
     onednn_matmul: bool = True
     """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
     (components/engine/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU vendor: the

@@ -145,7 +145,7 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     prompt_tokens = longest_row(tokenizer, format_prompt, (records or [])[:256], 0)
     memory = fit_memory(g, model, prompt_tokens, reference is not None, say)
     settings = EngineSettings(
-        prefix_sharing=g.prefix_sharing, onednn_matmul=g.onednn_matmul,
+        prefix_sharing=g.prefix_sharing, cuda_graphs=g.cuda_graphs, onednn_matmul=g.onednn_matmul,
         gradient_checkpointing=memory.gradient_checkpointing, vocab_size=len(tokenizer),
         max_length=longest_row(tokenizer, format_prompt, records, g.max_completion_length) if records else None,
         completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.rollout import prefix_shared
+from components.engine.rollout import cuda_graphs, prefix_shared
 from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
 from components.engine.rollout.hf import HFEngine
 
@@ -28,9 +28,15 @@ def _prefix_shared(model: Any, tokens: SpecialTokens) -> RolloutEngine:
     return engine
 
 
+def _cuda_graphs(model: Any, tokens: SpecialTokens) -> RolloutEngine:
+    """On the CPU the CUDA-graph engine decodes uncaptured, through the token loop over its fixed-shape state."""
+    return cuda_graphs.CudaGraphEngine(_prefix_shared(model, tokens), mode="token_loop", max_length=30)
+
+
 ENGINES: dict[str, Callable[[Any, SpecialTokens], RolloutEngine]] = {
     "hf": lambda model, tokens: HFEngine(model, tokens),
     "prefix_shared": _prefix_shared,
+    "cuda_graphs": _cuda_graphs,
 }
 
 
