@@ -55,7 +55,7 @@ lock:
 	rm -rf /tmp/grpo-lock-venv && $(PYTHON) -m venv /tmp/grpo-lock-venv
 	/tmp/grpo-lock-venv/bin/pip install -q --upgrade pip
 	/tmp/grpo-lock-venv/bin/pip install -q torch==2.13.0
-	/tmp/grpo-lock-venv/bin/pip install -q -c constraints.txt ".[test,lora,hf,math,gguf]"
+	/tmp/grpo-lock-venv/bin/pip install -q -c constraints.txt ".[test,lora,hf,math,gguf,qlora]"
 	{ echo "# Every transitive dependency, pinned. Installed by 'make run' and 'make test'."; \
 	  echo "# Refresh with 'make lock' after changing pyproject.toml dependencies."; \
 	  /tmp/grpo-lock-venv/bin/pip freeze --exclude-editable | grep -v '^grpo-pipeline' \

@@ -37,6 +37,10 @@ def attach_lora(model, lora: LoRAConfig):
                           f"(it has e.g. {sorted(n for n in names if n and not n.isdigit())[:12]})")
     from peft import LoraConfig, get_peft_model
 
+    if lora.quantize_base != "none":  # a 4-bit frozen base (QLoRA): before the adapters wrap its projections
+        from components.engine.models.quantize import quantize_base
+
+        quantize_base(model, lora.quantize_base)
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
 

@@ -53,11 +53,11 @@ def _llama(eos_bias: float = 0.0, **extra):
     return model
 
 
-def _lora():
+def _lora(quantize_base: str = "none"):
     from components.config import LoRAConfig
     from components.engine.grpo.policy import attach_lora
 
-    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, target_modules=[
+    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, quantize_base=quantize_base, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,7 +66,8 @@ def _lora():
     return model
 
 
-MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora}
+MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora,
+          "lora-nf4": lambda: _lora("nf4")}  # a 4-bit frozen base (grpo.lora.quantize_base)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [4, 9, 6, 5]]  # different lengths: left padding
 
 
