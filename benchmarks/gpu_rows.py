@@ -27,8 +27,26 @@ the weights once, plus each row's cached keys and values), the update against th
 
     python benchmarks/gpu_rows.py --out $OUT                      # on the GPU machine (tracking off, no MLflow)
     python benchmarks/gpu_rows.py --smoke                         # the whole script on the CPU, tiny shapes
+    python benchmarks/gpu_rows.py --merge A.json B.json           # several calls' reports into benchmarks/results
 
-Writes benchmarks/results/gpu_rows.{json,md} (not with --smoke) and, with --out, copies there. Not a test.
+On the device tool's GPU machine (its image lacks TRL, datasets, torchao: `make gpu-carry` puts their wheels in
+.whl/ and the SmolLM2 GGUF's halves in .gguf/, all git-ignored). Call 1, carry [".whl", ".gguf/a"], timeout_s 480:
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; cp .gguf/a /root/gguf.a; \
+    nvidia-smi --query-gpu=name,memory.total --format=csv; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py \
+      --out $OUT 2>&1 | tee $OUT/log1.txt
+
+Call 2 at once (the machine stays warm 30 s; part a waits in /root), carry [".whl", ".gguf/b", ".gguf/sha256"],
+timeout_s 300: the held-out phase alone (`--lengths '' --scale '' --no-tests --gguf ...`), its report then merged
+here with `--merge call1/gpu_rows.json call2/gpu_rows.json`:
+
+    set -o pipefail; export PYTHONPATH=/tmp/site; test -f /root/gguf.a || { echo "part a gone (machine not warm)";
+    exit 3; }; g=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf; cat /root/gguf.a .gguf/b > $g && echo "$(cat .gguf/sha256)  $g"
+    | sha256sum -c - || exit 4; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py --lengths '' --scale '' --no-tests
+      --gguf $g --out $OUT 2>&1 | tee $OUT/log2.txt
+
+Writes benchmarks/results/gpu_rows.{json,md} (on CUDA only) and, with --out, copies there. Not a test.
 """
 
 from __future__ import annotations
@@ -65,7 +83,8 @@ SHAPES: dict[str, dict[str, Any]] = {  # transformers config arguments (random w
     "tiny": dict(kind="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512),
 }
-MODES = {"lora": [], "full": ["grpo.lora.enabled=false", "grpo.learning_rate=0.00001"]}
+MODES = {"lora": [], "full": ["grpo.lora.enabled=false", "grpo.learning_rate=0.00001"],
+         "lora-nf4": ["grpo.lora.quantize_base=nf4"]}
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -343,7 +362,7 @@ def limits(args, row: dict[str, Any], spec: dict[str, Any], g, ours: dict[str, A
     step_bytes = 2 * n + rows * kv_per_token * (prompt + length / 2)  # weights once + the average cache read
     floor_generation = length * step_bytes / (args.ceiling["bandwidth_gbs"] * 1e9)
     fed = rows * length + g.prompts_per_step * prompt  # each prompt once, every completion token
-    per_token = (4 if row["mode"] == "lora" else 6) + (2 if ours.get("gradient_checkpointing") else 0)
+    per_token = (4 if row["mode"].startswith("lora") else 6) + (2 if ours.get("gradient_checkpointing") else 0)
     update_flops = per_token * n * fed
     peak = args.ceiling["bf16_tflops"] * 1e12
     out = {"decode_step_mb": round(step_bytes / 2**20, 1),
@@ -437,8 +456,8 @@ def phases(args) -> list[tuple[str, Callable[[Callable], dict[str, Any]]]]:
     for length in [int(x) for x in args.lengths.split(",") if x]:
         for mode in args.modes.split(","):
             todo.append((f"long {mode} {length}", lambda say, m=mode, n=length: long_row(args, m, n, say)))
-    for shape in [s for s in args.scale.split(",") if s]:
-        for mode in args.modes.split(","):
+    for mode in args.scale_modes.split(","):
+        for shape in [s for s in args.scale.split(",") if s]:
             todo.append((f"scale {shape} {mode}", lambda say, s=shape, m=mode: scale_row(args, s, m, say)))
     if args.compile_option:
         todo.append(("compile_step option", lambda say: compile_option(args, say)))
@@ -482,9 +501,33 @@ def run(args) -> dict[str, Any]:
     return report
 
 
+def _identity(row: dict[str, Any]) -> tuple:
+    return tuple(row.get(k) for k in ("row", "shape", "mode", "length"))
+
+
+def merged(args, report: dict[str, Any]) -> dict[str, Any]:
+    """With --update, the rows of the report already in benchmarks/results that this run did not measure, kept."""
+    path = ROOT / "benchmarks" / "results" / "gpu_rows.json"
+    if not args.update or not path.exists():
+        return report
+    return merge_reports(json.loads(path.read_text()), report)
+
+
+def merge_reports(previous: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """`report` over `previous`: its rows replace theirs of the same row, shape, mode and length; the rest stay."""
+    measured = {_identity(r) for r in report["rows"]}
+    rows = [r for r in previous.get("rows", []) if _identity(r) not in measured] + report["rows"]
+    out = {**report, "rows": rows, "gpu_tests": report.get("gpu_tests") or previous.get("gpu_tests"),
+           "commands": previous.get("commands", [previous.get("command")]) + [report["command"]]}
+    out["targets"] = targets(out)
+    return out
+
+
 def save(args, report: dict[str, Any]) -> None:
+    report = merged(args, report)
     text = markdown(report)
-    folders = ([] if args.smoke else [ROOT / "benchmarks" / "results"]) + ([Path(args.out)] if args.out else [])
+    # benchmarks/results holds GPU runs only: a CPU run (--smoke, a check) writes to --out alone
+    folders = ([ROOT / "benchmarks" / "results"] if args.device == "cuda" else []) + ([Path(args.out)] if args.out else [])
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "gpu_rows.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -507,23 +550,39 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF: also held-out after equal completions")
     parser.add_argument("--heldout-steps", type=int, default=6)
     parser.add_argument("--heldout", type=int, default=100, help="held-out prompts")
+    parser.add_argument("--heldout-overrides", default="", help="config overrides of the held-out phase (CPU checks)")
+    parser.add_argument("--scale-modes", default="lora,full,lora-nf4",
+                        help="the scale rows' modes (lora-nf4: a 4-bit frozen base, torchao)")
     parser.add_argument("--no-tests", dest="tests", action="store_false")
     parser.add_argument("--tests-timeout", type=int, default=120)
-    parser.add_argument("--budget-s", type=float, default=330.0, help="start no phase after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="start no phase after this many seconds")
     parser.add_argument("--engine-mode", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default="/tmp/gpu-rows")
     parser.add_argument("--out", help="also write gpu_rows.{json,md} here (the device tool's $OUT)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the rows of benchmarks/results/gpu_rows.json that this run does not measure")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge the reports of several calls (the first "
+                        "is the base) into benchmarks/results/gpu_rows.{json,md}; measures nothing")
     parser.add_argument("--smoke", action="store_true",
                         help="the whole script on the CPU with tiny shapes (results not written to benchmarks/)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.lengths, args.scale_length, args.prompt_tokens = "cpu", "float32", "8", 8, 6
-        args.long_shape, args.scale, args.modes, args.engine_mode, args.tests = "tiny", "tiny", "lora,full", "eager", False
+        args.long_shape, args.scale, args.engine_mode, args.tests = "tiny", "tiny", "eager", False
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    if args.merge:  # reports of several calls (the held-out call after the main one) into benchmarks/results
+        reports = [json.loads(Path(f).read_text()) for f in args.merge]
+        report = reports[0]
+        for later in reports[1:]:
+            report = merge_reports(report, later)
+        args.device, args.update = "cuda", False
+        save(args, report)
+        print(markdown(report))
+        return 0
     report = run(args)
     print(markdown(report))
     return 0 if not any("error" in r for r in report["rows"]) else 1

@@ -88,7 +88,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["# GPU rows (benchmarks/gpu_rows.py)", "", f"`{report['command']}`", "", table(report), ""]
+    commands = report.get("commands") or [report["command"]]
+    lines = ["# GPU rows (benchmarks/gpu_rows.py)", "", "; ".join(f"`{c}`" for c in commands), "", table(report), ""]
     if report.get("targets"):
         lines += ["| target (issue 55) | measured | target | met |", "|---|---:|---|---|"]
         lines += [f"| {t['what']} | {_f(t['value'], 2 if isinstance(t['value'], float) and t['value'] < 100 else 0)} "

@@ -169,11 +169,11 @@ class CudaGraphEngine:
         saved = generator.get_state() if generator is not None else torch.cuda.get_rng_state()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         try:
             for rows, keys in shapes:
                 state.step.zero_()
                 state.column.fill_(keys - 1)
+                stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     step(rows, keys)  # warm-up: lazy initialisation (cuBLAS, compilation) happens outside capture
                 torch.cuda.current_stream().wait_stream(stream)
