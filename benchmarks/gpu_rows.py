@@ -296,7 +296,7 @@ def trl_alternating(args, model_ours, model_trl, tokenizer, g, prompts_text: lis
     trainer.add_callback(Turns())
     trainer.train()
     return {"ours": {**summary(steps["ours"]), "engine": ours.engine_name,
-                     "gradient_checkpointing": ours.checkpointing},
+                     "mode": getattr(ours.policy.engine, "mode", None), "gradient_checkpointing": ours.checkpointing},
             "trl": summary(steps["trl"])}, trl.__version__
 
 
@@ -390,7 +390,8 @@ def scale_row(args, shape: str, mode: str, say) -> dict[str, Any]:
     for i in range(args.scale_steps):
         steps.append(ours.step(ids))
         say(f"  step {i + 1}/{args.scale_steps}: {steps[-1]['tokens'] / steps[-1]['step_s']:,.0f} tokens/s", flush=True)
-    result = {**summary(steps), "engine": ours.engine_name, "gradient_checkpointing": ours.checkpointing}
+    result = {**summary(steps), "engine": ours.engine_name, "mode": getattr(ours.policy.engine, "mode", None),
+              "gradient_checkpointing": ours.checkpointing}
     for phase in ("reference", "update"):
         result[f"{phase}_tokens_per_s"] = round(result["tokens"] / result[f"{phase}_s"], 1) if result[f"{phase}_s"] \
             else None
@@ -417,7 +418,8 @@ def compile_option(args, say) -> dict[str, Any]:
         steps = [ours.step(ids) for _ in range(2)]
         out["compiled" if compiled else "graphs"] = {"generation_tokens_per_s": round(
             steps[1]["tokens"] / steps[1]["generation_s"], 1), "first_step_s": round(steps[0]["step_s"], 1),
-            "seconds": round(time.perf_counter() - t0, 1), "engine": ours.engine_name}
+            "seconds": round(time.perf_counter() - t0, 1), "engine": ours.engine_name,
+            "mode": getattr(ours.policy.engine, "mode", None)}  # token_loop: a capture failed (its line says why)
         del ours
     return out
 

@@ -43,6 +43,12 @@ def _f(x: Any, digits: int = 0) -> str:
     return f"{x:,.{digits}f}" if isinstance(x, (int, float)) else str(x)
 
 
+def _ours(e: dict[str, Any]) -> str:
+    """Ours, with the engine that ran (and its decoding mode: `token_loop` means a capture failed)."""
+    mode = f", {e['mode']}" if e.get("mode") else ""
+    return f"ours ({e['engine']}{mode})" if e.get("engine") else "ours"
+
+
 def table(report: dict[str, Any]) -> str:
     """The rows of a run as one table: the card and versions first, then each row with its distance from the card."""
     c, ceiling = report["card"], report.get("ceiling", {})
@@ -64,14 +70,14 @@ def table(report: dict[str, Any]) -> str:
                 extra = (f"{r['generation_share_of_bandwidth']:.0%}", f"{r['update_mfu']:.1%}") if engine == "ours" \
                     else ("", "")
                 speed = f" (**{r['speedup_vs_trl']:.2f}x**)" if engine == "ours" else ""
-                lines.append(f"| {name} | {'ours' if engine == 'ours' else 'TRL ' + r['trl_version']} | "
+                lines.append(f"| {name} | {_ours(e) if engine == 'ours' else 'TRL ' + r['trl_version']} | "
                              f"{_f(e['completion_tokens_per_s'])}{speed} | {_f(e['generation_tokens_per_s'])} | "
                              f"- / {_f(e['tokens'] / e['update_s'])} | {_f(e['peak_gpu_gb'], 1)} | {extra[0]} | "
                              f"{extra[1]} |")
         elif r["row"] == "scale":
             o = r["ours"]
             lines.append(f"| scale: {r['shape']} ({r['parameters'] / 1e9:.2f}B) {r['mode']}, 64 x {r['length']}"
-                         f"{', checkpointing' if o.get('gradient_checkpointing') else ''} | ours | "
+                         f"{', checkpointing' if o.get('gradient_checkpointing') else ''} | {_ours(o)} | "
                          f"{_f(o['completion_tokens_per_s'])} | {_f(o['generation_tokens_per_s'])} | "
                          f"{_f(o.get('reference_tokens_per_s'))} / {_f(o.get('update_tokens_per_s'))} | "
                          f"{_f(o['peak_gpu_gb'], 1)} | {r['generation_share_of_bandwidth']:.0%} | "

@@ -165,7 +165,7 @@ class CudaGraphEngine:
         if not shapes:
             return
         if self.compile_step and self._step == self._fused_step:
-            self._step = torch.compile(self._fused_step, dynamic=True, mode="max-autotune-no-cudagraphs")
+            self._step = torch.compile(self._fused_step, dynamic=True)  # Inductor's kernels; the graphs stay ours
         saved = generator.get_state() if generator is not None else torch.cuda.get_rng_state()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
