@@ -58,6 +58,7 @@ class CudaGraphEngine:
         self.state: StaticState | None = None
         self.graphs: dict[tuple, Any] = {}
         self.pool: Any = None
+        self.stream: Any = None
         self._step = self._fused_step
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -168,7 +169,8 @@ class CudaGraphEngine:
             self._step = torch.compile(self._fused_step, dynamic=True)  # Inductor's kernels; the graphs stay ours
         saved = generator.get_state() if generator is not None else torch.cuda.get_rng_state()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        # warm-ups and captures on one stream (cuBLAS keeps a workspace per stream), the same for every capture
+        self.stream = stream = self.stream or torch.cuda.Stream()
         try:
             for rows, keys in shapes:
                 state.step.zero_()
@@ -180,7 +182,7 @@ class CudaGraphEngine:
                 graph = torch.cuda.CUDAGraph()
                 if generator is not None:
                     graph.register_generator_state(generator)
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     step(rows, keys)
                 self.graphs[_key(rows, keys, params, generator)] = graph
         finally:

@@ -172,11 +172,16 @@ def _on_cuda(model, dtype=torch.float32):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_captured_greedy_decoding_gives_the_uncaptured_tokens(dtype):
-    model = _on_cuda(_lora(), dtype)
+def test_captured_greedy_decoding_gives_the_uncaptured_tokens(dtype, quantize_base):
+    """Against the same fused loop run eagerly (the same shapes, so the same kernels: a capture must change nothing;
+    the CPU tests hold the eager loop to the plain path's tokens); also over a 4-bit frozen base."""
+    if quantize_base == "nf4":
+        pytest.importorskip("torchao.quantization")
+    model = _on_cuda(_lora(quantize_base), dtype)
     params = SamplingParams(n=4, max_new_tokens=10, greedy=True)
-    captured, uncaptured = _engine(model, "graphs", check_every=2), _engine(model, "token_loop")
+    captured, uncaptured = _engine(model, "graphs", check_every=2), _engine(model, "eager", check_every=2)
     a = captured.sample(PROMPTS, params, torch.Generator("cuda").manual_seed(1))
     b = uncaptured.sample(PROMPTS, params, torch.Generator("cuda").manual_seed(1))
     assert captured.mode == "graphs" and captured.graphs, "nothing was captured"
