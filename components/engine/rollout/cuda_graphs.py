@@ -173,11 +173,11 @@ class CudaGraphEngine:
         self.stream = stream = self.stream or torch.cuda.Stream()
         try:
             for rows, keys in shapes:
-                state.step.zero_()
-                state.column.fill_(keys - 1)
+                _in_range(state, keys)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     step(rows, keys)  # warm-up: lazy initialisation (cuBLAS, compilation) happens outside capture
+                _in_range(state, keys)  # what the capture records reads these at each replay, not now
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 if generator is not None:
@@ -188,6 +188,12 @@ class CudaGraphEngine:
         finally:
             torch.cuda.synchronize()
             generator.set_state(saved) if generator is not None else torch.cuda.set_rng_state(saved)
+
+
+def _in_range(state: StaticState, keys: int) -> None:
+    """Counters a step over `keys` columns may run with outside a run (warm-ups before `StaticState.start`)."""
+    state.step.zero_()
+    state.column.fill_(keys - 1)
 
 
 class _TokenLoopDecoder:

@@ -212,3 +212,66 @@ def test_the_door_chooses_captured_decoding_on_a_gpu():
                                                                          completion_length=12),
                           say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
     assert engine.name == "cuda_graphs", lines
+
+
+class _Recorder:
+    """Stands in for CUDA's capture on the CPU: a "graph" keeps the step it was captured from and runs it on replay.
+    The claim under test is the engine's bookkeeping around capture (which shapes, when, the generator put back
+    after warm-ups, every step a replay), not CUDA's capture itself (the `gpu` tests above)."""
+
+    capturing = None
+
+    def __init__(self):
+        self.step, self.replays = None, 0
+
+    def register_generator_state(self, _generator):
+        pass
+
+    def replay(self):
+        self.replays += 1
+        self.step()
+
+
+def test_graph_mode_bookkeeping_captures_each_shape_once_and_replays_every_step(monkeypatch):
+    import contextlib
+
+    graphs: list[_Recorder] = []
+
+    @contextlib.contextmanager
+    def capture(graph, **_kwargs):
+        _Recorder.capturing = graph
+        graphs.append(graph)
+        yield
+        _Recorder.capturing = None
+
+    class _Stream:
+        def wait_stream(self, _other):
+            pass
+
+    for name, value in {"CUDAGraph": _Recorder, "graph": capture, "Stream": _Stream, "current_stream": _Stream,
+                        "stream": lambda _s: contextlib.nullcontext(), "graph_pool_handle": lambda: (0, 0),
+                        "synchronize": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    model = _llama(0.4)
+    params = SamplingParams(n=4, max_new_tokens=9, temperature=0.8, top_k=6, ignore_eos=True)
+    eager = _engine(model, "eager")
+    graphed = _engine(model, "graphs")
+    step = graphed._step
+
+    def recorded(*args):
+        if _Recorder.capturing is not None:
+            _Recorder.capturing.step = lambda: step(*args)
+        return step(*args)
+
+    graphed._step = recorded
+    results, generators = [], {id(eager): torch.Generator(), id(graphed): torch.Generator()}
+    for engine in (eager, graphed, graphed):  # a run's graphs hold its generator: training passes the same one
+        generator = generators[id(engine)].manual_seed(4)
+        results.append((engine.sample(PROMPTS[:2], params, generator), generator.get_state()))
+    (a, state_a), (b, state_b), (c, state_c) = results
+    for ours, state in ((b, state_b), (c, state_c)):  # the second run: no capture, its warm-ups or draws
+        assert torch.equal(a.completion_ids, ours.completion_ids) and torch.equal(state_a, state), \
+            "the warm-ups' draws were not put back, or a replay differs from the step"
+        torch.testing.assert_close(a.sampling_logp, ours.sampling_logp)
+    assert graphed.mode == "graphs" and len(graphs) == len(graphed.graphs) == 4  # row buckets 8, 4, 2, 1 x one block
+    assert sum(g.replays for g in graphs) == 2 * params.max_new_tokens, "a step ran uncaptured"
