@@ -13,11 +13,12 @@ not finish in time, and says so):
      checkpointing, one generation batch of all 64 completions, Hugging Face `generate`. Completion tokens/s of the
      whole step and of generation alone, peak GPU memory of each engine's steps;
   4. (b) the scale rows: randomly initialised Qwen2.5-shaped models (Llama architecture with q|k|v biases) of 0.49B
-     and 1.54B parameters, LoRA and full fine-tuning, 64 x 512 tokens, KL term on (a reference forward):
-     tokens/s of each phase, the update's model FLOP utilisation, peak GPU memory;
+     and 1.54B parameters, LoRA, full fine-tuning and LoRA over a 4-bit base (`lora-nf4`), 64 x 512 tokens, KL term
+     on (a reference forward): tokens/s of each phase, the update's model FLOP utilisation, peak GPU memory;
   5. the measured option `compile_step` (Inductor-compiled decode step inside the graphs) on the long row's shape;
   6. with `--gguf` (the SmolLM2-135M-Instruct GGUF, e.g. carried in two halves and joined): held-out reward after
-     equal completions, ours (the grpo stage itself, tracking off) and TRL from the same SFT warm start.
+     equal completions, ours (the grpo stage itself, tracking off) and TRL from the same SFT warm start, and ours
+     with a 4-bit frozen base (`lora-nf4`: TRL's 4-bit path is bitsandbytes, not on these machines).
 
 Every row says how far it is from the card: decoding against memory bandwidth (bytes a decode step must read:
 the weights once, plus each row's cached keys and values), the update against the bf16 matrix rate (model FLOPs:
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
+import gc
 import json
 import platform
 import statistics
@@ -466,7 +467,10 @@ def phases(args) -> list[tuple[str, Callable[[Callable], dict[str, Any]]]]:
     if args.gguf:
         from benchmarks.gpu_rows_heldout import heldout_row
 
-        todo.append(("held-out after equal completions", lambda say: heldout_row(args, say)))
+        for mode in args.heldout_modes.split(","):
+            extra = ["grpo.lora.quantize_base=nf4"] if mode == "lora-nf4" else []
+            todo.append((f"held-out after equal completions, {mode}",
+                         lambda say, e=extra, m=mode: heldout_row(args, say, e, with_trl=m != "lora-nf4")))
     return todo
 
 
@@ -494,6 +498,7 @@ def run(args) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001 - one failing row must not lose the others' figures
             traceback.print_exc()
             report["rows"].append({"row": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+        gc.collect()  # a trainer's reference cycles would keep the last row's model and graphs on the card
         if device.type == "cuda":
             torch.cuda.empty_cache()
         report["targets"] = targets(report)
@@ -552,6 +557,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF: also held-out after equal completions")
     parser.add_argument("--heldout-steps", type=int, default=6)
     parser.add_argument("--heldout", type=int, default=100, help="held-out prompts")
+    parser.add_argument("--heldout-modes", default="lora,lora-nf4",
+                        help="held-out rows: lora (against TRL), lora-nf4 (a 4-bit frozen base, ours alone)")
     parser.add_argument("--heldout-overrides", default="", help="config overrides of the held-out phase (CPU checks)")
     parser.add_argument("--scale-modes", default="lora,full,lora-nf4",
                         help="the scale rows' modes (lora-nf4: a 4-bit frozen base, torchao)")

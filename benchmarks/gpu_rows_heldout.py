@@ -79,7 +79,7 @@ def train_trl(cfg, root: Path, steps: int, device: str):
     return trainer.model
 
 
-def heldout_row(args: argparse.Namespace, say=print) -> dict[str, Any]:
+def heldout_row(args: argparse.Namespace, say=print, extra: list[str] = (), with_trl: bool = True) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -91,7 +91,7 @@ def heldout_row(args: argparse.Namespace, say=print) -> dict[str, Any]:
     from components.stages.grpo import train_grpo
 
     root, steps = Path(args.work) / "heldout", args.heldout_steps
-    cfg = heldout_config(args, [*OFF_THE_CLOCK, f"grpo.steps={steps}", f"grpo.log_every={steps}"])
+    cfg = heldout_config(args, [*OFF_THE_CLOCK, f"grpo.steps={steps}", f"grpo.log_every={steps}", *extra])
     device = torch.device(args.device)
     with no_tracking():
         build_start(cfg, root)
@@ -105,11 +105,19 @@ def heldout_row(args: argparse.Namespace, say=print) -> dict[str, Any]:
             if step == steps:
                 scores["ours"] = evaluate(model)
 
-        train_grpo(cfg, Paths(root=grpo_run_dir(root, "grpo-ours")), callbacks=[on_step])
-        scores["trl"] = evaluate(train_trl(cfg, root, steps, args.device))
-    diff = paired_bootstrap(np.array(scores["ours"]["rewards"]), np.array(scores["trl"]["rewards"]), 10_000, 1)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        train_grpo(cfg, Paths(root=grpo_run_dir(root, "grpo-ours" + "-nf4" * bool(extra))), callbacks=[on_step])
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        if with_trl:
+            scores["trl"] = evaluate(train_trl(cfg, root, steps, args.device))
     g = cfg.grpo
-    return {"row": "heldout", "steps": steps, "completions": steps * g.prompts_per_step * g.group_size,
-            "n": len(scores["ours"]["rewards"]), "start": round(start, 4), "ours": round(scores["ours"]["mean"], 4),
-            "trl": round(scores["trl"]["mean"], 4), "ours_minus_trl": {k: round(v, 4) for k, v in diff.items()},
-            "mode": "lora" if g.lora.enabled else "full", "max_completion_length": g.max_completion_length}
+    row = {"row": "heldout", "steps": steps, "completions": steps * g.prompts_per_step * g.group_size,
+           "n": len(scores["ours"]["rewards"]), "start": round(start, 4), "ours": round(scores["ours"]["mean"], 4),
+           "ours_peak_gpu_gb": None if peak is None else round(peak, 2), "trl": None,
+           "mode": g.lora.quantize_base if g.lora.quantize_base != "none" else "lora" if g.lora.enabled else "full",
+           "max_completion_length": g.max_completion_length}
+    if with_trl:
+        diff = paired_bootstrap(np.array(scores["ours"]["rewards"]), np.array(scores["trl"]["rewards"]), 10_000, 1)
+        row.update(trl=round(scores["trl"]["mean"], 4), ours_minus_trl={k: round(v, 4) for k, v in diff.items()})
+    return row

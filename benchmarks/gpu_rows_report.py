@@ -67,8 +67,8 @@ def table(report: dict[str, Any]) -> str:
             name = f"long: {r['shape']} {r['mode']}, 64 x {r['length']}"
             for engine in ("ours", "trl"):
                 e = r["engines"][engine]
-                extra = (f"{r['generation_share_of_bandwidth']:.0%}", f"{r['update_mfu']:.1%}") if engine == "ours" \
-                    else ("", "")
+                extra = (f"{r['generation_share_of_bandwidth']:.0%} ({r['decode_step_mb']:.0f} MB a step)",
+                         f"{r['update_mfu']:.1%}") if engine == "ours" else ("", "")
                 speed = f" (**{r['speedup_vs_trl']:.2f}x**)" if engine == "ours" else ""
                 lines.append(f"| {name} | {_ours(e) if engine == 'ours' else 'TRL ' + r['trl_version']} | "
                              f"{_f(e['completion_tokens_per_s'])}{speed} | {_f(e['generation_tokens_per_s'])} | "
@@ -80,7 +80,8 @@ def table(report: dict[str, Any]) -> str:
                          f"{', checkpointing' if o.get('gradient_checkpointing') else ''} | {_ours(o)} | "
                          f"{_f(o['completion_tokens_per_s'])} | {_f(o['generation_tokens_per_s'])} | "
                          f"{_f(o.get('reference_tokens_per_s'))} / {_f(o.get('update_tokens_per_s'))} | "
-                         f"{_f(o['peak_gpu_gb'], 1)} | {r['generation_share_of_bandwidth']:.0%} | "
+                         f"{_f(o['peak_gpu_gb'], 1)} | {r['generation_share_of_bandwidth']:.0%} "
+                         f"({r['decode_step_mb']:.0f} MB a step) | "
                          f"{r['update_mfu']:.1%} |")
         elif r["row"] == "compile_step":
             lines.append(f"| option: compile_step, {r['shape']} generation, 64 x {r['length']} | ours | | "
@@ -88,8 +89,12 @@ def table(report: dict[str, Any]) -> str:
                          f"{_f(r['compiled']['generation_tokens_per_s'])} compiled (first step "
                          f"{r['compiled']['first_step_s']} s) | | | | |")
         elif r["row"] == "heldout":
-            lines.append(f"| held-out after {r['completions']:,} completions each (n = {r['n']}, start "
-                         f"{r['start']:.3f}) | ours {r['ours']:.3f}, TRL {r['trl']:.3f} | | | | | | |")
+            trl = "" if r.get("trl") is None else (f", TRL {r['trl']:.3f} (ours - TRL {r['ours_minus_trl']['mean']:+.3f}"
+                                                   f", CI {r['ours_minus_trl']['ci95_low']:+.3f} .. "
+                                                   f"{r['ours_minus_trl']['ci95_high']:+.3f})")
+            lines.append(f"| held-out, {r['mode']}, after {r['completions']:,} completions (n = {r['n']}, start "
+                         f"{r['start']:.3f}) | ours {r['ours']:.3f}{trl} | | | | {_f(r.get('ours_peak_gpu_gb'), 1)} "
+                         "| | |")
     return "\n".join(lines)
 
 

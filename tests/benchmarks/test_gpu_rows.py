@@ -13,6 +13,7 @@ def _long(mode: str, length: int, step: float, trl: float, generation: float) ->
             "peak_gpu_gb": 3.0}
     return {"row": "long", "shape": "smollm2-135m", "mode": mode, "length": length, "trl_version": "1.16.0",
             "speedup_vs_trl": round(step / trl, 2), "generation_share_of_bandwidth": 0.1, "update_mfu": 0.2,
+            "decode_step_mb": 788.0,
             "engines": {"ours": ours, "trl": {**ours, "completion_tokens_per_s": trl}}}
 
 

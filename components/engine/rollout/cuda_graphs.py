@@ -32,7 +32,7 @@ import torch
 
 from components.engine.fast.pieces import ModelPieces
 from components.engine.models.rollouts import Rollouts, left_pad
-from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, key_bucket, row_bucket
