@@ -57,6 +57,7 @@ import copy
 import gc
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -494,7 +495,9 @@ def run(args) -> dict[str, Any]:
             continue
         print(f"[{elapsed:.0f} s] {name} ...", flush=True)
         try:
-            report["rows"].append({**measure(print), "seconds": round(time.perf_counter() - started - elapsed, 1)})
+            report["rows"].append({**measure(print), "seconds": round(time.perf_counter() - started - elapsed, 1),
+                                   "process_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                                                / 2**20, 2)})  # host memory, so far in the run
         except Exception as err:  # noqa: BLE001 - one failing row must not lose the others' figures
             traceback.print_exc()
             report["rows"].append({"row": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})

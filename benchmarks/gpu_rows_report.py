@@ -43,6 +43,11 @@ def _f(x: Any, digits: int = 0) -> str:
     return f"{x:,.{digits}f}" if isinstance(x, (int, float)) else str(x)
 
 
+def _peak(e: dict[str, Any], row: dict[str, Any]) -> str:
+    host = row.get("process_peak_rss_gb")
+    return _f(e.get("peak_gpu_gb"), 1) + (f" ({host:.1f})" if host is not None else "")
+
+
 def _ours(e: dict[str, Any]) -> str:
     """Ours, with the engine that ran (and its decoding mode: `token_loop` means a capture failed)."""
     mode = f", {e['mode']}" if e.get("mode") else ""
@@ -57,7 +62,7 @@ def table(report: dict[str, Any]) -> str:
              f"{ceiling.get('bf16_tflops')} TFLOP/s bf16 matmul. vLLM cannot be installed on these machines: TRL "
              "generates with Hugging Face `generate`.", "",
              "| row | engine | completion tokens/s (step) | generation tokens/s | reference / update tokens/s | "
-             "peak GPU GB | generation vs bandwidth floor | update MFU |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "peak GPU GB (host RSS so far) | generation vs bandwidth floor | update MFU |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in report.get("rows", []):
         if "error" in r:
             lines.append(f"| {r.get('row')} {r.get('shape', '')} {r.get('mode', '')} | failed: {r['error'][:120]} "
@@ -72,7 +77,7 @@ def table(report: dict[str, Any]) -> str:
                 speed = f" (**{r['speedup_vs_trl']:.2f}x**)" if engine == "ours" else ""
                 lines.append(f"| {name} | {_ours(e) if engine == 'ours' else 'TRL ' + r['trl_version']} | "
                              f"{_f(e['completion_tokens_per_s'])}{speed} | {_f(e['generation_tokens_per_s'])} | "
-                             f"- / {_f(e['tokens'] / e['update_s'])} | {_f(e['peak_gpu_gb'], 1)} | {extra[0]} | "
+                             f"- / {_f(e['tokens'] / e['update_s'])} | {_peak(e, r)} | {extra[0]} | "
                              f"{extra[1]} |")
         elif r["row"] == "scale":
             o = r["ours"]
@@ -80,7 +85,7 @@ def table(report: dict[str, Any]) -> str:
                          f"{', checkpointing' if o.get('gradient_checkpointing') else ''} | {_ours(o)} | "
                          f"{_f(o['completion_tokens_per_s'])} | {_f(o['generation_tokens_per_s'])} | "
                          f"{_f(o.get('reference_tokens_per_s'))} / {_f(o.get('update_tokens_per_s'))} | "
-                         f"{_f(o['peak_gpu_gb'], 1)} | {r['generation_share_of_bandwidth']:.0%} "
+                         f"{_peak(o, r)} | {r['generation_share_of_bandwidth']:.0%} "
                          f"({r['decode_step_mb']:.0f} MB a step) | "
                          f"{r['update_mfu']:.1%} |")
         elif r["row"] == "compile_step":
