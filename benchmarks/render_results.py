@@ -331,11 +331,24 @@ def variants_table(task: str) -> str:
     return "\n".join(lines)
 
 
+def gpu_rows_table() -> str:
+    """docs/performance.md: benchmarks/gpu_rows.py's last run (the long row against TRL, the scale rows)."""
+    path = RESULTS / "gpu_rows.json"
+    if not path.exists():
+        return ("Not measured yet: no GPU was at hand since benchmarks/gpu_rows.py was written (the command is in "
+                "the section above).")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_rows_report import markdown
+
+    return markdown(json.loads(path.read_text())).split("\n", 4)[4].rstrip()
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
     "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table, "gpu-long-row": gpu_long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
     "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
+    "gpu-rows": gpu_rows_table,
 }
 
 

@@ -151,3 +151,17 @@ def stop_server_group(proc) -> None:
 
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped without one (benchmarks/gpu_rows.py runs them on a GPU)."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in marked:
+        item.add_marker(skip)

@@ -35,6 +35,8 @@ def test_overrides_are_parsed_as_yaml_scalars():
     ("grpo.max_completion_length=40", "grpo.max_completion_length", "exceed"),
     ("grpo.steps=ten", "grpo.steps", "expected an integer"),
     ("model.tiny.num_heads=3", "model.tiny.num_heads", "must divide"),
+    ("grpo.lora.quantize_base=nf4", "grpo.lora.quantize_base", "set grpo.lora.enabled true"),
+    ("grpo.lora.quantize_base=int3", "grpo.lora.quantize_base", "is not one of"),
 ])
 def test_bad_values_name_the_key_and_rule(override, key, rule):
     with pytest.raises(ConfigError) as err:

@@ -77,11 +77,13 @@ def test_the_engine_floors_are_checked(tmp_path):
 
 
 def test_the_fast_path_has_one_door():
-    """Only the prompt-once rollout engine imports the fast path (its real imports: no module of it hides one)."""
+    """Only the rollout engines built on it import the fast path: the prompt-once engine and the CUDA-graph engine
+    with its fixed-shape state (their real imports: no module of it hides one)."""
     graph = grimp.build_graph("components", "pipelines")
     importers = {m for module in graph.find_children("components.engine.fast")
                  for m in graph.find_modules_that_directly_import(module) if not m.startswith("components.engine.fast")}
-    assert importers == {"components.engine.rollout.prefix_shared"}
+    assert importers == {"components.engine.rollout.prefix_shared", "components.engine.rollout.cuda_graphs",
+                         "components.engine.rollout.static_cache"}
 
 
 # Private members of other libraries' objects that the library reads on purpose, each with its reason.

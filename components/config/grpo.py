@@ -75,6 +75,11 @@ class LoRAConfig:
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names (suffixes) that get adapters; each must exist in the model."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """`nf4`: the frozen base's decoder-layer projections stored in 4 bits (torchao's NF4, as torchtune's QLoRA;
+    components/engine/models/quantize.py): about a quarter of their memory, dequantized by each forward. Needs
+    torchao (`pip install -e '.[qlora]'`). Decoding with prefix sharing merges the dequantized weights per decoding
+    run (the CUDA-graph engine keeps that merged copy); the saved adapters apply to the unquantized base."""
 
 
 @dataclass
@@ -176,6 +181,11 @@ class GRPOConfig:
     encoded once per group in sampling, reference and policy forwards. Llama/Qwen2/Qwen3/Mistral only, checked against
     the Hugging Face forward at start; others fall back to the plain engine, as do several processes and per-group
     sampling (those need the wrapped, N-independent forward)."""
+    cuda_graphs: bool = True
+    """With prefix sharing on a CUDA device, decode with every step captured as a CUDA graph
+    (components/engine/rollout/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside the
+    graph); a trial capture at start, and any capture that fails, turns it off with one line. False: the prompt-once
+    engine's host-driven loop. No effect on the CPU."""
     onednn_matmul: bool = True
     """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
     (components/engine/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU vendor: the
@@ -253,6 +263,8 @@ def check_grpo(g: GRPOConfig) -> None:
     _require(g.overlong.penalty >= 0, "grpo.overlong.penalty", "must be >= 0")
     _require(g.lora.rank >= 1, "grpo.lora.rank", "must be >= 1")
     _require(len(g.lora.target_modules) >= 1, "grpo.lora.target_modules", "needs at least one module name")
+    _require(g.lora.quantize_base == "none" or g.lora.enabled, "grpo.lora.quantize_base",
+             "quantizes the frozen base under LoRA adapters: set grpo.lora.enabled true, or quantize_base none")
     _require(not (g.lora.enabled and g.reference.mode != "static" and g.kl_beta > 0), "grpo.reference.mode",
              "must be static with LoRA: the reference is the base model with adapters disabled")
     _require(not (g.lora.enabled and g.reference.path), "grpo.reference.path",

@@ -79,8 +79,9 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
 NEUTRAL_AT_DEFAULT = ("grpo.cispo_max_ratio", "grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg",
-                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile", "grpo.tools", "grpo.environment",
-                      "grpo.episode")
+                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile",
+                      "grpo.cuda_graphs",  # decoding on a GPU only: the band was measured on the CPU
+                      "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode")
 
 
 def default_fingerprint(cfg: "PipelineConfig") -> str:
@@ -96,11 +97,13 @@ def default_fingerprint(cfg: "PipelineConfig") -> str:
             values[section].pop(field_name, None)
     defaults = type(cfg)()
     for dotted in NEUTRAL_AT_DEFAULT:
-        section, _, field_name = dotted.partition(".")
-        default = getattr(getattr(defaults, section), field_name)
-        if values[section].get(field_name) == (dataclasses.asdict(default) if dataclasses.is_dataclass(default)
-                                               else default):
-            values[section].pop(field_name)
+        *path, field_name = dotted.split(".")
+        holder, default = values, defaults
+        for part in path:
+            holder, default = holder[part], getattr(default, part)
+        default = getattr(default, field_name)
+        if holder.get(field_name) == (dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default):
+            holder.pop(field_name)
     return section_hash(values)
 
 

@@ -67,20 +67,28 @@ class LayerWeights:
     down: Linear | None
 
 
+def _dense(weight: torch.Tensor) -> bool:
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
+
+
 def plain_linear(module: Any, merge_lora: bool = False) -> Linear | None:
     """(weight, bias) such that F.linear(x, weight, bias) == module(x), or None.
 
     A plain `nn.Linear` gives its own. With `merge_lora`, a peft LoRA `Linear` over a plain one gives
     W + sum of s * B @ A over its active adapters (W alone while they are disabled): only for vanilla
     LoRA without dropout or a bias on B, and not while merged into W (the module then handles it).
+    A quantized frozen weight (a tensor subclass such as torchao's NF4) is dequantized with `merge_lora` and
+    otherwise left to the module (its own `F.linear` dequantizes as it goes).
     """
     if type(module) is torch.nn.Linear:
-        return module.weight, module.bias
+        if _dense(module.weight):
+            return module.weight, module.bias
+        return (module.weight.to(module.weight.dtype), module.bias) if merge_lora else None
     base = getattr(module, "base_layer", None)
     if not merge_lora or type(base) is not torch.nn.Linear or not hasattr(module, "get_delta_weight") \
             or getattr(module, "merged", True):
         return None
-    weight = base.weight
+    weight = base.weight if _dense(base.weight) else base.weight.to(base.weight.dtype)
     if module.disable_adapters:
         return weight, base.bias
     for name in module.active_adapters:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
+import torch
 
 from components.config import GRPOConfig
 from components.engine.grpo.host_memory import configure_allocator
@@ -133,7 +134,9 @@ def fit_memory(g: GRPOConfig, model: Any, prompt_tokens: int, reference_copy: bo
     warn, with the knobs that lower it, when it still exceeds the free memory."""
     shape = ModelShape.of(model)
     value_bytes = next(model.parameters()).element_size()
-    available = psutil.virtual_memory().available
+    device = next(model.parameters()).device
+    # the memory the step's tensors live in: the GPU's own on CUDA, the host's otherwise
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     checkpointing = g.gradient_checkpointing == "always"
     memory = estimate_step_memory(shape, g, prompt_tokens, reference_copy, value_bytes)
     if g.gradient_checkpointing == "auto" and memory.peak > AUTO_CHECKPOINTING_SHARE * available:
@@ -145,6 +148,6 @@ def fit_memory(g: GRPOConfig, model: Any, prompt_tokens: int, reference_copy: bo
     configure_allocator(memory.largest_activation)
     if memory.peak > available:
         say(f"grpo: warning: a step at max_completion_length {g.max_completion_length} needs an estimated "
-            f"{memory.text()}, more than the {available / GiB:.1f} GB this machine has free; lower it with "
+            f"{memory.text()}, more than the {available / GiB:.1f} GB free on {device.type}; lower it with "
             f"{knobs(settled)}", flush=True)
     return MemoryFit(memory, checkpointing, knobs(settled))

@@ -39,6 +39,10 @@ def attach_lora(model, lora: LoRAConfig):
                           f"(it has e.g. {sorted(n for n in names if n and not n.isdigit())[:12]})")
     from peft import LoraConfig, get_peft_model
 
+    if lora.quantize_base != "none":  # a 4-bit frozen base (QLoRA): before the adapters wrap its projections
+        from components.engine.models.quantize import quantize_base
+
+        quantize_base(model, lora.quantize_base)
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
 
@@ -151,7 +155,7 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     prompt_tokens = longest_row(tokenizer, format_prompt, (records or [])[:256], 0)
     memory = fit_memory(g, model, prompt_tokens, reference is not None, say)
     settings = EngineSettings(
-        prefix_sharing=g.prefix_sharing, onednn_matmul=g.onednn_matmul,
+        prefix_sharing=g.prefix_sharing, cuda_graphs=g.cuda_graphs, onednn_matmul=g.onednn_matmul,
         gradient_checkpointing=memory.gradient_checkpointing, vocab_size=len(tokenizer),
         max_length=longest_row(tokenizer, format_prompt, records, g.max_completion_length) if records else None,
         completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)

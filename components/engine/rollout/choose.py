@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from components.engine.rollout import prefix_shared
+from components.engine.rollout import cuda_graphs, prefix_shared
 from components.engine.rollout.base import RolloutEngine, SpecialTokens
 from components.engine.rollout.hf import HFEngine
 
@@ -16,6 +16,7 @@ class EngineSettings:
     """What the choice and the engines read (from `grpo.*` and the run's data)."""
 
     prefix_sharing: bool = True  # `grpo.prefix_sharing`: the prompt-once engine where it checks out
+    cuda_graphs: bool = True  # `grpo.cuda_graphs`: on a CUDA device, its decoding captured as CUDA graphs
     onednn_matmul: bool = True  # `grpo.onednn_matmul`
     gradient_checkpointing: bool = False  # training forwards recompute each layer in backward
     vocab_size: int | None = None  # the tokenizer's (the self-check draws ids below it)
@@ -28,11 +29,14 @@ class EngineSettings:
 def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
                  say: Callable[..., None] = print) -> RolloutEngine:
     """The prompt-once engine when prefix sharing is on, the forwards need no wrapper and its self-check passes
-    (else one line says why); otherwise the plain Hugging Face engine."""
+    (else one line says why), decoding with CUDA graphs on a CUDA device where a trial capture works (else one line
+    says why); otherwise the plain Hugging Face engine."""
     if settings.prefix_sharing and not settings.wrapped:
         engine = prefix_shared.build(model, tokens, settings.vocab_size, settings.max_length,
                                      settings.completion_length, settings.onednn_matmul,
                                      settings.gradient_checkpointing, say)
+        if engine is not None and settings.cuda_graphs and next(model.parameters()).device.type == "cuda":
+            return cuda_graphs.build(engine, settings.max_length, say) or engine
         if engine is not None:
             return engine
     return HFEngine(model, tokens, gradient_checkpointing=settings.gradient_checkpointing,

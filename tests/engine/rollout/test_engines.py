@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.rollout import prefix_shared
+from components.engine.rollout import cuda_graphs, prefix_shared
 from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
 from components.engine.rollout.hf import HFEngine
 
@@ -28,9 +28,15 @@ def _prefix_shared(model: Any, tokens: SpecialTokens) -> RolloutEngine:
     return engine
 
 
+def _cuda_graphs(model: Any, tokens: SpecialTokens) -> RolloutEngine:
+    """On the CPU the CUDA-graph engine decodes uncaptured, through the token loop over its fixed-shape state."""
+    return cuda_graphs.CudaGraphEngine(_prefix_shared(model, tokens), mode="token_loop", max_length=30)
+
+
 ENGINES: dict[str, Callable[[Any, SpecialTokens], RolloutEngine]] = {
     "hf": lambda model, tokens: HFEngine(model, tokens),
     "prefix_shared": _prefix_shared,
+    "cuda_graphs": _cuda_graphs,
 }
 
 
@@ -47,11 +53,11 @@ def _llama(eos_bias: float = 0.0, **extra):
     return model
 
 
-def _lora():
+def _lora(quantize_base: str = "none"):
     from components.config import LoRAConfig
     from components.engine.grpo.policy import attach_lora
 
-    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, target_modules=[
+    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, quantize_base=quantize_base, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,7 +66,8 @@ def _lora():
     return model
 
 
-MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora}
+MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora,
+          "lora-nf4": lambda: _lora("nf4")}  # a 4-bit frozen base (grpo.lora.quantize_base)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [4, 9, 6, 5]]  # different lengths: left padding
 
 
