@@ -275,8 +275,6 @@ def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
 
 def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: dict[str, Any],
                      predictions: list[dict[str, Any]], candidate_md5: str, grpo: dict[str, Any]) -> dict[str, Any]:
-    import mlflow
-
     from components.tracking.runs import client as mlflow_client
     from components.tracking.runs import send_queue, stage_run
 
@@ -297,51 +295,12 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
             version = existing[0]
             print(f"register: candidate {candidate_md5} is already version {version.version}; not registering again")
         else:
-            tags = lineage_tags(cfg, paths, evaluation, candidate_md5) | evidence_tags(cfg, evaluation, grpo)
-            run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
-            run.log_artifact(paths.metrics / "eval.json")
-            log_params_file(run, paths.root / "params.yaml")
-            from components.engine.models.modeling import load_tokenizer
-            from components.engine.models.prompting import PromptFormatter
-            from components.tracking.registered_model import log_trained_model
-
-            formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
-            with mlflow.start_run(run_id=run.run_id):
-                info, model_tags = log_trained_model(client, name, paths.grpo_model,
-                                                     {"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting},
-                                                     cfg.register.merge_lora)
-            tags.update(model_tags)
-            if not client.search_registered_models(filter_string=f"name = '{name}'"):
-                from mlflow.exceptions import MlflowException
-
-                try:
-                    client.create_registered_model(name)
-                except MlflowException:  # another repository's run created it meanwhile
-                    if not client.search_registered_models(filter_string=f"name = '{name}'"):
-                        raise
-            version = client.create_model_version(name, info.model_uri, run_id=run.run_id, tags=tags,
-                                                  model_id=info.model_id)  # a tracking server requires it
-            # Only a version whose artifacts and tags are all in place is marked complete.
-            client.set_model_version_tag(name, version.version, "registration", "complete")
-            version = client.get_model_version(name, version.version)
+            version = _new_version(client, run, cfg, paths, name, evaluation, candidate_md5, grpo)
         decision = decide(client, name, version.version, evaluation, predictions, cfg, grpo)
         for breach in blocking_breaches(grpo):
             print(f"register: monitor {breach['signal']} {breach['rule']} breached at step {breach['breach']['step']} "
                   f"(value {breach['breach']['value']:.4g}; action block): v{version.version} is not made champion")
-        from components.tracking.registry import alias_version, move_alias
-
-        aliases = [("challenger", f"registered by run {run.run_id}")]
-        if decision["promote"]:
-            aliases.append(("champion", decision["reason"]))
-        for alias, why in aliases:  # every move is recorded with who/when/why; champion keeps its history
-            held = alias_version(client, name, alias)
-            if held is None or str(held.version) != str(version.version):
-                move_alias(client, name, alias, str(version.version), why, "register")
-        for key, value in (("promotion.decision", "champion" if decision["promote"] else "challenger"),
-                           ("promotion.reason", decision["reason"])):
-            client.set_model_version_tag(name, version.version, key, value)
-        run.set_tags({"promotion.decision": "champion" if decision["promote"] else "challenger",
-                      "promotion.reason": decision["reason"], "model_version": version.version})
+        _apply_decision(client, run, name, str(version.version), decision)
         card = write_model_card(run, cfg, paths, name, str(version.version), evaluation, decision, grpo,
                                 current_tags(version.tags), predictions)
         client.update_model_version(name, version.version, description=card)
@@ -357,6 +316,58 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
     print(f"register: {uri} -> {'champion' if decision['promote'] else 'challenger'} ({decision['reason']})")
     print(comparison_line(result))
     return result
+
+
+def _new_version(client, run, cfg: PipelineConfig, paths: Paths, name: str, evaluation: dict[str, Any],
+                 candidate_md5: str, grpo: dict[str, Any]):
+    """Log the candidate and register it as a new version with its lineage and evidence tags; marked complete only
+    once its artifacts and tags are all in place."""
+    import mlflow
+
+    from components.engine.models.modeling import load_tokenizer
+    from components.engine.models.prompting import PromptFormatter
+    from components.tracking.registered_model import log_trained_model
+
+    tags = lineage_tags(cfg, paths, evaluation, candidate_md5) | evidence_tags(cfg, evaluation, grpo)
+    run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
+    run.log_artifact(paths.metrics / "eval.json")
+    log_params_file(run, paths.root / "params.yaml")
+    formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
+    serving = {"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting}
+    if cfg.grpo.tools or cfg.grpo.environment:  # trained on episodes; served one turn at a time (the card says so)
+        serving["turns"] = "single: the served model does not call tools or an environment"
+    with mlflow.start_run(run_id=run.run_id):
+        info, model_tags = log_trained_model(client, name, paths.grpo_model, serving, cfg.register.merge_lora)
+    tags.update(model_tags)
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client.create_registered_model(name)
+        except MlflowException:  # another repository's run created it meanwhile
+            if not client.search_registered_models(filter_string=f"name = '{name}'"):
+                raise
+    version = client.create_model_version(name, info.model_uri, run_id=run.run_id, tags=tags,
+                                          model_id=info.model_id)  # a tracking server requires it
+    client.set_model_version_tag(name, version.version, "registration", "complete")
+    return client.get_model_version(name, version.version)
+
+
+def _apply_decision(client, run, name: str, version: str, decision: dict[str, Any]) -> None:
+    """challenger always, champion when the decision promotes; every move recorded with who, when and why."""
+    from components.tracking.registry import alias_version, move_alias
+
+    aliases = [("challenger", f"registered by run {run.run_id}")]
+    if decision["promote"]:
+        aliases.append(("champion", decision["reason"]))
+    for alias, why in aliases:  # champion keeps its history
+        held = alias_version(client, name, alias)
+        if held is None or str(held.version) != version:
+            move_alias(client, name, alias, version, why, "register")
+    verdict = "champion" if decision["promote"] else "challenger"
+    for key, value in (("promotion.decision", verdict), ("promotion.reason", decision["reason"])):
+        client.set_model_version_tag(name, version, key, value)
+    run.set_tags({"promotion.decision": verdict, "promotion.reason": decision["reason"], "model_version": version})
 
 
 def comparison_line(result: dict[str, Any]) -> str:

@@ -93,6 +93,14 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
         shutdown(ctx)
 
 
+def _demonstrations(cfg: PipelineConfig, paths: Paths, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SFT split encoded (`encode_sft`); with tools or an environment a worked conversation is laid out as an
+    episode is."""
+    spec = episode_spec(cfg)
+    return encode_sft(tokenizer, read_jsonl(split_path(paths.data, "sft")), PromptFormatter(cfg.prompt, tokenizer),
+                      cfg.sft.target_column, spec.conversation(tokenizer) if spec else None)
+
+
 def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor,
                ctx: DistContext) -> tuple[torch.Tensor, float]:
     """(loss to backpropagate, the batch's mean token loss). One process: plain mean cross-entropy.
@@ -174,11 +182,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
         from components.engine.parallel.fsdp import shard_model
 
         shard_model(model, ctx)
-    records = read_jsonl(split_path(paths.data, "sft"))
-    spec = episode_spec(cfg)  # tools or an environment: worked conversations are laid out as episodes
-    ids, mask, labels = (t.to(device) for t in encode_sft(tokenizer, records, PromptFormatter(cfg.prompt, tokenizer),
-                                                              s.target_column,
-                                                              spec.conversation(tokenizer) if spec else None))
+    ids, mask, labels = (t.to(device) for t in _demonstrations(cfg, paths, tokenizer))
     n = ids.shape[0]
     steps_per_epoch = math.ceil(n / s.batch_size)
     total = steps_per_epoch * s.epochs
