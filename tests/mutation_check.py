@@ -32,8 +32,8 @@ TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_
 # other mutations do not pay for it unless everything else passed).
 VARIANT_TESTS = ["tests/engine/grpo/test_against_trl.py", "tests/engine/grpo/test_variants_in_the_update.py",
                  "tests/engine/rewards/test_rewards_builtin.py", "tests/engine/evaluation/test_monitors.py",
-                 "tests/engine/rollout/test_draw.py"]
-VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:")
+                 "tests/engine/rollout/test_draw.py", "tests/engine/environments/test_episodes.py"]
+VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:", "episode:")
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -279,7 +279,7 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "        record_gap(stats, trajectory.old_logp, trajectory.rollouts, plan.my_rows)",
      "        pass"),
     ("on-policy gap: padding counted", "components/engine/grpo/update.py",
-     "sampled, mask = rollouts.sampling_logp, rollouts.completion_mask.bool()",
+     "sampled, mask = rollouts.sampling_logp, rollouts.written",
      "sampled, mask = rollouts.sampling_logp, torch.ones_like(rollouts.completion_mask, dtype=torch.bool)"),
     ("on-policy gap: the monitor never sees it", "components/engine/evaluation/monitors.py",
      'judged["logprob_gap"] = history[end - 1]["logprob_gap_mean"]', "pass"),
@@ -304,6 +304,14 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("on-policy gap: a rollout without sampler log-probs concatenated silently", "components/engine/models/rollouts.py",
      "    if any(sampled) and not all(sampled):",
      "    if False:"),
+    # episodes: the loss sees only the model's tokens
+    ("episode: tool tokens counted as the model's", "components/engine/models/rollouts.py",
+     "return real if self.model_mask is None else real & self.model_mask.bool()", "return real"),
+    ("episode: the environment's answer marked as written by the model", "components/engine/environments/episodes.py",
+     "run.model + [0] * len(answer)", "run.model + [1] * len(answer)"),
+    ("episode: the loss mask from every completion token", "components/engine/grpo/trajectory.py",
+     "return rollouts.written.to(dtype) * keep.unsqueeze(-1).to(dtype)",
+     "return rollouts.completion_mask.to(dtype) * keep.unsqueeze(-1).to(dtype)"),
 ]
 
 

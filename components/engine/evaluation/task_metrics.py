@@ -29,8 +29,9 @@ from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateCon
 from components.data.records import reward_columns
 from components.engine.environments.episodes import reward_inputs, transcript
 from components.engine.environments.spec import EpisodeSpec
-from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine, sample_texts
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.choose import evaluation_engine
+from components.engine.rollout.hf import sample_texts
 from components.engine.rewards.rewards import RewardModel, resolve_reward
 
 
@@ -90,12 +91,12 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
     runner = episodes.runner(tokenizer, max_new_tokens) if episodes is not None else None
     was_training = model.training
     model.eval()
+    engine = evaluation_engine(model, tokenizer, max_new_tokens) if runner is not None else None
     out = Completions([], [], [], {}, [] if runner is not None else None)
     try:
         for start in range(0, len(prompts), batch_size):
             if runner is not None:
-                rollouts = runner.run(HFEngine(model, SpecialTokens.of(tokenizer)),
-                                      records[start: start + batch_size], params, generator)
+                rollouts = runner.run(engine, records[start: start + batch_size], params, generator)
             else:
                 rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], params, generator)
             texts, columns = reward_inputs(tokenizer, rollouts)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from components.engine.rollout import cuda_graphs, prefix_shared
 from components.engine.rollout.base import RolloutEngine, SpecialTokens
 from components.engine.rollout.hf import HFEngine
@@ -41,3 +43,13 @@ def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
             return engine
     return HFEngine(model, tokens, gradient_checkpointing=settings.gradient_checkpointing,
                     stop_together=settings.stop_together)
+
+
+def evaluation_engine(model: Any, tokenizer: Any, completion_length: int,
+                      say: Callable[..., None] = print) -> RolloutEngine:
+    """The engine held-out episodes run on (a turn at a time, each from its whole context): the prompt-once engine
+    where its self-check passes, else the plain Hugging Face one. The self-check compares gradients, so it runs with
+    them on, whatever the caller's mode; it writes no `.grad`."""
+    with torch.enable_grad():
+        return build_engine(model, SpecialTokens.of(tokenizer),
+                            EngineSettings(vocab_size=len(tokenizer), completion_length=completion_length), say)
