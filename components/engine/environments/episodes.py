@@ -101,6 +101,11 @@ class EpisodeRunner:
             open_runs = [(i, r) for i, r in enumerate(runs) if not r.episode.done]
         return self._rollouts(prompts, runs, params.n)
 
+    def longest_row(self, records: Sequence[dict[str, Any]]) -> int:
+        """The most tokens an episode of `records` can hold: its prompt (one `reset` per record) and `max_tokens`."""
+        prompts, _ = self._start(records, 1)
+        return max((len(p) for p in prompts), default=0) + self.limits.max_tokens
+
     def _start(self, records: Sequence[dict[str, Any]], n: int) -> tuple[list[list[int]], list[_Run]]:
         """Each record's prompt (its environments' first messages, which must agree within the group) and a run per
         episode."""

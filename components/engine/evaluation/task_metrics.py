@@ -91,7 +91,8 @@ def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, 
     runner = episodes.runner(tokenizer, max_new_tokens) if episodes is not None else None
     was_training = model.training
     model.eval()
-    engine = evaluation_engine(model, tokenizer, max_new_tokens) if runner is not None else None
+    engine = evaluation_engine(model, tokenizer, max_new_tokens, runner.longest_row(records)) \
+        if runner is not None else None
     out = Completions([], [], [], {}, [] if runner is not None else None)
     try:
         for start in range(0, len(prompts), batch_size):

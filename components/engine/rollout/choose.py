@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +46,22 @@ def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
                     stop_together=settings.stop_together)
 
 
-def evaluation_engine(model: Any, tokenizer: Any, completion_length: int,
+_EVALUATION_ENGINES: weakref.WeakKeyDictionary[Any, tuple[int, RolloutEngine]] = weakref.WeakKeyDictionary()
+
+
+def evaluation_engine(model: Any, tokenizer: Any, completion_length: int, max_length: int,
                       say: Callable[..., None] = print) -> RolloutEngine:
     """The engine held-out episodes run on (a turn at a time, each from its whole context): the prompt-once engine
-    where its self-check passes, else the plain Hugging Face one. The self-check compares gradients, so it runs with
-    them on, whatever the caller's mode; it writes no `.grad`."""
+    where its self-check on rows of `max_length` tokens passes, else the plain Hugging Face one.
+
+    The self-check (forwards and backwards of rows that long) runs once per model object and row length: SFT's stop
+    check and the held-out probe during GRPO evaluate the same model, whose weights change but whose structure does
+    not. It compares gradients, so it runs with them on, whatever the caller's mode; it writes no `.grad`."""
+    cached = _EVALUATION_ENGINES.get(model)
+    if cached is not None and cached[0] >= max_length:
+        return cached[1]
+    settings = EngineSettings(vocab_size=len(tokenizer), max_length=max_length, completion_length=completion_length)
     with torch.enable_grad():
-        return build_engine(model, SpecialTokens.of(tokenizer),
-                            EngineSettings(vocab_size=len(tokenizer), completion_length=completion_length), say)
+        engine = build_engine(model, SpecialTokens.of(tokenizer), settings, say)
+    _EVALUATION_ENGINES[model] = (max_length, engine)
+    return engine
