@@ -15,8 +15,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -226,7 +227,8 @@ def gpu_long_row_table() -> str:
     """docs/performance.md: the long row in bfloat16 on a GPU (benchmarks/gpu_long_row.py), before and after."""
     d = _load("gpu_long_row")
     lines = [f"| {d['machine']}: run | variant | completion tokens/s (step) | generation tokens/s | completions/s | "
-             "peak GPU memory, allocated / reserved | held-out reward, start → after |", "|---|---|---:|---:|---:|---:|---|"]
+             "peak GPU memory, allocated / reserved | held-out reward, start → after |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for run in d["runs"]:
         for r in run["variants"]:
             if "error" in r:

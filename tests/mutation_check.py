@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "mutation_check.md"
 TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_variants.py",
-         "tests/engine/grpo/test_engine_audit.py", "tests/engine/fast/test_fastlm.py", "tests/engine/fast/test_matmul.py",
+         "tests/engine/grpo/test_engine_audit.py", "tests/engine/fast/test_fastlm.py",
+         "tests/engine/fast/test_matmul.py",
          "tests/engine/fast/test_rmsnorm.py",
          "tests/stages/test_sft.py"]
 # The newer variants' tests, run first for their own mutations (the TRL reference takes ~10 s to import, so the
@@ -151,7 +152,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      '_require(not (g.dynamic_sampling.enabled and g.algorithm == "reinforce"), "grpo.dynamic_sampling.enabled",',
      '_require(True, "grpo.dynamic_sampling.enabled",'),
     ("defect 6: k1 accepted as a loss term", "components/config/grpo.py",
-     '_require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",', '_require(True, "grpo.kl_estimator",'),
+     '_require(not (g.kl_beta > 0 and g.kl_estimator == "k1"), "grpo.kl_estimator",',
+     '_require(True, "grpo.kl_estimator",'),
     ("defect 7: GSPO with a token-sum loss not warned", "components/config/pipeline.py",
      'if g.importance_sampling_level == "sequence" and g.loss_type not in ("grpo", "sapo"):', "if False:"),
     # the warm start's stop rule (the robust default rests on it)
@@ -161,7 +163,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "if check is not None and step % s.check_every == 0:", "if False:"),
     # prompt-once forward
     ("defect 3: fastlm groups prompts by ids alone", "components/engine/fast/fastlm.py",
-     "keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)", "keyed = torch.cat([prompt_ids, 0 * prompt_mask.to(prompt_ids.dtype)], dim=1)"),
+     "keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)",
+     "keyed = torch.cat([prompt_ids, 0 * prompt_mask.to(prompt_ids.dtype)], dim=1)"),
     ("defect 2: fastlm ignores sliding windows", "components/engine/fast/fastlm.py",
      "if not full_attention(config, longest) or float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:",
      "if float(getattr(config, \"attention_dropout\", 0.0) or 0.0) > 0:"),
@@ -187,9 +190,11 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("fastlm: decoding's attention scores not scaled by 1/sqrt(d)", "components/engine/fast/fastlm.py",
      "(qg * keys).sum(-1).unsqueeze(-2), alpha=self.scaling)", "(qg * keys).sum(-1).unsqueeze(-2))"),
     ("matmul: oneDNN's weight gradient a mean over rows, not a sum", "components/engine/fast/matmul.py",
-     "grad_weight = _product(grad_padded.t(), padded.t())", "grad_weight = _product(grad_padded.t(), padded.t()) / len(rows)"),
+     "grad_weight = _product(grad_padded.t(), padded.t())",
+     "grad_weight = _product(grad_padded.t(), padded.t()) / len(rows)"),
     ("matmul: padded rows kept in the output", "components/engine/fast/matmul.py",
-     "return _product(padded, weight, bias)[:len(flat)].view(", "return _product(padded, weight, bias)[-len(flat):].view("),
+     "return _product(padded, weight, bias)[:len(flat)].view(",
+     "return _product(padded, weight, bias)[-len(flat):].view("),
     ("matmul: rows not padded to a few shapes", "components/engine/fast/matmul.py",
      "    return -(-rows // step) * step", "    return rows"),
     ("fastlm: tokens past the completion mask count in telling rows apart", "components/engine/fast/rows.py",

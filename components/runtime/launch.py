@@ -17,8 +17,8 @@ from components.runtime.stage_server import SERVER_ENV, STAGE_MODULES, run_remot
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in STAGE_MODULES:
-        print(f"usage: python -m components.runtime.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] [--set KEY=VALUE]",
-              file=sys.stderr)
+        print(f"usage: python -m components.runtime.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] "
+              "[--set KEY=VALUE]", file=sys.stderr)
         return 2
     stage, rest = args[0], args[1:]
     server = os.environ.get(SERVER_ENV)

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
 from components.errors import StageFailed
@@ -74,7 +74,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     except (ConfigError, DataError, ModelLoadError, StageFailed, CheckpointWriteError) as err:
         report_error(str(err))
         return 1
-    except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
+    except Exception as err:  # only tracking-server outages are turned into one line here
         if not is_outage(err):
             raise
         from components.tracking.runs import tracking_uri
@@ -106,7 +106,7 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
 
     try:
         experiment_id(cfg.tracking.experiment)
-    except Exception as err:  # noqa: BLE001 - an outage is the stage's to handle (it logs offline)
+    except Exception as err:  # an outage is the stage's to handle (it logs offline)
         if not is_outage(err):
             raise
         note_unreachable()
