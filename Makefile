@@ -59,11 +59,11 @@ setup: $(VENV)/.installed
 run: setup
 	grpo-pipeline run
 
-# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (about 6 minutes on 2 cores).
+# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (its time: the README's Results table).
 run-smollm2: setup
 	grpo-pipeline run --params configs/examples/smollm2_addition.yaml
 
-# Reasoning at length: two-step word problems worked out in up to 128 tokens (about 15 minutes on 2 cores).
+# Reasoning at length: two-step word problems worked out in up to 128 tokens (its time: the README's Results table).
 run-smollm2-reasoning: setup
 	grpo-pipeline run --params configs/examples/smollm2_reasoning.yaml
 

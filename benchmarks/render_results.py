@@ -333,11 +333,30 @@ def variants_table(task: str) -> str:
     return "\n".join(lines)
 
 
+def quick_start_output() -> str:
+    """README: the lines the default's `make run` ended with (benchmarks/quick_start.py), as a code block."""
+    return "\n".join(["```", *_load("quick_start")["run"]["result_lines"], "```"])
+
+
+def quick_start_figures() -> str:
+    """README: the install's and the first run's time, size and memory, with what they were measured with."""
+    d = _load("quick_start")
+    i, r, load = d["install"], d["run"], d["load_average_1min"]
+    cache = ("already held the wheels" if i["pip_cache_gb_before"] >= 1 else "was empty")
+    return (f"Measured by `python benchmarks/quick_start.py` ([quick_start.md](benchmarks/results/quick_start.md)) "
+            f"on {_cpu(d['machine'])}, {d['python']}: the install took {i['seconds']} s and {i['venv_gb']} GB in "
+            f"`.venv/` ({i['torch'].split(':')[0]}; pip's cache {cache}), the run {r['seconds']} s, peak resident "
+            f"memory of all its processes together {r['peak_tree_gib']:.1f} GiB; the machine's load average was "
+            f"{load['before']} .. {load['after']} on its {d['machine']['cores']} cores (other jobs beside it make "
+            "the seconds longer).")
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
     "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table, "gpu-long-row": gpu_long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
     "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
+    "quick-start-output": quick_start_output, "quick-start": quick_start_figures,
 }
 
 
