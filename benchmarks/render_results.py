@@ -134,23 +134,6 @@ def speed_table() -> str:
     return "\n".join(lines)
 
 
-def memory_table() -> str:
-    """Peak resident memory of one SmolLM2 GRPO step by completion length (`after` rows: the current engine)."""
-    d = _load("long_completions")
-    after = {(r["mode"], r["length"]): r for r in d["results"] if r["engine"] == "after"}
-    lengths = sorted({length for _, length in after})
-
-    def cell(mode: str, length: int) -> str:
-        r = after.get((mode, length))
-        if r is None:
-            return "-"
-        return f"{r['peak_rss_gb']:.2f} GB" + ("" if r.get("checkpointing", True) else " (checkpointing off)")
-
-    lines = [f"| completion tokens ({_cpu(d['machine'])}) | LoRA rank 16 | full fine-tuning |", "|---|---|---|"]
-    lines += [f"| {n} | {cell('lora', n)} | {cell('full', n)} |" for n in lengths]
-    return "\n".join(lines)
-
-
 def side_by_side_table() -> str:
     """docs/performance.md: the short rows against TRL, one column per row."""
     d = _load("grpo_vs_trl")
@@ -352,7 +335,7 @@ def quick_start_figures() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
+    "learning": learning_table, "speed-vs-trl": speed_table,
     "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table, "gpu-long-row": gpu_long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
     "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
