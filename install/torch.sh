@@ -36,7 +36,9 @@ esac
 
 "$py" - "$build" "$why" <<'PY'
 import sys
+import warnings
 
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # numpy comes with the lock, next
 import torch
 
 build, why = sys.argv[1:]
