@@ -29,8 +29,9 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-# The lines `grpo-pipeline run` ends with on the default, from the first one on.
+# The lines the README shows from the end of `grpo-pipeline run` on the default: from the first to the last.
 FIRST_RESULT_LINE = "held-out mean reward before GRPO:"
+LAST_RESULT_LINE = "registered model:"
 
 
 def stranger_env(home: Path) -> dict[str, str]:
@@ -54,11 +55,24 @@ def pip_cache_bytes(env: dict[str, str]) -> int:
     return folder_bytes(folder) if proc.returncode == 0 and folder.is_dir() else 0
 
 
+def package_sources(env: dict[str, str]) -> list[str]:
+    """Where pip takes packages from here: its index (PyPI unless configured), extra indexes and wheel folders."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True)
+    settings: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        settings.setdefault(key.rsplit(".", 1)[-1], []).extend(value.strip("'").split())
+    index = settings.get("index-url") or ["https://pypi.org/simple"]
+    return sorted(set(index + settings.get("extra-index-url", []) + settings.get("find-links", [])))
+
+
 class TreePeak:
-    """Peak of the summed resident memory of a process and all its descendants, sampled every 0.2 s."""
+    """Peak of the summed resident memory of a process and all its descendants, sampled every 0.2 s, and the
+    machine's 1-minute load average over the same time (mean and highest)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.loads: list[float] = []
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
@@ -76,6 +90,7 @@ class TreePeak:
                 except psutil.Error:
                     pass
             self.peak = max(self.peak, total)
+            self.loads.append(os.getloadavg()[0])
 
     def stop(self) -> int:
         self._stop.set()
@@ -83,17 +98,23 @@ class TreePeak:
         return self.peak
 
 
-def timed(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, str, int]:
-    """Run `cmd`: (seconds, output, peak bytes of its process tree); a failure raises, naming the log."""
+def timed(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, str, TreePeak]:
+    """Run `cmd`: (seconds, output, its memory and load samples); a failure raises, naming the log."""
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = TreePeak(proc.pid)
+    samples = TreePeak(proc.pid)
     out = proc.communicate()[0]
-    seconds, peak_bytes = time.perf_counter() - started, peak.stop()
+    seconds = time.perf_counter() - started
+    samples.stop()
     log.write_text(out)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
-    return seconds, out, peak_bytes
+    return seconds, out, samples
+
+
+def load(samples: TreePeak) -> dict[str, float]:
+    loads = samples.loads or [0.0]
+    return {"mean": round(sum(loads) / len(loads), 1), "max": round(max(loads), 1)}
 
 
 def machine() -> dict[str, Any]:
@@ -109,39 +130,44 @@ def measure(work: Path) -> dict[str, Any]:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     env = stranger_env(work)
     cache_before = pip_cache_bytes(env)
-    load_before = os.getloadavg()[0]
-    install_s, install_out, _ = timed(["make", "setup"], clone, env, work / "make-setup.log")
+    install_s, install_out, install_samples = timed(["make", "setup"], clone, env, work / "make-setup.log")
     torch_line = next((line for line in install_out.splitlines() if line.startswith("torch ")), "")
     python = subprocess.run([str(clone / ".venv" / "bin" / "python"), "--version"], capture_output=True,
                             text=True).stdout.strip()
-    run_s, run_out, peak = timed(["make", "run"], clone, env, work / "make-run.log")
+    run_s, run_out, run_samples = timed(["make", "run"], clone, env, work / "make-run.log")
     lines = run_out.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith(FIRST_RESULT_LINE))
+    last = next(i for i, line in enumerate(lines) if i > first and line.startswith(LAST_RESULT_LINE))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True,
                             text=True).stdout.strip()
     return {
         "command": "python benchmarks/quick_start.py", "commit": commit, "machine": machine(),
         "finished": time.strftime("%Y-%m-%d"), "python": python,
-        "load_average_1min": {"before": round(load_before, 1), "after": round(os.getloadavg()[0], 1)},
         "install": {"command": "make setup (fresh clone, new .venv)", "seconds": round(install_s),
                     "venv_gb": round(folder_bytes(clone / ".venv") / 1e9, 1), "torch": torch_line,
-                    "pip_cache_gb_before": round(cache_before / 1e9, 1)},
+                    "pip_cache_gb_before": round(cache_before / 1e9, 1), "package_sources": package_sources(env),
+                    "load_average_1min": load(install_samples)},
         "run": {"command": "make run (the default, right after the install)", "seconds": round(run_s),
-                "peak_tree_gib": round(peak / 2**30, 2), "result_lines": lines[first:first + 4]},
+                "peak_tree_gib": round(run_samples.peak / 2**30, 2), "load_average_1min": load(run_samples),
+                "result_lines": lines[first:last + 1]},
     }
 
 
 def markdown(r: dict[str, Any]) -> str:
+    from render_results import load_text  # this folder is on the path when the script runs
+
     i, run, m = r["install"], r["run"], r["machine"]
     return "\n".join([
         "# The README's Quick start, measured", "",
         f"`{r['command']}` at {r['commit']} on {m['cpu']} ({m['cores']} cores{', AVX-512' if m['avx512'] else ''}), "
-        f"{r['python']}, {r['finished']}; load average {r['load_average_1min']['before']} before, "
-        f"{r['load_average_1min']['after']} after (2 cores: above 2, other jobs shared them).", "",
-        f"- `{i['command']}`: {i['seconds']} s, {i['venv_gb']} GB in `.venv/`; pip's cache held "
-        f"{i['pip_cache_gb_before']} GB before; {i['torch']}",
-        f"- `{run['command']}`: {run['seconds']} s, peak resident memory of its process tree "
-        f"{run['peak_tree_gib']} GiB",
+        f"{r['python']}, {r['finished']}. The machine's 1-minute load average is given beside each step: above "
+        f"{m['cores']}, other jobs shared the cores and the seconds are longer than alone.", "",
+        f"- `{i['command']}`: {i['seconds']} s ({load_text(i['load_average_1min'])}), {i['venv_gb']} GB in `.venv/`; "
+        "packages from "
+        f"{', '.join(i['package_sources'])}; pip's cache held {i['pip_cache_gb_before']} GB before; {i['torch']}",
+        f"- `{run['command']}`: {run['seconds']} s ({load_text(run['load_average_1min'])}), peak resident memory of "
+        f"its process tree {run['peak_tree_gib']} GiB",
+        *(["", r["note"]] if r.get("note") else []),
         "", "Its last lines:", "", "```", *run["result_lines"], "```", ""])
 
 

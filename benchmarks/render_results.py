@@ -321,17 +321,25 @@ def quick_start_output() -> str:
     return "\n".join(["```", *_load("quick_start")["run"]["result_lines"], "```"])
 
 
+def load_text(load: dict[str, float]) -> str:
+    """'load 3.1, highest 4.0' from benchmarks/quick_start.py's samples, or the readings an older run recorded."""
+    if "mean" in load:
+        return f"load {load['mean']}, highest {load['max']}"
+    return ", ".join(f"load {value} at the {when}" for when, value in load.items())
+
+
 def quick_start_figures() -> str:
     """README: the install's and the first run's time, size and memory, with what they were measured with."""
     d = _load("quick_start")
-    i, r, load = d["install"], d["run"], d["load_average_1min"]
-    cache = ("already held the wheels" if i["pip_cache_gb_before"] >= 1 else "was empty")
+    i, r = d["install"], d["run"]
+    cache = "already held the wheels" if i["pip_cache_gb_before"] >= 1 else "was empty"
     return (f"Measured by `python benchmarks/quick_start.py` ([quick_start.md](benchmarks/results/quick_start.md)) "
-            f"on {_cpu(d['machine'])}, {d['python']}: the install took {i['seconds']} s and {i['venv_gb']} GB in "
-            f"`.venv/` ({i['torch'].split(':')[0]}; pip's cache {cache}), the run {r['seconds']} s, peak resident "
-            f"memory of all its processes together {r['peak_tree_gib']:.1f} GiB; the machine's load average was "
-            f"{load['before']} .. {load['after']} on its {d['machine']['cores']} cores (other jobs beside it make "
-            "the seconds longer).")
+            f"on {_cpu(d['machine'])}, {d['python']}, packages from {', '.join(i['package_sources'])} (pip's cache "
+            f"{cache}): the install took {i['seconds']} s ({load_text(i['load_average_1min'])}) and {i['venv_gb']} GB "
+            f"in `.venv/` ({i['torch'].split(':')[0]}); the first run {r['seconds']} s "
+            f"({load_text(r['load_average_1min'])}), peak resident memory of all its processes together "
+            f"{r['peak_tree_gib']:.1f} GiB. A load above the {d['machine']['cores']} cores means other jobs shared "
+            "them: the seconds are then longer than alone.")
 
 
 TABLES: dict[str, Callable[[], str]] = {

@@ -138,7 +138,7 @@ def test_the_quick_start_works_as_written(tmp_path):
     assert re.search(r"^torch 2\.13\.0\S*: the (CPU|CUDA [\d.]+) build \(", out, re.M), out[:3000]
     # The lines the README shows at the end of the first run, in that order.
     shown = fenced_blocks()[1][1]  # the block after the commands
-    starts = [line.split(":")[0] + ":" for line in shown.splitlines()]
+    starts = ["".join(line.partition(":")[:2]) for line in shown.splitlines()]  # each line up to its first colon
     positions = [out.find(start) for start in starts]
     assert -1 not in positions and positions == sorted(positions), (starts, out[-3000:])
     check_against_the_band(out, clone)
