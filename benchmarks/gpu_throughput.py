@@ -56,7 +56,7 @@ def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, n
                       torch.ones_like(completion), torch.zeros(rows, dtype=torch.bool, device="cuda"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times = []
-    for i in range(4):
+    for _ in range(4):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -172,7 +172,7 @@ class Gate:
     happen while the clock is stopped.
     """
 
-    def __init__(self, channel: "Channel", round_steps: int, evaluate):
+    def __init__(self, channel: Channel, round_steps: int, evaluate):
         self.channel, self.round_steps, self.evaluate = channel, round_steps, evaluate
         self.send = channel.send
         self.steps: list[dict[str, float]] = []
@@ -712,7 +712,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Orchestration overhead of the default pipeline (`make run`, fresh clone)", "",
                   f"{p['statistic'].capitalize()}: wall {p['wall_seconds']:.1f} s, stages' own compute "
                   f"{p['compute_seconds']:.1f} s: overhead (Prefect, MLflow, DVC, start-up, imports) "
-                  f"{p['overhead_seconds']:.1f} s = **{p['overhead_share']:.1%}**. Held-out {p['heldout_before']:.3f} -> "
+                  f"{p['overhead_seconds']:.1f} s = **{p['overhead_share']:.1%}**. "
+                  f"Held-out {p['heldout_before']:.3f} -> "
                   f"{p['heldout_after']:.3f}.", ""]
         if len(p["runs"]) > 1:
             lines += ["Each run: " + " | ".join(f"{r['overhead_seconds']:.1f} s of {r['wall_seconds']:.1f} s = "

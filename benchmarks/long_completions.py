@@ -162,7 +162,8 @@ def table(results: list[dict[str, Any]]) -> str:
     for r in results:
         peak = f"{r['peak_rss_gb']:.2f} GB" if r.get("peak_rss_gb") else (
             f"> {r['over_cap_gb']:.0f} GB (stopped)" if r.get("over_cap_gb") else f"failed: {r.get('error')}")
-        secs = (lambda k: f"{r[k]:.1f} s" if k in r else "-")
+        def secs(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]:.1f} s" if key in r else "-"
         rate = f"{r['completion_tokens_per_s']:.0f}" if "completion_tokens_per_s" in r else "-"
         estimate = f"{r['estimate_gb']:.1f} GB" if r.get("estimate_gb") else "-"
         setting = r["variant"] + (" (on)" if r.get("checkpointing") else " (off)" if "checkpointing" in r else "")

@@ -15,8 +15,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -133,23 +134,6 @@ def speed_table() -> str:
     return "\n".join(lines)
 
 
-def memory_table() -> str:
-    """Peak resident memory of one SmolLM2 GRPO step by completion length (`after` rows: the current engine)."""
-    d = _load("long_completions")
-    after = {(r["mode"], r["length"]): r for r in d["results"] if r["engine"] == "after"}
-    lengths = sorted({length for _, length in after})
-
-    def cell(mode: str, length: int) -> str:
-        r = after.get((mode, length))
-        if r is None:
-            return "-"
-        return f"{r['peak_rss_gb']:.2f} GB" + ("" if r.get("checkpointing", True) else " (checkpointing off)")
-
-    lines = [f"| completion tokens ({_cpu(d['machine'])}) | LoRA rank 16 | full fine-tuning |", "|---|---|---|"]
-    lines += [f"| {n} | {cell('lora', n)} | {cell('full', n)} |" for n in lengths]
-    return "\n".join(lines)
-
-
 def side_by_side_table() -> str:
     """docs/performance.md: the short rows against TRL, one column per row."""
     d = _load("grpo_vs_trl")
@@ -226,7 +210,8 @@ def gpu_long_row_table() -> str:
     """docs/performance.md: the long row in bfloat16 on a GPU (benchmarks/gpu_long_row.py), before and after."""
     d = _load("gpu_long_row")
     lines = [f"| {d['machine']}: run | variant | completion tokens/s (step) | generation tokens/s | completions/s | "
-             "peak GPU memory, allocated / reserved | held-out reward, start → after |", "|---|---|---:|---:|---:|---:|---|"]
+             "peak GPU memory, allocated / reserved | held-out reward, start → after |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for run in d["runs"]:
         for r in run["variants"]:
             if "error" in r:
@@ -341,14 +326,39 @@ def gpu_rows_table() -> str:
     from benchmarks.gpu_rows_report import markdown
 
     return markdown(json.loads(path.read_text())).split("\n", 4)[4].rstrip()
+def quick_start_output() -> str:
+    """README: the lines the default's `make run` ended with (benchmarks/quick_start.py), as a code block."""
+    return "\n".join(["```", *_load("quick_start")["run"]["result_lines"], "```"])
+
+
+def load_text(load: dict[str, float]) -> str:
+    """'load 3.1, highest 4.0' from benchmarks/quick_start.py's samples, or the readings an older run recorded."""
+    if "mean" in load:
+        return f"load {load['mean']}, highest {load['max']}"
+    return ", ".join(f"load {value} at the {when}" for when, value in load.items())
+
+
+def quick_start_figures() -> str:
+    """README: the install's and the first run's time, size and memory, with what they were measured with."""
+    d = _load("quick_start")
+    i, r = d["install"], d["run"]
+    cache = "already held the wheels" if i["pip_cache_gb_before"] >= 1 else "was empty"
+    return (f"Measured by `python benchmarks/quick_start.py` ([quick_start.md](benchmarks/results/quick_start.md)) "
+            f"on {_cpu(d['machine'])}, {d['python']}, packages from {', '.join(i['package_sources'])} (pip's cache "
+            f"{cache}): the install took {i['seconds']} s ({load_text(i['load_average_1min'])}) and {i['venv_gb']} GB "
+            f"in `.venv/` ({i['torch'].split(':')[0]}); the first run {r['seconds']} s "
+            f"({load_text(r['load_average_1min'])}), peak resident memory of all its processes together "
+            f"{r['peak_tree_gib']:.1f} GiB. A load above the {d['machine']['cores']} cores means other jobs shared "
+            "them: the seconds are then longer than alone.")
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "learning": learning_table, "speed-vs-trl": speed_table, "step-memory": memory_table,
+    "learning": learning_table, "speed-vs-trl": speed_table,
     "trl-side-by-side": side_by_side_table, "trl-long-row": long_row_table, "gpu-long-row": gpu_long_row_table,
     "step-memory-detail": step_memory_detail_table, "step-phases": profile_table, "heldout-flat": heldout_table,
     "variants-default": lambda: variants_table("default"), "variants-smollm2": lambda: variants_table("smollm2"),
     "gpu-rows": gpu_rows_table,
+    "quick-start-output": quick_start_output, "quick-start": quick_start_figures,
 }
 
 

@@ -121,16 +121,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], summaries: dict[str, dict[str, Any]]) -> str:
-    lines = ["| kernels | seed | CPU path | SFT steps | warm start | after GRPO | improvement (95% CI) | seconds | passes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernels | seed | CPU path | SFT steps | warm start | after GRPO | improvement (95% CI) | seconds "
+             "| passes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['kernels']} | {r['seed']} | {r['cpu_capability']} | {r['sft_steps']} | {r['warm_start']:.3f} | "
-                     f"{r['after_grpo']:.3f} | {r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}) | "
+        lines.append(f"| {r['kernels']} | {r['seed']} | {r['cpu_capability']} | {r['sft_steps']} | "
+                     f"{r['warm_start']:.3f} | {r['after_grpo']:.3f} | {r['improvement']:+.3f} "
+                     f"({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}) | "
                      f"{r['seconds']:.0f} | {'yes' if r['passes'] else 'NO'} |")
     lines += ["", "| runs | warm start median (range) | after GRPO median (range) | improvement median (range) | "
               "lowest CI low | seconds median (range) |", "|---|---|---|---|---|---|"]
     for name, s in summaries.items():
-        def fmt(key, sign=""):
+        def fmt(key, sign="", s=s):
             v = s[key]
             return f"{v['median']:{sign}.3f} ({v['min']:{sign}.3f} .. {v['max']:{sign}.3f})"
         lines.append(f"| {name} | {fmt('warm_start')} | {fmt('after_grpo')} | {fmt('improvement', '+')} | "
@@ -166,7 +167,8 @@ def main() -> int:
 
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": "avx2" in flags,
                "avx512": sorted(f for f in flags if f.startswith("avx512")), "python": platform.python_version()}
-    print(f"seed spread on {machine['cpu']} ({machine['cores']} cores, AVX-512: {'yes' if machine['avx512'] else 'no'})")
+    avx512 = "yes" if machine["avx512"] else "no"
+    print(f"seed spread on {machine['cpu']} ({machine['cores']} cores, AVX-512: {avx512})")
     plan = [(seed, kernel) for seed in args.seeds for kernel in args.kernels]  # kernel settings alternate
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -175,7 +177,8 @@ def main() -> int:
         rows.append(row)
         elapsed = time.perf_counter() - started
         eta = elapsed / i * (len(plan) - i)
-        print(f"[{i}/{len(plan)}] {kernel} seed {seed} ({row['cpu_capability']}): warm start {row['warm_start']:.3f} -> "
+        print(f"[{i}/{len(plan)}] {kernel} seed {seed} ({row['cpu_capability']}): "
+              f"warm start {row['warm_start']:.3f} -> "
               f"{row['after_grpo']:.3f}, improvement {row['improvement']:+.3f} ({row['ci95_low']:+.3f} .. "
               f"{row['ci95_high']:+.3f}), {row['seconds']:.0f}s | ETA {eta / 60:.0f} min", flush=True)
     summaries = {kernel: summary([r for r in rows if r["kernels"] == kernel]) for kernel in args.kernels}
@@ -188,7 +191,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine, "seeds": args.seeds, "kernels": args.kernels, "rows": rows, "summary": summaries,
-              "criteria": {"min_improvement": MIN_IMPROVEMENT, "ci95_low_above": 0.0, "warm_start_band": WARM_START_BAND},
+              "criteria": {"min_improvement": MIN_IMPROVEMENT, "ci95_low_above": 0.0,
+                           "warm_start_band": WARM_START_BAND},
               "default_fingerprint": default_fingerprint(),
               "command": "python benchmarks/seed_spread.py " + " ".join(sys.argv[1:])}
     # The default pair is what `grpo-pipeline run` reads; other settings get files of their own.

@@ -9,8 +9,8 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 PIPELINE_LOCK = ".grpo-pipeline.lock"
 REGISTRY_LOCK = ".grpo-registry.lock"

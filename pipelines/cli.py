@@ -116,6 +116,13 @@ def _evaluate_many_arguments(many: argparse.ArgumentParser) -> None:
     many.add_argument("--out", help="write every checkpoint's metrics and per-prompt results to this JSON file")
 
 
+def _ui_arguments(ui: argparse.ArgumentParser) -> None:
+    ui.add_argument("which", choices=["mlflow", "prefect"])
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    ui.add_argument("--port", type=int, help="port (default: 5000 for mlflow, 4200 for prefect)")
+    ui.add_argument("--root", default=".", help="repository root (its mlflow.db)")
+
+
 # The subcommands, in --help's order: name, help, what adds its arguments, and "module:function" that runs it.
 COMMANDS = [
     ("run", "run the whole pipeline as a Prefect flow (DVC decides what is stale)",
@@ -140,6 +147,8 @@ COMMANDS = [
      _compare_arguments, "pipelines.commands.registry:cmd_compare"),
     ("evaluate-many", "held-out reward of several checkpoints at once (Prefect task runner)",
      _evaluate_many_arguments, "pipelines.commands.evaluate_many:cmd_evaluate_many"),
+    ("ui", "open the MLflow UI (runs, registry) or the Prefect UI (flow runs) of this repository, telemetry off",
+     _ui_arguments, "pipelines.commands.ui:cmd_ui"),
 ]
 
 

@@ -15,8 +15,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -239,7 +240,7 @@ class ParentRun:
         self.run_id, self.experiment_id = run_id, experiment_id
 
     @classmethod
-    def start(cls, experiment: str, params: dict[str, Any], run_name: str = "pipeline") -> "ParentRun":
+    def start(cls, experiment: str, params: dict[str, Any], run_name: str = "pipeline") -> ParentRun:
         from components.runtime.parent_run import run_job
 
         answer = run_job({"action": "start", "experiment": experiment, "params": params,
@@ -400,7 +401,8 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
                    "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
                    "improvement_ci95_high": evaluation["improvement"]["ci95_high"]}
         if registration.get("vs_champion"):  # beside the comparison with its start: the one with the champion
-            metrics.update({f"vs_champion_{k}": registration["vs_champion"][k] for k in ("mean", "ci95_low", "ci95_high")})
+            metrics.update({f"vs_champion_{k}": registration["vs_champion"][k]
+                            for k in ("mean", "ci95_low", "ci95_high")})
         tags = {**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
                    for split in SPLITS},
                 "model_version": registration["version"], "model_name": registration["model_name"],

@@ -15,8 +15,9 @@ import contextlib
 import os
 import signal
 import threading
-from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
+
+import psutil
 
 _requested: dict[str, int | None] = {"signum": None}
 _installed = {"cli": False}
@@ -32,33 +33,21 @@ def exit_code() -> int:
     return 128 + (_requested["signum"] or signal.SIGINT)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Processes below `pid` (Linux /proc); empty elsewhere."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo += children.get(child, [])
-    return found
-
-
 def stage_launchers(pid: int | None = None) -> list[int]:
-    """The running stage's launcher processes (`components.runtime.launch`, or a stage module run directly)."""
+    """The running stage's launcher processes (`components.runtime.launch`, or a stage module run directly)
+    among the processes below `pid` (psutil: Linux, macOS, Windows)."""
     launchers = []
-    for child in _descendants(pid or os.getpid()):
+    try:
+        children = psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
         try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            cmdline = child.cmdline()
+        except psutil.Error:  # gone since it was listed, or not ours to read
             continue
-        if any(part.startswith(b"components.") and part != b"components.runtime.stage_server" for part in cmdline):
-            launchers.append(child)
+        if any(part.startswith("components.") and part != "components.runtime.stage_server" for part in cmdline):
+            launchers.append(child.pid)
     return launchers
 
 

@@ -38,7 +38,7 @@ def build_deployment(root: Path, cfg: PipelineConfig, cron: str | None = None, i
     ops = cfg.operations
     schedules = []
     if interval_s:  # first run one interval from now, so a run started by an event is not raced at start-up
-        anchor = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=interval_s)
+        anchor = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=interval_s)
         schedules.append(Interval(interval_s, anchor_date=anchor))
     elif cron or ops.cron:
         schedules.append(Cron(cron or ops.cron, timezone=ops.timezone))

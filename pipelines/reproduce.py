@@ -16,9 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from components.data.paths import Paths
 from components.data.records import SPLITS, dir_md5, file_md5, split_path
@@ -75,7 +75,8 @@ class ReproduceReport:
         width = max(len(c.what) for c in self.checks)
         lines = [f"reproduce {self.model} at commit {self.commit}"]
         for c in self.checks:
-            lines.append(f"  {'OK ' if c.match else 'DIFF'} {c.what:<{width}}  recorded {c.recorded}  reproduced {c.reproduced}")
+            lines.append(f"  {'OK ' if c.match else 'DIFF'} {c.what:<{width}}  recorded {c.recorded}  "
+                         f"reproduced {c.reproduced}")
         if self.exact_expected:
             lines.append("same CPU kind, kernel path, threads, torch and lock file: bit-identical results expected")
             lines.append("MATCH: weights and held-out metrics reproduced bit for bit" if self.match else
@@ -87,8 +88,8 @@ class ReproduceReport:
             lines.append("NOT VERIFIED: no band was measured for these params (benchmarks/seed_spread.py measures the "
                          "default's); compare the held-out reward above yourself")
         elif self.match:
-            lines.append(f"REPRODUCED WITHIN THE BAND: held-out reward {self.reward:.3f} lies in the default's measured "
-                         f"band {self.band[0]:.3f} .. {self.band[1]:.3f}; data identical")
+            lines.append(f"REPRODUCED WITHIN THE BAND: held-out reward {self.reward:.3f} lies in the default's "
+                         f"measured band {self.band[0]:.3f} .. {self.band[1]:.3f}; data identical")
         else:
             lines.append(f"OUTSIDE THE BAND: held-out reward {self.reward:.3f}, the default's measured band is "
                          f"{self.band[0]:.3f} .. {self.band[1]:.3f} (or the data differ)")

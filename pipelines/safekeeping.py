@@ -64,7 +64,7 @@ class WorkingCopySnapshot:
     existed: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
-    def take(cls, root: Path) -> "WorkingCopySnapshot":
+    def take(cls, root: Path) -> WorkingCopySnapshot:
         snapshot = cls(root)
         for name in KEPT_FILES:
             snapshot._keep(name)

@@ -114,7 +114,7 @@ class ForkedServer:
         self.pid, self.returncode = pid, None
 
     @classmethod
-    def start(cls, port: int, settings: dict[str, str]) -> "ForkedServer":
+    def start(cls, port: int, settings: dict[str, str]) -> ForkedServer:
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()

@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+pytest_plugins = ["suite_timing"]  # `--suite-results PATH`: the suite's time and slowest tests (make test)
 
 for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                      "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
@@ -21,7 +22,8 @@ for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTI
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 # Each pytest process (`make test` runs two workers) gets a Prefect home of its own: two pipeline runs at
 # once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
-os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
 
 # Small enough for seconds per stage, big enough that every stage does real work.
 FAST_PARAMS = [

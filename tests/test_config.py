@@ -117,7 +117,6 @@ def test_the_defaults_params_yaml_and_the_default_preset_are_one_configuration()
     from dataclasses import asdict
 
     from components.config import PipelineConfig, read_params
-
     from pipelines.params_io import merged_config
 
     defaults = asdict(PipelineConfig())

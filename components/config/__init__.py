@@ -13,10 +13,25 @@ configs (`STAGE_PARAMS`, the fingerprint); `rules` holds `ConfigError` and `_req
 
 from components.config.data import DataConfig, PromptConfig, TaskConfig
 from components.config.evaluate import FIXED_METRICS, PASS_AT_K, EvaluateConfig, RegisterConfig
-from components.config.grpo import (DynamicSamplingConfig, EpisodeConfig, GRPOConfig, LoRAConfig, OverlongConfig,
-                                    ReferenceConfig, RewardSpec)
-from components.config.hashing import (NOT_IN_FINGERPRINT, STAGE_PARAMS, config_value, default_fingerprint,
-                                       section_hash, stage_params_hash, to_flat_dict, trained_value)
+from components.config.grpo import (
+    DynamicSamplingConfig,
+    EpisodeConfig,
+    GRPOConfig,
+    LoRAConfig,
+    OverlongConfig,
+    ReferenceConfig,
+    RewardSpec,
+)
+from components.config.hashing import (
+    NOT_IN_FINGERPRINT,
+    STAGE_PARAMS,
+    config_value,
+    default_fingerprint,
+    section_hash,
+    stage_params_hash,
+    to_flat_dict,
+    trained_value,
+)
 from components.config.loading import apply_override, config_from_dict, load_config, read_params
 from components.config.model import ModelConfig, TinyModelConfig
 from components.config.monitors import MonitorsConfig, MonitorSpec, NoSignalConfig, NotLearningConfig

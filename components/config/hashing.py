@@ -59,14 +59,15 @@ def config_value(cfg: Any, dotted: str) -> Any:
 def trained_value(cfg: Any, key: str) -> Any:
     """A params value as it bears on what is trained. `distributed` reduces to whether sampling is seeded
     per group: the process count, backend and sharding change where it runs, not the result (N
-    processes give one process's weights, tests/engine/parallel/test_distributed.py), so a run may resume on other hardware."""
+    processes give one process's weights, tests/engine/parallel/test_distributed.py), so a run may resume on other
+    hardware."""
     if key == "distributed":
         d = cfg.distributed
         return {"per_group_sampling": d.per_group_sampling or d.nproc > 1}
     return config_value(cfg, key)
 
 
-def stage_params_hash(cfg: "PipelineConfig", stage: str, *inputs: Any) -> str:
+def stage_params_hash(cfg: PipelineConfig, stage: str, *inputs: Any) -> str:
     """`section_hash` of the params DVC lists for `stage` (as they bear on the result), plus input hashes."""
     return section_hash({key: trained_value(cfg, key) for key in STAGE_PARAMS[stage]}, *inputs)
 
@@ -84,7 +85,7 @@ NEUTRAL_AT_DEFAULT = ("grpo.cispo_max_ratio", "grpo.sapo_temperature_pos", "grpo
                       "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode")
 
 
-def default_fingerprint(cfg: "PipelineConfig") -> str:
+def default_fingerprint(cfg: PipelineConfig) -> str:
     """Hash of the params that bear on the held-out reward before and after GRPO (not the seed, the monitors
     or what is reported): a run with the fingerprint benchmarks/seed_spread.py recorded may compare itself
     with the band it measured (tests/test_config.py keeps the default's equal to the recorded one)."""

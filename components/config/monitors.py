@@ -7,7 +7,6 @@ from typing import Literal
 
 from components.config.rules import _require
 
-
 LOGPROB_GAP_LIMIT = 1e-3
 """The on-policy check's default threshold on a step's mean gap: about 150 times the largest step mean measured in
 float32 on the CPU (6.5e-6 on the SmolLM2 example, 3.7e-7 on the default; docs/engine.md, "On-policy check"), and

@@ -11,8 +11,14 @@ from components.config.evaluate import EvaluateConfig, RegisterConfig, check_eva
 from components.config.grpo import GRPOConfig, check_grpo
 from components.config.model import ModelConfig, check_model
 from components.config.monitors import MonitorsConfig, check_monitors
-from components.config.operations import (DistributedConfig, OperationsConfig, ReportsConfig, TrackingConfig,
-                                          check_distributed, check_operations)
+from components.config.operations import (
+    DistributedConfig,
+    OperationsConfig,
+    ReportsConfig,
+    TrackingConfig,
+    check_distributed,
+    check_operations,
+)
 from components.config.rules import _require
 from components.config.sft import SFTConfig, check_sft
 from components.losses import LOSSES

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REQUIRED_COLUMNS = ("id", "prompt", "answer")
 SPLITS = ("sft", "train", "heldout")

@@ -22,7 +22,7 @@ def detect_format(path: Path, declared: str = "auto") -> str:
     if declared != "auto":
         return declared
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+        if any((path / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
             return "hf"
         raise DataError(f"{path}: a directory, but not a datasets save_to_disk folder (no dataset_info.json)")
     suffix = path.suffix.lower()
@@ -98,7 +98,8 @@ def _read_hf(path: Path) -> list[dict[str, Any]]:
     return dataset.to_list()
 
 
-def load_records(path: str | Path, declared_format: str = "auto", columns: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def load_records(path: str | Path, declared_format: str = "auto",
+                 columns: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Records from any supported format, with `columns` renames (source -> pipeline name) applied."""
     path = Path(path)
     if not path.exists():

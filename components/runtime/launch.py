@@ -26,8 +26,8 @@ ERROR_FILE_ENV = "GRPO_STAGE_ERROR_FILE"  # components/stages/cli.py's; not impo
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in STAGE_MODULES:
-        print(f"usage: python -m components.runtime.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] [--set KEY=VALUE]",
-              file=sys.stderr)
+        print(f"usage: python -m components.runtime.launch {{{','.join(STAGE_MODULES)}}} [--params FILE] "
+              "[--set KEY=VALUE]", file=sys.stderr)
         return 2
     stage, rest = args[0], args[1:]
     server = os.environ.get(SERVER_ENV)

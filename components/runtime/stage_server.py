@@ -13,8 +13,8 @@ The server is a line of processes, one per import level (LEVELS), each forked fr
 once its imports are done, in the order the stages need them: level 0 imports MLflow and serves
 `prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config, tokenizers and the
 Llama modelling code and serves `model`; level 2 adds Great Expectations for `validate`; level 3 adds
-the training stages' modules and MLflow's pyfunc, importing while `validate` runs. So `prepare` and the MLflow jobs start while
-torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
+the training stages' modules and MLflow's pyfunc, importing while `validate` runs. So `prepare` and the MLflow
+jobs start while torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
 names each level's parent, so a level can also have several children importing side by side;
 `validate` and the modelling code did, and competed for the two cores while `model` waited.)
 Callers connect to their stage's level socket (`level_path`).
@@ -45,8 +45,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import subprocess
@@ -187,7 +188,7 @@ def serve(path: str, parent_pid: int) -> None:
     while os.getppid() == watched:
         try:
             conn, _ = listener.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         with conn:
             _handle(conn, listener, own_environment)
@@ -310,7 +311,7 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
     reader = conn.makefile("rb")
     try:
         reply = json.loads(reader.readline() or b"{}")
-    except (socket.timeout, ValueError):
+    except (TimeoutError, ValueError):
         conn.close()
         return None
     if not reply.get("accepted"):
@@ -339,7 +340,7 @@ def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) ->
     return int(outcome.get("exit", 1))
 
 
-def start_server(cwd: str, module: str = "components.runtime.stage_server") -> tuple["subprocess.Popen[bytes]", str]:
+def start_server(cwd: str, module: str = "components.runtime.stage_server") -> tuple[subprocess.Popen[bytes], str]:
     """Start a server owned by this process; returns it and the socket path to put in `SERVER_ENV`.
 
     `module`: where the server lives in `cwd`'s tree (`reproduce` starts an older commit's own server).
@@ -361,7 +362,7 @@ def start_server(cwd: str, module: str = "components.runtime.stage_server") -> t
     return proc, path
 
 
-def stop_server(proc: "subprocess.Popen[bytes]", path: str) -> None:
+def stop_server(proc: subprocess.Popen[bytes], path: str) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:

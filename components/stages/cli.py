@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from components.config import ConfigError, PipelineConfig, load_config
 from components.errors import StageFailed
@@ -130,7 +130,7 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
 
     try:
         experiment_id(cfg.tracking.experiment)
-    except Exception as err:  # noqa: BLE001 - an outage is the stage's to handle (it logs offline)
+    except Exception as err:  # an outage is the stage's to handle (it logs offline)
         if not is_outage(err):
             raise
         note_unreachable()

@@ -44,8 +44,8 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
             formatter = PromptFormatter(cfg.prompt, tokenizer)
             values, out = metrics.per_prompt(model, tokenizer, [formatter(r) for r in records], records, cfg.seed)
             results[role] = {"completions": out.transcripts or out.texts, **values}  # an episode: all its turns
-            print(f"evaluate: {role} ({model_dir}) " + ", ".join(f"{name} {np.mean(v):.4f}" for name, v in values.items())
-                  + f" on {len(records)} prompts")
+            means = ", ".join(f"{name} {np.mean(v):.4f}" for name, v in values.items())
+            print(f"evaluate: {role} ({model_dir}) {means} on {len(records)} prompts")
         table = {name: {"baseline": float(np.mean(results["baseline"][name])),
                         "candidate": float(np.mean(results["candidate"][name])),
                         "improvement": paired_bootstrap(np.array(results["candidate"][name]),

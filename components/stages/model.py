@@ -1,8 +1,9 @@
 """Stage `model`: the starting policy and its tokenizer.
 
 For the embedded default, builds a tiny Llama and a character-level tokenizer from the characters
-of the prepared datasets and saves them with `save_pretrained`. For a user's model directory it only checks the directory loads safely and records a pointer (no
-multi-GB copy). A GGUF file is converted once to a float safetensors folder (components/engine/models/gguf_model.py),
+of the prepared datasets and saves them with `save_pretrained`. For a user's model directory it only checks the
+directory loads safely and records a pointer (no multi-GB copy). A GGUF file is converted once to a float
+safetensors folder (components/engine/models/gguf_model.py),
 with the GGUF's sha256 in `provenance.json` and the MLflow tags.
 """
 

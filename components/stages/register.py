@@ -92,8 +92,9 @@ def evidence_tags(cfg: PipelineConfig, evaluation: dict[str, Any], grpo: dict[st
     tags = {"eval.gate_metric": cfg.register.gate_metric}
     for metric, row in (evaluation.get("metrics") or {}).items():
         imp = row["improvement"]
-        tags[f"eval.{metric_key(metric)}"] = (f"{row['candidate']:.4f} (before {row['baseline']:.4f}; {imp['mean']:+.4f}, "
-                                  f"95% CI {imp['ci95_low']:+.4f} .. {imp['ci95_high']:+.4f})")
+        tags[f"eval.{metric_key(metric)}"] = (f"{row['candidate']:.4f} (before {row['baseline']:.4f}; "
+                                              f"{imp['mean']:+.4f}, 95% CI {imp['ci95_low']:+.4f} .. "
+                                              f"{imp['ci95_high']:+.4f})")
     kept = grpo.get("kept") or {}
     if kept:
         tags.update({"grpo.keep": str(kept.get("mode")), "grpo.kept_step": str(kept.get("step"))})
@@ -306,7 +307,9 @@ def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: d
         client.update_model_version(name, version.version, description=card)
     uri = f"models:/{name}/{version.version}"
     result = {"model_name": name, "version": str(version.version), "model_uri": uri, "promoted": decision["promote"],
-              "reason": decision["reason"], "champion_version": None if decision.get("champion_version") is None else str(decision["champion_version"]),
+              "reason": decision["reason"],
+              "champion_version": (None if decision.get("champion_version") is None
+                                   else str(decision["champion_version"])),
               "champion_uri": f"models:/{name}@champion", "candidate_md5": candidate_md5,
               "vs_champion": decision.get("vs_champion"), "vs_baseline": decision.get("vs_baseline"),
               "rule": decision.get("rule"), "gate_metric": cfg.register.gate_metric,

@@ -14,9 +14,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from components.config import PipelineConfig
 from components.data.model_source import context_length, load_tokenizer, resolve_model_dir
@@ -143,7 +144,8 @@ def _run_suite(gx, split: str, df, build_suite: Callable[[list[str]], Any]):
     """One chunk through one suite, in a fresh ephemeral context (a shared one keeps every batch alive)."""
     ctx = gx.get_context(mode="ephemeral")
     ctx.variables.progress_bars = {"globally": False}
-    batch = ctx.data_sources.add_pandas("pipeline").add_dataframe_asset(split).add_batch_definition_whole_dataframe("all")
+    asset = ctx.data_sources.add_pandas("pipeline").add_dataframe_asset(split)
+    batch = asset.add_batch_definition_whole_dataframe("all")
     definition = ctx.validation_definitions.add(gx.ValidationDefinition(name=split, data=batch,
                                                                         suite=ctx.suites.add(build_suite(list(df.columns)))))
     return definition.run(batch_parameters={"dataframe": df}, result_format="COMPLETE")

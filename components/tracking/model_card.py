@@ -93,8 +93,8 @@ def _evidence(cfg: PipelineConfig, evaluation: dict[str, Any], decision: dict[st
     order = [cfg.register.gate_metric, "reward", *cfg.evaluate.metrics]
     for metric, row in sorted(metrics.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
         gate = " (gate)" if metric == cfg.register.gate_metric else ""
-        evidence.append(f"| {metric}{gate} | {row['baseline']:.4f} | {row['candidate']:.4f} | {_ci(row['improvement'])} "
-                        f"| {_ci(vs_champion.get(metric))} |")
+        evidence.append(f"| {metric}{gate} | {row['baseline']:.4f} | {row['candidate']:.4f} | "
+                        f"{_ci(row['improvement'])} | {_ci(vs_champion.get(metric))} |")
     return evidence + ["", "CIs: paired bootstrap over prompts, "
                        f"{e.bootstrap_samples} resamples; pass@k at temperature {e.pass_k_temperature:g}.", ""]
 
@@ -120,7 +120,8 @@ def _training(cfg: PipelineConfig, grpo: dict[str, Any], tags: dict[str, str]) -
         value = kept.get("value")
         training.append(f"- Kept weights: `{kept.get('mode')}` -> step {kept.get('step')}"
                         + (f" (held-out {kept.get('metric')} {value:.4f})" if isinstance(value, (int, float)) else ""))
-    training.append(f"- Commit `{tags.get('lineage.git_commit', '-')}`, params hash `{tags.get('lineage.params_hash', '-')}`")
+    training.append(f"- Commit `{tags.get('lineage.git_commit', '-')}`, "
+                    f"params hash `{tags.get('lineage.params_hash', '-')}`")
     return training + [""]
 
 
@@ -151,7 +152,8 @@ def _curve(grpo: dict[str, Any], figure_url: str | None) -> list[str]:
         keys = [k for k in evals[-1] if k != "step"]
         curve += ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
         shown = evals if len(evals) <= 12 else evals[:: max(1, len(evals) // 10)] + [evals[-1]]
-        curve += [f"| {r['step']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |" for r in shown]
+        curve += [f"| {r['step']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in keys) + " |"
+                  for r in shown]
     else:
         curve.append("No held-out evaluation during training (evaluate.every: 0).")
     return curve + [""]
@@ -161,7 +163,8 @@ def _samples(predictions: list[dict[str, Any]]) -> list[str]:
     samples = ["### Sample held-out completions", "", "| prompt | answer | before GRPO | this version | reward |",
                "|---|---|---|---|---|"]
     samples += [f"| {_cell(p['prompt'])} | {_cell(p.get('answer'))} | {_cell(p.get('baseline_completion'))} | "
-                f"{_cell(p.get('candidate_completion'))} | {p.get('candidate_reward', 0):.2f} |" for p in predictions[:5]]
+                f"{_cell(p.get('candidate_completion'))} | {p.get('candidate_reward', 0):.2f} |"
+                for p in predictions[:5]]
     return samples + [""]
 
 

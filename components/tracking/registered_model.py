@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from components.data.records import dir_md5
 from components.engine.models.modeling import adapter_base, resolve_model_dir

@@ -2,8 +2,8 @@
 
 The `champion` alias only ever moves through `move_alias`, which records who moved it, when and
 why (version tags `alias.<alias>.*`, and the registered-model tag `alias.audit`, a JSON list) and
-keeps the stack of earlier champions in the registered-model tag `champion.history`, so `rollback` knows where to go back to. Promotion
-applies the same comparability rule as `register`: a version without a held-out evaluation, or one
+keeps the stack of earlier champions in the registered-model tag `champion.history`, so `rollback` knows where to
+go back to. Promotion applies the same comparability rule as `register`: a version without a held-out evaluation, or one
 evaluated on a different held-out file than the current champion, is refused.
 """
 
@@ -97,7 +97,8 @@ def append_audit(client, name: str, record: dict[str, Any]) -> None:
 # Version tags as named before they were grouped by prefix (versions registered earlier still carry them).
 LEGACY_TAGS = {"eval.heldout_md5": "heldout_md5", "eval.heldout_n": "heldout_n",
                "eval.heldout_mean_reward": "heldout_mean_reward", "eval.improvement": "improvement_vs_baseline",
-               "eval.improvement_ci95_low": "improvement_ci95_low", "eval.improvement_ci95_high": "improvement_ci95_high",
+               "eval.improvement_ci95_low": "improvement_ci95_low",
+               "eval.improvement_ci95_high": "improvement_ci95_high",
                "lineage.candidate_md5": "candidate_md5", "lineage.params_hash": "params_hash",
                "lineage.lock_md5": "lock_md5", "lineage.git_commit": "git_commit",
                "lineage.git_dirty_files": "git_dirty_files"}

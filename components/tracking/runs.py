@@ -10,8 +10,9 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from components.interruptions import deferred
 
@@ -117,7 +118,7 @@ class StageRun:
             return None
         try:
             return send()
-        except Exception as err:  # noqa: BLE001 - only an outage of a remote server is queued
+        except Exception as err:  # only an outage of a remote server is queued
             from components.tracking.outbox import is_outage, is_remote
 
             if not (is_remote(tracking_uri()) and is_outage(err)):
@@ -249,7 +250,7 @@ def send_queue(mlflow_client, say: bool = False) -> bool:
         return True
     try:
         sent = outbox.send(mlflow_client)
-    except Exception as err:  # noqa: BLE001 - an outage leaves the rest queued; anything else is a bug
+    except Exception as err:  # an outage leaves the rest queued; anything else is a bug
         if is_outage(err):
             return False
         raise
@@ -277,7 +278,7 @@ def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
             run = c.create_run(experiment_id(experiment), run_name=run_name, tags=all_tags)
             return StageRun(run.info.run_id)
         err: BaseException = ConnectionError("an earlier outage's queue could not be sent")
-    except Exception as caught:  # noqa: BLE001 - only an outage of a remote server goes offline
+    except Exception as caught:  # only an outage of a remote server goes offline
         if not (is_remote(tracking_uri()) and is_outage(caught)):
             raise
         err = caught

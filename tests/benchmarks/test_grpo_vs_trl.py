@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from benchmarks.machine_ceiling import phase_utilisation
 from benchmarks.grpo_vs_trl import ROWS, noise_band, row_config, steady_rise, time_to_trl_reward, trl_settings
+from benchmarks.machine_ceiling import phase_utilisation
 
 
 def curve(values: list[float], seconds: float = 10.0) -> list[dict[str, float]]:

@@ -1,14 +1,12 @@
 """Datasets: the procedural task and JSONL reading with errors naming file and line."""
 
 import json
+import re
 
 import pytest
 
-from components.config import TaskConfig
+from components.config import ConfigError, TaskConfig
 from components.data.records import DataError, file_md5, read_jsonl, write_jsonl
-import re
-
-from components.config import ConfigError
 from components.data.tasks import addition_problems, word_problems
 
 

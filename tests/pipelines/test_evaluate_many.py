@@ -31,7 +31,8 @@ def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlf
     assert expected[0]["n"] == 50 and all(0.0 <= e["mean_reward"] <= 1.0 for e in expected)
 
     out = tmp_path / "many.json"
-    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = run([str(BIN / "grpo-pipeline"), "evaluate-many", *checkpoints, "--root", str(tmp_path), "--workers", "2",
                 "--out", str(out)], tmp_path, env=env, timeout=300)
     assert "| held-out mean reward |" in proc.stdout

@@ -37,7 +37,8 @@ def wait_for_checkpoint(repo: Path, proc: subprocess.Popen, timeout_s: float = 6
             time.sleep(0.5)  # well inside GRPO, past the first checkpoint
             return
         time.sleep(0.1)
-    raise AssertionError("GRPO wrote no checkpoint: " + (proc.communicate()[0][-3000:] if proc.poll() is not None else ""))
+    tail = proc.communicate()[0][-3000:] if proc.poll() is not None else ""
+    raise AssertionError("GRPO wrote no checkpoint: " + tail)
 
 
 def flow_run_states(prefect_home: Path) -> list[tuple[str, str]]:

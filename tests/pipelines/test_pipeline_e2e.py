@@ -180,7 +180,8 @@ def test_registered_version_carries_lineage_and_champion_alias(completed):
     assert "Rule: first version: no improvement required (register.require_improvement: false)." in version.description
     assert "| reward (gate) | " in version.description
     assert f" | {float(tags['eval.heldout_mean_reward']):.4f} | " in version.description
-    for heading in ("### Training", "### Reward-hacking monitors", "### Evaluation during training", "### Known limits"):
+    for heading in ("### Training", "### Reward-hacking monitors", "### Evaluation during training",
+                    "### Known limits"):
         assert heading in version.description
     # The environment `reproduce` judges bit-identity by.
     assert tags["env.threads"] == "1" and tags["env.device"] == "cpu" and tags["env.cpu_capability"]

@@ -72,13 +72,15 @@ from components.engine.models.modeling import load_model
 tok = AutoTokenizer.from_pretrained("models/grpo"); tok.padding_side = "left"
 lm = load_model("models/grpo", torch.device("cpu"))
 version = mlflow.MlflowClient().get_model_version_by_alias("tiny-qwen2-chat", "champion")
-assert version.tags["model.kind"] == "lora-adapter" and version.tags["base.model_uri"] == "models:/tiny-qwen2-chat-base/1"
+assert version.tags["model.kind"] == "lora-adapter"
+assert version.tags["base.model_uri"] == "models:/tiny-qwen2-chat-base/1"
 assert config["base_model_uri"] == "models:/tiny-qwen2-chat-base/1", config
 text = tok.apply_chat_template([{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": "3+4="}],
                                tokenize=False, add_generation_prompt=True)
 assert text.endswith("<|assistant|>"), text
 enc = tok([text], return_tensors="pt", add_special_tokens=False)
-out = lm.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+out = lm.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id)
 direct = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
 assert list(served) == direct, (served, direct)
 print("SERVED", list(served))

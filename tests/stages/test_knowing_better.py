@@ -49,7 +49,8 @@ def test_heldout_curves_logged_models_and_keep_best(tmp_path, mlflow_store, caps
     saved = load_file(str(paths.grpo_checkpoints / "best" / "model.safetensors"))
     final = load_file(str(paths.grpo_model / "model.safetensors"))
     tied = {"model.embed_tokens.weight": "lm_head.weight"}  # each file keeps one name of the tied pair
-    assert len(final) == len(saved) and all(torch.equal(saved[k if k in saved else tied[k]], v) for k, v in final.items())
+    assert len(final) == len(saved)
+    assert all(torch.equal(saved[k if k in saved else tied[k]], v) for k, v in final.items())
     assert json.loads((paths.grpo_checkpoints / "best" / "meta.json").read_text())["step"] == best["step"]
     # One CSV row per step; the held-out columns filled on the evaluated steps only.
     rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
@@ -300,7 +301,8 @@ def test_the_first_champion_must_beat_the_model_it_started_from(tmp_path, mlflow
     second = register(learned, paths)
     out = capsys.readouterr().out
     assert second["promoted"] and second["version"] == "2" and second["vs_baseline"] == report["improvement"]
-    assert second["reason"].startswith("no champion yet; beats its starting point (the base model) on held-out reward: +")
+    assert second["reason"].startswith("no champion yet; beats its starting point (the base model) on held-out "
+                                       "reward: +")
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
     assert "Rule: first version: must beat its starting point." in client.get_model_version(name, "2").description
     imp = report["improvement"]

@@ -169,14 +169,23 @@ def _greedy_answer(model_dir: Path, prompt: str) -> list[str]:
     return tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
 
 
+# Two steps with a checkpoint after each: the killed run stops after step 1 and its rerun must make step 2 exactly as
+# the straight run did (adapter, optimizer state, sampling). Few steps need not beat the start: this test is about
+# resuming, registering and serving the adapter, so no held-out curve during training and no improvement rule.
+RESUME = {"grpo": {"steps": 2, "checkpoint_every": 1, "log_every": 1}, "evaluate": {"every": 0},
+          "task": {"n_heldout": 6}, "register": {"require_improvement": False}}
+
+
+# Three SmolLM2 GRPO processes, evaluate, register and a served model: minutes alone, far longer on a shared machine
+# (a 900 s limit ran out on 2 cores loaded 3x over), so a longer limit than the suite's default.
+@pytest.mark.timeout(1800)
 def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp_path, converted, mlflow_store):
     from safetensors.torch import load_file
 
     roots = {name: tmp_path / name for name in ("straight", "killed")}
     for root in roots.values():
         root.mkdir()
-        # a few steps need not beat the start: this test is about resuming, registering and serving the adapter
-        stage_inputs(root, converted, {"register": {"require_improvement": False}})
+        stage_inputs(root, converted, RESUME)
     straight = _grpo(roots["straight"])
     assert straight.wait(timeout=600) == 0, straight.stdout.read()
 

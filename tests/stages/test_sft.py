@@ -15,8 +15,8 @@ SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3
 
 
 def _train(tmp_path, reward, target):
-    cfg = load_config(ROOT / "params.yaml", SMALL + [f"grpo.rewards=[{{name: 'reward_fixtures:{reward}', weight: 1.0}}]",
-                                                     f"sft.stop_at_reward={target}"])
+    reward_set = f"grpo.rewards=[{{name: 'reward_fixtures:{reward}', weight: 1.0}}]"
+    cfg = load_config(ROOT / "params.yaml", SMALL + [reward_set, f"sft.stop_at_reward={target}"])
     paths = Paths(root=tmp_path)
     prepare(cfg, paths)
     build_base_model(cfg, paths)
@@ -51,7 +51,8 @@ def test_sft_learns_the_target_column_after_the_prompt_and_nothing_else():
         def __call__(self, text, add_special_tokens=False):
             return type("Encoded", (), {"input_ids": [ord(c) for c in text]})()
 
-    records = [{"prompt": "Q1 ", "answer": "7", "solution": "3+4=7"}, {"prompt": "Q22 ", "answer": "9", "solution": "9"}]
+    records = [{"prompt": "Q1 ", "answer": "7", "solution": "3+4=7"},
+               {"prompt": "Q22 ", "answer": "9", "solution": "9"}]
     ids, mask, labels = encode_sft(Chars(), records, target="solution")
     assert ids[0, :9].tolist() == [ord(c) for c in "Q1 3+4=7"] + [0] and mask.sum(1).tolist() == [9, 6]
     assert labels[0].tolist() == [-100] * 3 + [ord(c) for c in "3+4=7"] + [0]  # the solution and EOS, no prompt

@@ -54,7 +54,8 @@ def test_reproduce_expects_bits_only_in_the_same_environment():
     other = ReproduceReport("m", "c", [data, weights], band=(0.8, 0.9), reward=0.85,
                             environment_differences=["cpu_capability: AVX512 -> AVX2"])
     assert other.match and "REPRODUCED WITHIN THE BAND" in other.table() and "AVX512 -> AVX2" in other.table()
-    outside = ReproduceReport("m", "c", [data], band=(0.8, 0.9), reward=0.5, environment_differences=["threads: 2 -> 1"])
+    outside = ReproduceReport("m", "c", [data], band=(0.8, 0.9), reward=0.5,
+                              environment_differences=["threads: 2 -> 1"])
     assert not outside.match and "OUTSIDE THE BAND" in outside.table()
     unknown = ReproduceReport("m", "c", [data], band=None, reward=0.5, environment_differences=["threads: 2 -> 1"])
     assert not unknown.match and "NOT VERIFIED" in unknown.table()

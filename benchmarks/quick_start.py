@@ -1,0 +1,188 @@
+"""The README's Quick start, measured as a stranger runs it: a fresh clone of the committed repository, `make setup`
+(the install into a new .venv: seconds, size, which torch build, from where), then `make run` (seconds, peak
+resident memory of its whole process tree, the lines it ends with). The README's install and run figures and
+its output block are generated from the result (benchmarks/render_results.py).
+
+    python benchmarks/quick_start.py [WORKDIR]   # writes benchmarks/results/quick_start.json and .md
+
+The figures hold for the conditions it records beside them: the machine, the load average while it ran (the
+machines here are shared: seconds measured beside other jobs are longer), whether pip's cache already held the
+wheels, and where torch came from. The rewards are those of the default on this CPU kind (README "What
+reproduced means").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+# The lines the README shows from the end of `grpo-pipeline run` on the default: from the first to the last.
+FIRST_RESULT_LINE = "held-out mean reward before GRPO:"
+LAST_RESULT_LINE = "registered model:"
+
+
+def stranger_env(home: Path) -> dict[str, str]:
+    """This environment as a fresh shell has it: no project venv on PATH, no tracking or Prefect server, a home of
+    its own for Prefect; pip's own settings and cache stay the user's."""
+    venv_bin = str(ROOT / ".venv" / "bin")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    env["PREFECT_HOME"] = str(home / "prefect")
+    return env
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def pip_cache_bytes(env: dict[str, str]) -> int:
+    proc = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], env=env, capture_output=True, text=True)
+    folder = Path(proc.stdout.strip())
+    return folder_bytes(folder) if proc.returncode == 0 and folder.is_dir() else 0
+
+
+def package_sources(env: dict[str, str]) -> list[str]:
+    """Where pip takes packages from here: its index (PyPI unless configured), extra indexes and wheel folders."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True)
+    settings: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        settings.setdefault(key.rsplit(".", 1)[-1], []).extend(value.strip("'").split())
+    index = settings.get("index-url") or ["https://pypi.org/simple"]
+    return sorted(set(index + settings.get("extra-index-url", []) + settings.get("find-links", [])))
+
+
+class TreePeak:
+    """Peak of the summed resident memory of a process and all its descendants, sampled every 0.2 s, and the
+    machine's 1-minute load average over the same time (mean and highest)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.loads: list[float] = []
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            total = 0
+            for proc in procs:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self.loads.append(os.getloadavg()[0])
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def timed(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, str, TreePeak]:
+    """Run `cmd`: (seconds, output, its memory and load samples); a failure raises, naming the log."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    samples = TreePeak(proc.pid)
+    out = proc.communicate()[0]
+    seconds = time.perf_counter() - started
+    samples.stop()
+    log.write_text(out)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+    return seconds, out, samples
+
+
+def load(samples: TreePeak) -> dict[str, float]:
+    loads = samples.loads or [0.0]
+    return {"mean": round(sum(loads) / len(loads), 1), "max": round(max(loads), 1)}
+
+
+def machine() -> dict[str, Any]:
+    from components.tracking.run_environment import cpu_model
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512": "avx512f" in flags,
+            "system": f"{platform.system()} {platform.machine()}"}
+
+
+def measure(work: Path) -> dict[str, Any]:
+    clone = work / "grpo-pipeline"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    env = stranger_env(work)
+    cache_before = pip_cache_bytes(env)
+    install_s, install_out, install_samples = timed(["make", "setup"], clone, env, work / "make-setup.log")
+    torch_line = next((line for line in install_out.splitlines() if line.startswith("torch ")), "")
+    python = subprocess.run([str(clone / ".venv" / "bin" / "python"), "--version"], capture_output=True,
+                            text=True).stdout.strip()
+    run_s, run_out, run_samples = timed(["make", "run"], clone, env, work / "make-run.log")
+    lines = run_out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(FIRST_RESULT_LINE))
+    last = next(i for i, line in enumerate(lines) if i > first and line.startswith(LAST_RESULT_LINE))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True,
+                            text=True).stdout.strip()
+    return {
+        "command": "python benchmarks/quick_start.py", "commit": commit, "machine": machine(),
+        "finished": time.strftime("%Y-%m-%d"), "python": python,
+        "install": {"command": "make setup (fresh clone, new .venv)", "seconds": round(install_s),
+                    "venv_gb": round(folder_bytes(clone / ".venv") / 1e9, 1), "torch": torch_line,
+                    "pip_cache_gb_before": round(cache_before / 1e9, 1), "package_sources": package_sources(env),
+                    "load_average_1min": load(install_samples)},
+        "run": {"command": "make run (the default, right after the install)", "seconds": round(run_s),
+                "peak_tree_gib": round(run_samples.peak / 2**30, 2), "load_average_1min": load(run_samples),
+                "result_lines": lines[first:last + 1]},
+    }
+
+
+def markdown(r: dict[str, Any]) -> str:
+    from render_results import load_text  # this folder is on the path when the script runs
+
+    i, run, m = r["install"], r["run"], r["machine"]
+    return "\n".join([
+        "# The README's Quick start, measured", "",
+        f"`{r['command']}` at {r['commit']} on {m['cpu']} ({m['cores']} cores{', AVX-512' if m['avx512'] else ''}), "
+        f"{r['python']}, {r['finished']}. The machine's 1-minute load average is given beside each step: above "
+        f"{m['cores']}, other jobs shared the cores and the seconds are longer than alone.", "",
+        f"- `{i['command']}`: {i['seconds']} s ({load_text(i['load_average_1min'])}), {i['venv_gb']} GB in `.venv/`; "
+        "packages from "
+        f"{', '.join(i['package_sources'])}; pip's cache held {i['pip_cache_gb_before']} GB before; {i['torch']}",
+        f"- `{run['command']}`: {run['seconds']} s ({load_text(run['load_average_1min'])}), peak resident memory of "
+        f"its process tree {run['peak_tree_gib']} GiB",
+        *(["", r["note"]] if r.get("note") else []),
+        "", "Its last lines:", "", "```", *run["result_lines"], "```", ""])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir", nargs="?", help="scratch folder (default: a new temporary one)")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-quick-start-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result = measure(work)
+    (RESULTS / "quick_start.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / "quick_start.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
