@@ -303,9 +303,8 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     from components.data.records import read_jsonl, split_path
     from components.engine.grpo.host_memory import configure_allocator
     from components.engine.grpo.memory_estimate import ModelShape, estimate_step_memory
-    from components.engine.models.prompting import longest_row
     from components.engine.models.modeling import load_model, load_tokenizer
-    from components.engine.models.prompting import PromptFormatter
+    from components.engine.models.prompting import PromptFormatter, longest_row
     from components.engine.rewards.rewards import RewardModel
 
     cfg = worker_config(spec)

@@ -53,9 +53,9 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int, device: 
 
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
+    from components.engine.grpo.batch import sampling_params
     from components.engine.grpo.objectives import build_loss
     from components.engine.grpo.policy import build_policy
-    from components.engine.grpo.batch import sampling_params
     from components.engine.grpo.trajectory import Trajectory
     from components.engine.grpo.update import UpdatePlan, policy_updates, reference_logprobs
     from components.engine.models.modeling import resolve_model_dir, seed_everything

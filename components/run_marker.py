@@ -40,7 +40,7 @@ def marker_path(stage: str, root: Path = Path(".")) -> Path:
     return Paths(root).grpo_checkpoints.parent / f"{stage}.running.json"
 
 
-_current: dict[str, "RunMarker | None"] = {"marker": None}
+_current: dict[str, RunMarker | None] = {"marker": None}
 PAGE = 4096  # the note's size on disk, padded with spaces (valid JSON whitespace)
 
 

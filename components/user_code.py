@@ -16,7 +16,7 @@ page of the note per call (no rename, no flush), next to a reward that scores a 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from components import run_marker
 from components.interruptions import StageInterrupted, progress, stop_requested
@@ -36,7 +36,7 @@ def calling(what: str, doing: str = "running", error: type[UserCodeError] = User
         yield
     except StageInterrupted:
         raise
-    except BaseException as err:  # noqa: BLE001 - the user's code: anything it raises is named as its failure
+    except BaseException as err:
         signum = stop_requested()
         if signum is not None:  # the stop arrived while the user's code ran; the code's reaction is not its fault
             raise StageInterrupted(signum) from err

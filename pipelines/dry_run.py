@@ -19,8 +19,13 @@ from components.config import PipelineConfig
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     from components.data.paths import Paths
     from components.data.records import read_jsonl, split_path
-    from components.engine.grpo.batch import PromptSchedule, collect_batch, one_process_round, reward_specs, \
-        sampling_params
+    from components.engine.grpo.batch import (
+        PromptSchedule,
+        collect_batch,
+        one_process_round,
+        reward_specs,
+        sampling_params,
+    )
     from components.engine.grpo.objectives import build_loss
     from components.engine.grpo.policy import build_policy
     from components.engine.grpo.trajectory import build_trajectory

@@ -9,8 +9,8 @@ import json
 import logging
 import re
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 @contextlib.contextmanager

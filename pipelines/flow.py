@@ -420,7 +420,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
         try:  # one job: the outcome, and on success the rewards, data hashes and model version
             parent.update(metrics=metrics, tags=tags, status=status)
             open_runs.remove(parent.run_id)
-        except Exception as err:  # noqa: BLE001 - a failed stage's own error is the one to report
+        except Exception as err:
             if status == "FINISHED":
                 raise
             print(f"(the MLflow parent run was not marked FAILED: {err})", file=sys.stderr)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 OPEN_RUNS_FILE = "logs/open-mlflow-runs.json"
 
 

@@ -84,7 +84,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
     except UserCodeError as err:  # the user's function failed (components/user_code.py): named, one line
         report_error(f"{stage}: {err}; nothing of this stage was kept: fix it and rerun")
         return 1
-    except Exception as err:  # noqa: BLE001 - only tracking-server outages are turned into one line here
+    except Exception as err:
         if not is_outage(err):
             raise
         from components.tracking.runs import tracking_uri

@@ -18,8 +18,8 @@ import numpy as np
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, split_path, write_jsonl, write_text_atomic
-from components.engine.evaluation.heldout import paired_bootstrap
 from components.engine.environments.spec import episode_spec
+from components.engine.evaluation.heldout import paired_bootstrap
 from components.engine.evaluation.task_metrics import TaskMetrics, check_metrics, metric_key
 from components.engine.models.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
 from components.engine.models.prompting import PromptFormatter

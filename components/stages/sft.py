@@ -30,8 +30,6 @@ from components.engine.models.modeling import (
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
 from components.engine.models.rollouts import decode_completions, positions_from_mask
-from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -43,6 +41,8 @@ from components.engine.parallel.distributed import (
     wrap_ddp,
 )
 from components.engine.rewards.rewards import RewardError, RewardModel
+from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.hf import sample_texts
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 

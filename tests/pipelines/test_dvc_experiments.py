@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def test_dvc_experiments_run_queue_show_and_apply(tmp_path):
-    from dvc.api import exp_show
     import yaml
+    from dvc.api import exp_show
     from mlflow.tracking import MlflowClient
 
     from components.runtime.stage_server import SERVER_ENV, start_server, stop_server

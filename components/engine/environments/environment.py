@@ -79,7 +79,7 @@ def load_environment_factory(name: str) -> Callable[[], Environment]:
         raise ConfigError(f"grpo.environment: {err.args[0] if err.args else err}") from err
     try:
         instance = factory()
-    except Exception as err:  # noqa: BLE001 - the user's factory: refused with its error
+    except Exception as err:
         raise ConfigError(f"grpo.environment: {name!r} raised {type(err).__name__} when built: {err}") from err
     missing = [m for m in ("reset", "step") if not callable(getattr(instance, m, None))]
     if missing:

@@ -117,7 +117,7 @@ class EpisodeRunner:
                 try:
                     with time_limit(self.limits.timeout_s, f"{self.describe} reset"):
                         first = environment.reset(record)
-                except Exception as err:  # noqa: BLE001 - the user's environment: this record cannot be played
+                except Exception as err:
                     raise EnvironmentFailed(f"{self.describe}: reset raised {type(err).__name__}: {err} "
                                             f"(record {record.get('id')!r})") from err
                 group.append((environment, first))

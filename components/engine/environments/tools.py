@@ -67,7 +67,7 @@ def tool_of(name: str, function: Callable[..., Any]) -> Tool:
 
     try:
         schema = get_json_schema(function)
-    except Exception as err:  # noqa: BLE001 - transformers' schema errors have no common base
+    except Exception as err:
         raise ConfigError(f"grpo.tools: {name!r} cannot be shown to the model: {err} (every parameter needs a type "
                           "hint and a line under 'Args:' in the docstring)") from err
     return Tool(schema["function"]["name"], function, schema)

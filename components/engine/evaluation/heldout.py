@@ -18,6 +18,7 @@ from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, reward_columns, split_path
+from components.engine.environments.spec import episode_spec
 from components.engine.models.modeling import (
     ModelLoadError,
     load_policy_model,
@@ -26,7 +27,6 @@ from components.engine.models.modeling import (
     resolve_model_dir,
     seed_everything,
 )
-from components.engine.environments.spec import episode_spec
 from components.engine.models.prompting import PromptFormatter
 from components.engine.models.rollouts import decode_completions
 from components.engine.rewards.rewards import RewardModel

@@ -6,8 +6,9 @@ that ran a held-out evaluation), so a resumed run replays them and reaches the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -19,9 +19,10 @@ as in training with `evaluate.max_new_tokens` tokens after each prompt; rewards 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import comb
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -29,10 +30,10 @@ from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateCon
 from components.data.records import reward_columns
 from components.engine.environments.episodes import reward_inputs, transcript
 from components.engine.environments.spec import EpisodeSpec
+from components.engine.rewards.rewards import RewardModel, resolve_reward
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.choose import evaluation_engine
 from components.engine.rollout.hf import sample_texts
-from components.engine.rewards.rewards import RewardModel, resolve_reward
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

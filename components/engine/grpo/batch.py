@@ -20,11 +20,11 @@ import torch
 
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
+from components.engine.environments.episodes import reward_inputs
 from components.engine.grpo.objectives import normalize_then_sum
 from components.engine.grpo.policy import Policy
-from components.engine.environments.episodes import reward_inputs
 from components.engine.models.rollouts import Rollouts, concat_rollouts
-from components.engine.parallel.distributed import DistContext, all_gather_objects, all_true, group_seed, shard
+from components.engine.parallel.distributed import DistContext, all_gather_objects, group_seed, shard
 from components.engine.rewards.rewards import RewardError, RewardModel, RewardResult
 from components.engine.rollout.base import SamplingParams
 

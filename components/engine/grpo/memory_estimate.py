@@ -44,7 +44,7 @@ class ModelShape:
     trainable: int
 
     @classmethod
-    def of(cls, model: Any) -> "ModelShape":
+    def of(cls, model: Any) -> ModelShape:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         c = base.config
         heads = c.num_attention_heads

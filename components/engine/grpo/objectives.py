@@ -248,7 +248,7 @@ class GRPOLoss:
                            sapo_temperatures=self.sapo_temperatures, token_mask=token_mask)
 
 
-def build_loss(g: "GRPOConfig") -> GRPOLoss:
+def build_loss(g: GRPOConfig) -> GRPOLoss:
     """`grpo.*` settings -> the loss object (epsilon_high defaults to epsilon: symmetric clipping)."""
     return GRPOLoss(loss_type=g.loss_type, epsilon_low=g.epsilon,
                     epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -12,7 +12,8 @@ passes, and the dot product as `bmm`: the measurements are in docs/performance.m
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -7,7 +7,6 @@ import math
 
 import torch
 
-
 HALF = (torch.bfloat16, torch.float16)
 
 

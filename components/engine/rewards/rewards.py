@@ -17,8 +17,9 @@ import re
 import signal
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from components.config import ConfigError, RewardSpec
 from components.engine.rewards.extract import extract_answer

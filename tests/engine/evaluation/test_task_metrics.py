@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from components.config import EvaluateConfig, RewardSpec
 from components.engine.evaluation.task_metrics import TaskMetrics, metric_key, pass_at_k

@@ -479,7 +479,8 @@ def test_decoding_after_a_shared_prefix_matches_a_full_forward():
 def test_the_self_check_covers_the_shared_prefix_path(monkeypatch):
     model = _llama()
     assert checked_prefix_shared_lm(model, max_length=20, completion_length=5) is not None
-    from components.engine.fast import attention, prompts as prompt_module
+    from components.engine.fast import attention
+    from components.engine.fast import prompts as prompt_module
 
     broken = PrefixSharedLM(model)
     original = prompt_module.prompt_layer

@@ -80,7 +80,12 @@ def test_padded_products_match_f_linear_with_and_without_a_gradient(every_produc
 def test_the_prompt_once_forward_on_onednn_matches_hugging_face(every_product_on_onednn, arch):
     from components.engine.fast.build import checked_prefix_shared_lm
     from components.engine.models.logprobs import completion_logprobs
-    from tests.engine.fast.test_fastlm import ARCHITECTURES, _assert_same_logprobs_and_grads, _logprobs_and_grads, _rollout
+    from tests.engine.fast.test_fastlm import (
+        ARCHITECTURES,
+        _assert_same_logprobs_and_grads,
+        _logprobs_and_grads,
+        _rollout,
+    )
 
     model = ARCHITECTURES[arch]()
     fast = checked_prefix_shared_lm(model)

@@ -20,8 +20,8 @@ trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is the re
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from components.config import GRPOConfig, RewardSpec  # noqa: E402
-from components.engine.grpo.objectives import build_loss, high_entropy_mask  # noqa: E402
 from components.engine.grpo.batch import advantage_rewards  # noqa: E402
+from components.engine.grpo.objectives import build_loss, high_entropy_mask  # noqa: E402
 from components.engine.rewards.rewards import RewardResult  # noqa: E402
 from components.losses import LOSSES  # noqa: E402
 

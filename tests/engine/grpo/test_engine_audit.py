@@ -337,13 +337,12 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     update -> reference update. Any changed line in it (another scaling, a dropped mask, the policy
     as reference, a skipped EMA) changes the weights below."""
     from components.data.paths import Paths
-    from components.data.records import read_jsonl, split_path
-    from components.data.records import reward_columns
+    from components.data.records import read_jsonl, reward_columns, split_path
     from components.engine.grpo.batch import PromptSchedule
     from components.engine.grpo.policy import build_policy, update_reference
     from components.engine.models.modeling import seed_everything
-    from components.engine.models.rollouts import decode_completions
     from components.engine.models.optim import cosine_learning_rate
+    from components.engine.models.rollouts import decode_completions
     from components.engine.rewards.rewards import RewardModel
     from components.stages.grpo import train_grpo
     from components.stages.model import build_base_model

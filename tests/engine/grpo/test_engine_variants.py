@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
-from components.engine.grpo.objectives import group_advantages, policy_loss
 from components.engine.grpo.batch import informative_groups
+from components.engine.grpo.objectives import group_advantages, policy_loss
 from components.engine.grpo.policy import Policy, attach_lora, update_reference
 from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs

@@ -178,8 +178,13 @@ def test_the_default_keeps_every_token_and_one_sum():
 def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny_model, collector):
     """Row for row through dynamic sampling's refills and concatenation, or the per-group path's CPU round trip;
     with GDPO the batch's totals are the normalised sums while the logged curve stays the weighted sums."""
-    from components.engine.grpo.batch import (PromptSchedule, collect_batch, one_process_round, per_group_round,
-                                              sampling_params)
+    from components.engine.grpo.batch import (
+        PromptSchedule,
+        collect_batch,
+        one_process_round,
+        per_group_round,
+        sampling_params,
+    )
     from components.engine.rewards.rewards import RewardModel
 
     tok, base = tiny_model

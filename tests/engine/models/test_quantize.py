@@ -9,10 +9,9 @@ import sys
 import pytest
 import torch
 
-from components.config import LoRAConfig
+from components.config import ConfigError, LoRAConfig
 from components.engine.grpo.policy import attach_lora
 from components.engine.models.quantize import quantize_base
-from components.config import ConfigError
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

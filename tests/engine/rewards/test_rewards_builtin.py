@@ -81,8 +81,8 @@ def test_distinct_ngrams_by_hand():
 
 
 def test_distinct_ngrams_is_a_builtin_and_refuses_a_bad_n():
-    from components.engine.rewards.rewards import RewardError, RewardModel
     from components.config import RewardSpec
+    from components.engine.rewards.rewards import RewardError, RewardModel
 
     model = RewardModel([RewardSpec("distinct_ngrams", 1.0, {"n": 0})])
     with pytest.raises(RewardError, match="distinct_ngrams.*n must be >= 1"):

@@ -7,7 +7,13 @@ import torch
 
 from components.config import TinyModelConfig
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.modeling import build_char_tokenizer, build_tiny_model, load_model, load_tokenizer, save_model
+from components.engine.models.modeling import (
+    build_char_tokenizer,
+    build_tiny_model,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 from components.engine.models.rollouts import decode_completions
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.draw import filter_top_k, filter_top_p, sample_from
