@@ -538,7 +538,8 @@ def save(args, report: dict[str, Any]) -> None:
     report = merged(args, report)
     text = markdown(report)
     # benchmarks/results holds GPU runs only: a CPU run (--smoke, a check) writes to --out alone
-    folders = ([ROOT / "benchmarks" / "results"] if args.device == "cuda" else []) + ([Path(args.out)] if args.out else [])
+    folders = (([ROOT / "benchmarks" / "results"] if args.device == "cuda" else [])
+               + ([Path(args.out)] if args.out else []))
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "gpu_rows.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -25,7 +25,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 {"what": f"{label}: times TRL", "value": r["speedup_vs_trl"], "target": f">= {LONG_VS_TRL}",
                  "met": r["speedup_vs_trl"] >= LONG_VS_TRL},
                 {"what": f"{label}: generation tokens/s", "value": ours["generation_tokens_per_s"],
-                 "target": f">= {GENERATION_TOKENS_S:,}", "met": ours["generation_tokens_per_s"] >= GENERATION_TOKENS_S}]
+                 "target": f">= {GENERATION_TOKENS_S:,}",
+                 "met": ours["generation_tokens_per_s"] >= GENERATION_TOKENS_S}]
     full = [r for r in report.get("rows", []) if r.get("row") == "scale" and r.get("shape") == "qwen2.5-1.5b"
             and r.get("mode") == "full"]
     if full:
@@ -62,7 +63,8 @@ def table(report: dict[str, Any]) -> str:
              f"{ceiling.get('bf16_tflops')} TFLOP/s bf16 matmul. vLLM cannot be installed on these machines: TRL "
              "generates with Hugging Face `generate`.", "",
              "| row | engine | completion tokens/s (step) | generation tokens/s | reference / update tokens/s | "
-             "peak GPU GB (host RSS so far) | generation vs bandwidth floor | update MFU |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "peak GPU GB (host RSS so far) | generation vs bandwidth floor | update MFU |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in report.get("rows", []):
         if "error" in r:
             lines.append(f"| {r.get('row')} {r.get('shape', '')} {r.get('mode', '')} | failed: {r['error'][:120]} "
@@ -94,7 +96,8 @@ def table(report: dict[str, Any]) -> str:
                          f"{_f(r['compiled']['generation_tokens_per_s'])} compiled (first step "
                          f"{r['compiled']['first_step_s']} s) | | | | |")
         elif r["row"] == "heldout":
-            trl = "" if r.get("trl") is None else (f", TRL {r['trl']:.3f} (ours - TRL {r['ours_minus_trl']['mean']:+.3f}"
+            trl = "" if r.get("trl") is None else (f", TRL {r['trl']:.3f} "
+                                                   f"(ours - TRL {r['ours_minus_trl']['mean']:+.3f}"
                                                    f", CI {r['ours_minus_trl']['ci95_low']:+.3f} .. "
                                                    f"{r['ours_minus_trl']['ci95_high']:+.3f})")
             lines.append(f"| held-out, {r['mode']}, after {r['completions']:,} completions (n = {r['n']}, start "

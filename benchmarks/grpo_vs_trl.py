@@ -406,7 +406,8 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=str(tree))
         self.log = log.open("w")
         spec = {**spec, "engine": engine, "fd_in": cmd_r, "fd_out": rep_w}
-        python = tree / ".venv" / "bin" / "python" if tree != ROOT and (tree / ".venv").exists() else Path(sys.executable)
+        python = (tree / ".venv" / "bin" / "python" if tree != ROOT and (tree / ".venv").exists()
+                  else Path(sys.executable))
         self.proc = subprocess.Popen([str(python), str(tree / "benchmarks" / "grpo_vs_trl.py"), "--worker",
                                       json.dumps(spec)], stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      pass_fds=(cmd_r, rep_w), cwd=str(tree))

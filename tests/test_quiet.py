@@ -1,5 +1,6 @@
 """A run's log shows the run: importing transformers with torchao installed adds nothing to stderr once the
-library is imported (components/quiet.py, drop_optional_import_noise), while other warnings of those loggers still show."""
+library is imported (components/quiet.py, drop_optional_import_noise), while other warnings of those loggers still
+show."""
 
 import subprocess
 import sys

@@ -118,7 +118,8 @@ def multiplication(task: TaskConfig, seed: int) -> dict[str, list[dict[str, Any]
         for i, (a, b) in enumerate(pairs[start: start + size]):
             row = {"id": f"{split}-{i:06d}", "prompt": f"What is {a} * {b}?", "answer": str(a * b)}
             if split == "sft":
-                call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+                call = {"type": "function",
+                        "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
                 row["tool_solution"] = [{"role": "assistant", "content": "", "tool_calls": [call]},
                                         {"role": "tool", "name": "calculator", "content": str(a * b)},
                                         {"role": "assistant", "content": str(a * b)}]

@@ -249,9 +249,9 @@ def _validate_split(suite: SuiteContext, paths: Paths, split: str, file_label: s
             df["_id_seen_earlier"] = [k in seen_ids for k in keys]
             seen_ids.update(keys)
         repeated.mark(df, offset)
-        result = _run_suite(suite.gx, split, df, lambda columns: _suite(
+        result = _run_suite(suite.gx, split, df, lambda columns, target=sft_target: _suite(
             suite.gx, f"{split}_suite", columns, split, suite.context - suite.budget, suite.context,
-            suite.heldout_prompts if leak_check else None, suite.heldout_norm if leak_check else None, sft_target))
+            suite.heldout_prompts if leak_check else None, suite.heldout_norm if leak_check else None, target))
         if n == 0:
             docs[split] = result
         _record(result, df, offset, file_label, checks, found)

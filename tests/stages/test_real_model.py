@@ -308,7 +308,8 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, c
     summary = train_grpo(cfg, paths)
     assert summary["steps"] == 2
     rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
-    assert {"turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode", "episodes_cut_frac"} <= set(rows[0])
+    assert {"turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode",
+            "episodes_cut_frac"} <= set(rows[0])
     assert all(1.0 <= float(r["turns_per_episode"]) <= 3.0 for r in rows)
     assert float(rows[0]["tool_calls_per_episode"]) > 0, "the warm start never called the calculator"
     report = evaluate(cfg, paths)

@@ -57,7 +57,8 @@ class EpisodeSpec:
 
         return first_messages
 
-    def conversation(self, tokenizer: Any) -> Callable[[dict[str, Any], list[dict[str, Any]]], tuple[list[int], list[int]]]:
+    def conversation(
+            self, tokenizer: Any) -> Callable[[dict[str, Any], list[dict[str, Any]]], tuple[list[int], list[int]]]:
         """(ids, model_mask) of a worked conversation: a record's first messages, then `turns` (assistant turns and
         the answers between them), laid out token for token as an episode is (SFT's warm start on tool use)."""
         chat = self.chat(tokenizer)

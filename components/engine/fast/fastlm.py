@@ -82,7 +82,8 @@ class PrefixSharedLM:
         attend = attention_rows(self.pieces, prompts, rows, counts, fed_rows, fed_cols, steps)
 
         def decoder_layer(x: torch.Tensor, i: int, layer: Any, fused: LayerWeights) -> torch.Tensor:
-            heads = self.pieces.qkv_heads(layer, fused, self.pieces.norm(layer.input_layernorm, x), rotary)[0]  # [h, U*W + S, d]
+            # heads: [h, U*W + S, d]
+            heads = self.pieces.qkv_heads(layer, fused, self.pieces.norm(layer.input_layernorm, x), rotary)[0]
             return self.pieces.finish_layer(layer, fused, x, attend(i, heads)[None])
 
         recompute = self.options.gradient_checkpointing and torch.is_grad_enabled()

@@ -2,8 +2,9 @@
 
 `fit_memory` uses it when the policy is built: to turn gradient checkpointing on where `auto` says so, to warn (with
 the knobs that lower it) when the estimate exceeds the memory the machine has free, and to pick the allocator setting
-(`host_memory.configure_allocator`) from the step's largest activation. The figures are float32 bytes on the CPU (half that per value for bfloat16 on a GPU);
-the benchmark `benchmarks/long_completions.py` prints each estimate beside the measured peak.
+(`host_memory.configure_allocator`) from the step's largest activation. The figures are float32 bytes on the CPU
+(half that per value for bfloat16 on a GPU); the benchmark `benchmarks/long_completions.py` prints each estimate
+beside the measured peak.
 
 Per decoder layer and token, a training forward keeps about `ACTIVATION_WIDTHS` values for backward (inputs of
 the norms, q|k|v, rotated q|k, attention output, residuals, gate, up, their product): 10 x hidden + 4 x

@@ -139,8 +139,9 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
                  with_reference: bool, wrapped: bool = False, stop_together: Callable[[bool], bool] | None = None,
                  say: Callable[..., None] = print) -> tuple[Policy, MemoryFit]:
     """Policy and reference (when `with_reference`); gradient checkpointing decided from the step's memory estimate
-    (`memory_estimate.fit_memory`, returned beside the policy); then the engine (`wrapped`: several processes, whose forwards must go through
-    their wrapper or be the same for any process count; `stop_together`: a sharded model's lockstep decoding).
+    (`memory_estimate.fit_memory`, returned beside the policy); then the engine (`wrapped`: several processes, whose
+    forwards must go through their wrapper or be the same for any process count; `stop_together`: a sharded model's
+    lockstep decoding).
     `records` size the memory estimate and the prompt-once engine's self-check."""
     g = cfg.grpo
     tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)

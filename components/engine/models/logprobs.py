@@ -145,7 +145,7 @@ def completion_logprobs(model, rollouts: Rollouts, temperature: float = 1.0,
         return out / temperature if temperature != 1.0 else out
 
     n = rollouts.completion_ids.shape[0]
-    logp, entropy = head_token_logprobs(logits, hidden.reshape(n * comp_len, -1), rollouts.completion_ids.reshape(-1),
-                                        getattr(head, "out_features", None) or decoder.get_input_embeddings().num_embeddings,
-                                        with_entropy)
+    logp, entropy = head_token_logprobs(
+        logits, hidden.reshape(n * comp_len, -1), rollouts.completion_ids.reshape(-1),
+        getattr(head, "out_features", None) or decoder.get_input_embeddings().num_embeddings, with_entropy)
     return logp.view(n, comp_len), (entropy.view(n, comp_len) if with_entropy else None)

@@ -46,8 +46,8 @@ def extract_answer(text: str, how: str | None) -> str | None:
         return last_number(text)
     if how.startswith("regex:"):
         match = None
-        for match in re.finditer(how[len("regex:"):], text, re.DOTALL):
-            pass
+        for found in re.finditer(how[len("regex:"):], text, re.DOTALL):
+            match = found
         if match is None:
             return None
         return (match.group(1) if match.groups() else match.group(0)).strip()

@@ -45,7 +45,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
                   tolerance: float = 1e-6, extract: str | None = None, **_: Any) -> list[float | None]:
-    """1.0 when the first number of the completion (or of its `extract`ed answer) equals the answer within `tolerance`."""
+    """1.0 when the first number of the completion (or of its `extract`ed answer) equals the answer within
+    `tolerance`."""
     scores: list[float | None] = []
     for c, a in zip(completions, answer):
         if a is None:
@@ -54,7 +55,8 @@ def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Se
         got = extract_answer(c, extract)
         found = _NUMBER.search(got.replace(",", "")) if got is not None else None
         try:
-            scores.append(float(found is not None and abs(float(found.group()) - float(str(a).replace(",", ""))) <= tolerance))
+            scores.append(float(found is not None
+                                and abs(float(found.group()) - float(str(a).replace(",", ""))) <= tolerance))
         except ValueError:
             scores.append(0.0)
     return scores
@@ -199,8 +201,8 @@ def overlong_penalty(prompts: Sequence[str], completions: Sequence[str], complet
     return out
 
 
-def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (), timeout_s: float = 5.0,
-                   memory_mb: int = 512, **_: Any) -> list[float | None]:
+def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (),
+                   timeout_s: float = 5.0, memory_mb: int = 512, **_: Any) -> list[float | None]:
     """1.0 when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
     from components.engine.rewards.sandbox import run_untrusted_python
 
@@ -360,7 +362,8 @@ class RewardModel:
 
     def __init__(self, specs: Sequence[Any], timeout_s: float = 0.0):
         self.timeout_s = timeout_s
-        self.components = [(spec.name, resolve_reward(spec.name), float(spec.weight), dict(getattr(spec, "options", {})))
+        self.components = [(spec.name, resolve_reward(spec.name), float(spec.weight),
+                            dict(getattr(spec, "options", {})))
                            for spec in specs]
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> RewardResult:

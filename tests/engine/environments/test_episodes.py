@@ -97,7 +97,8 @@ def test_a_hand_built_conversation_has_the_episodes_layout_token_for_token():
     EOS marked, nothing else."""
     tokenizer = chat_tokenizer()
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 * 4"}}}
-    messages = [{"role": "user", "content": "What is 3 * 4?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+    messages = [{"role": "user", "content": "What is 3 * 4?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "name": "calculator", "content": "12"}, {"role": "assistant", "content": "12"}]
     ids, mask, prompt_length = conversation_ids(ChatFormat(tokenizer), messages)
     written = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 * 4"}}</tool_call>'

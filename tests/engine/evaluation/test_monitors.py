@@ -136,7 +136,8 @@ def test_no_signal_is_judged_once_on_the_first_steps():
     assert no_signal(starved[:6], c, 6, 16) is not None  # a 6-step run is judged at its last step
     assert no_signal(starved[:10], NoSignalConfig(steps=0), 40, 16) is None  # off
     solved = steps(10, zero_std_group_frac=1.0, all_fail_group_frac=0.0)
-    assert no_signal(solved, c, 40, 16).endswith("already solves most prompts alike: harder prompts or a stricter reward")
+    assert no_signal(solved, c, 40, 16).endswith(
+        "already solves most prompts alike: harder prompts or a stricter reward")
 
 
 def test_the_on_policy_check_keeps_its_float32_threshold_out_of_bfloat16_runs():

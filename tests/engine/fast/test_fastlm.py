@@ -216,7 +216,8 @@ def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_pat
     ids = torch.cat([prompts.repeat_interleave(3, 0), fed], 1)
     full_mask = torch.cat([mask.repeat_interleave(3, 0), torch.ones_like(fed)], 1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(input_ids=ids, attention_mask=full_mask,
+                       position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
     for t, step_logits in enumerate(seen):
         assert torch.allclose(step_logits, logits[:, prompts.shape[1] - 1 + t], atol=1e-4), f"decode step {t}"
 
@@ -247,7 +248,8 @@ def test_sampling_under_inference_mode_leaves_the_loss_forward_and_backward_work
 def test_unsupported_or_mismatching_models_fall_back(monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    assert checked_prefix_shared_lm(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))) is None
+    assert checked_prefix_shared_lm(
+        GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))) is None
     model = _llama()
     assert checked_prefix_shared_lm(model) is not None
     pieces = ModelPieces.__init__

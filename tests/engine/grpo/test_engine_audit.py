@@ -36,8 +36,8 @@ def test_resume_key_covers_every_param_dvc_reruns_grpo_for():
     base = load_config(PARAMS)
     key = stage_params_hash(base, "grpo", "data", "model")
     # Both were left out of the key before: a prompt template or dtype change resumed the old policy.
-    for override in ("prompt.template=Question {prompt}", "model.dtype=float32", "threads=1", "distributed.per_group_sampling=true",
-                     "grpo.kl_beta=0.1", "seed=7"):
+    for override in ("prompt.template=Question {prompt}", "model.dtype=float32", "threads=1",
+                     "distributed.per_group_sampling=true", "grpo.kl_beta=0.1", "seed=7"):
         assert stage_params_hash(load_config(PARAMS, [override]), "grpo", "data", "model") != key, override
     # ... and the data and the starting model's hashes.
     assert stage_params_hash(base, "grpo", "other data", "model") != key

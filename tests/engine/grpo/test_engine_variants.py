@@ -139,8 +139,8 @@ def tiny_model():
 
 
 def _rollout(tok, model, n_prompts=4, group=4):
-    return sample_texts(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)], SamplingParams(n=group, max_new_tokens=4),
-                        torch.Generator().manual_seed(0))
+    return sample_texts(model, tok, [f"{i}+{i + 3}=" for i in range(n_prompts)],
+                        SamplingParams(n=group, max_new_tokens=4), torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointed-micro-batches"])

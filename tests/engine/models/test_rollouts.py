@@ -16,7 +16,8 @@ def _rollouts(group_size: int = 2) -> Rollouts:
 
 def test_the_group_layout_is_asked_of_the_rollouts():
     rollouts = _rollouts()
-    assert rollouts.num_groups == 2 and rollouts.group_rows([1]) == [2, 3] and rollouts.group_rows([1, 0]) == [2, 3, 0, 1]
+    assert (rollouts.num_groups == 2 and rollouts.group_rows([1]) == [2, 3]
+            and rollouts.group_rows([1, 0]) == [2, 3, 0, 1])
     assert rollouts.by_group(torch.arange(4.0)).tolist() == [[0.0, 1.0], [2.0, 3.0]]
     kept = rollouts.select_groups([1])
     assert kept.group_size == 2 and kept.prompt_ids.tolist() == [[7, 6], [7, 6]]
@@ -54,7 +55,8 @@ def test_concat_re_pads_prompts_on_the_left_and_completions_on_the_right():
 def test_trimmed_drops_completion_columns_that_are_padding_in_every_row():
     rollouts = _rollouts()
     padded = concat_rollouts([rollouts, Rollouts(rollouts.prompt_ids[:2], rollouts.prompt_mask[:2],
-                                                 torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long),
+                                                 torch.zeros(2, 5, dtype=torch.long),
+                                                 torch.zeros(2, 5, dtype=torch.long),
                                                  torch.zeros(2, dtype=torch.bool), 2, torch.zeros(2, 5))], 0)
     assert padded.completion_ids.shape[1] == 5 and padded.trimmed().completion_ids.shape[1] == 3
 

@@ -141,7 +141,8 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
                             start_new_session=True)
     ckpts = killed / "checkpoints" / "grpo"
     deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None and not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+    while (time.time() < deadline and proc.poll() is None
+           and not (ckpts.exists() and any(p.name.startswith("step-") for p in ckpts.iterdir()))):
         time.sleep(0.02)
     tree = process_tree(proc.pid)  # the stage, torchrun's agent and both workers: the whole job dies
     assert len(tree) >= 4, f"expected launcher, torchrun and 2 workers, found {tree}"
@@ -155,7 +156,8 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
 
     cfg = load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"])
-    resumed = subprocess.run([sys.executable, "-m", "components.stages.grpo", "--set", "distributed.per_group_sampling=true"]
+    resumed = subprocess.run([sys.executable, "-m", "components.stages.grpo",
+                              "--set", "distributed.per_group_sampling=true"]
                              + [x for o in overrides for x in ("--set", o)], cwd=killed, capture_output=True,
                              text=True, env={**os.environ})
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -43,7 +43,8 @@ def test_writing_outside_its_directory_is_refused(tmp_path):
 
 def test_environment_secrets_are_not_visible(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "s3cr3t")
-    result = run_untrusted_python("import os\nprint(sorted(os.environ))\nassert 'MLFLOW_TRACKING_TOKEN' not in os.environ")
+    result = run_untrusted_python("import os\nprint(sorted(os.environ))\n"
+                                  "assert 'MLFLOW_TRACKING_TOKEN' not in os.environ")
     assert result.passed and "s3cr3t" not in result.stdout
     proc = run_untrusted_python("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())")
     assert not proc.passed and "s3cr3t" not in proc.stdout
