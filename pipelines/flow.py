@@ -348,10 +348,29 @@ def read_compute_times(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _parent_run_record(root_path: Path, evaluation: dict[str, Any],
+                       registration: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """What a finished run's parent MLflow run records: the rewards before and after (and against the champion),
+    the data's hashes, the model version and the promotion decision."""
+    from components.data.records import SPLITS, file_md5, split_path
+
+    metrics = {"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
+               "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
+               "improvement_mean": evaluation["improvement"]["mean"],
+               "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
+               "improvement_ci95_high": evaluation["improvement"]["ci95_high"]}
+    if registration.get("vs_champion"):  # beside the comparison with its start: the one with the champion
+        metrics.update({f"vs_champion_{k}": registration["vs_champion"][k] for k in ("mean", "ci95_low", "ci95_high")})
+    tags = {**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split)) for split in SPLITS},
+            "model_version": registration["version"], "model_name": registration["model_name"],
+            "promotion.decision": "champion" if registration["promoted"] else "challenger",
+            "promotion.champion_version": str(registration.get("champion_version") or "none")}
+    return metrics, tags
+
+
 def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     import tempfile
 
-    from components.data.records import SPLITS, file_md5, split_path
     from components.stages.cli import STAGE_TIMINGS_ENV
     from components.tracking.runs import tracking_uri
     from pipelines.params_io import apply_to_params
@@ -395,19 +414,7 @@ def _run_stages_with_server(root_path: Path, overrides: dict[str, Any] | None = 
                 raise
         evaluation = json.loads((root_path / "metrics" / "eval.json").read_text())
         registration = json.loads((root_path / "metrics" / "register.json").read_text())
-        metrics = {"baseline_mean_reward": evaluation["baseline"]["mean_reward"],
-                   "candidate_mean_reward": evaluation["candidate"]["mean_reward"],
-                   "improvement_mean": evaluation["improvement"]["mean"],
-                   "improvement_ci95_low": evaluation["improvement"]["ci95_low"],
-                   "improvement_ci95_high": evaluation["improvement"]["ci95_high"]}
-        if registration.get("vs_champion"):  # beside the comparison with its start: the one with the champion
-            metrics.update({f"vs_champion_{k}": registration["vs_champion"][k]
-                            for k in ("mean", "ci95_low", "ci95_high")})
-        tags = {**{f"data.{split}.md5": file_md5(split_path(root_path / "data" / "prepared", split))
-                   for split in SPLITS},
-                "model_version": registration["version"], "model_name": registration["model_name"],
-                "promotion.decision": "champion" if registration["promoted"] else "challenger",
-                "promotion.champion_version": str(registration.get("champion_version") or "none")}
+        metrics, tags = _parent_run_record(root_path, evaluation, registration)
         status = "FINISHED"
     except StageInterruptedError:
         status = "KILLED"
