@@ -1,4 +1,4 @@
-"""The one door every call of the user's code goes through (rewards today; tools and environments later).
+"""The one door every call of the user's code goes through: rewards, tools and environments.
 
 Whatever the user's function raises, `SystemExit` and `KeyboardInterrupt` included, comes out as one
 `UserCodeError` naming it (`reward 'pkg.mod:fn' raised SystemExit: 1`), which the caller handles by its

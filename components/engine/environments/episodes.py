@@ -26,6 +26,7 @@ from components.engine.models.rollouts import Rollouts, decode_completions, left
 from components.engine.rewards.rewards import time_limit
 from components.engine.rollout.base import RolloutEngine, SamplingParams
 from components.errors import StageFailed
+from components.user_code import UserCodeError, calling
 
 
 class EnvironmentFailed(StageFailed):
@@ -113,12 +114,14 @@ class EpisodeRunner:
         for record in records:
             group = []
             for _ in range(n):
-                environment = self.make_environment()
-                try:
-                    with time_limit(self.limits.timeout_s, f"{self.describe} reset"):
+                try:  # the user's code, through the one door (components/user_code.py)
+                    with calling(self.describe, "starting an episode"), \
+                            time_limit(self.limits.timeout_s, f"{self.describe} reset"):
+                        environment = self.make_environment()
                         first = environment.reset(record)
-                except Exception as err:
-                    raise EnvironmentFailed(f"{self.describe}: reset raised {type(err).__name__}: {err} "
+                except UserCodeError as err:  # this record cannot be played
+                    cause = err.__cause__
+                    raise EnvironmentFailed(f"{self.describe}: reset raised {type(cause).__name__}: {cause} "
                                             f"(record {record.get('id')!r})") from err
                 group.append((environment, first))
             if any(messages != group[0][1] for _, messages in group):
@@ -164,11 +167,12 @@ class EpisodeRunner:
 
     def _step(self, run: _Run, text: str) -> EnvironmentStep | None:
         """The environment's answer; None (the episode ended, the failure recorded) when it raises or overruns."""
-        try:
-            with time_limit(self.limits.timeout_s, f"{self.describe} step"):
+        try:  # the user's code, through the one door: whatever it raises fails this episode, not the step
+            with calling(self.describe, "answering a turn"), time_limit(self.limits.timeout_s, f"{self.describe} step"):
                 return as_step(run.environment.step(text))
-        except Exception as err:  # noqa: BLE001 - the user's environment fails this episode, not the step
-            run.episode.done, run.episode.cut = True, f"environment error: {type(err).__name__}: {err}"
+        except UserCodeError as err:
+            cause = err.__cause__
+            run.episode.done, run.episode.cut = True, f"environment error: {type(cause).__name__}: {cause}"
             return None
 
     def _check_failures(self, runs: Sequence[_Run]) -> None:

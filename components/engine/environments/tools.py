@@ -13,6 +13,7 @@ from typing import Any
 from components.config import ConfigError
 from components.engine.environments import builtin
 from components.engine.rewards.rewards import time_limit
+from components.user_code import UserCodeError, calling
 
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": builtin.calculator}
 
@@ -89,9 +90,10 @@ def load_tools(names: Sequence[str]) -> list[Tool]:
 
 
 def call_tool(tools: Mapping[str, Tool], call: ToolCall, timeout_s: float) -> ToolResult:
-    """Run one call: an unknown tool, arguments that do not fit its signature, an exception, a call past
-    `timeout_s` or a result that is not text (nor a number) become an error message the model reads, as TRL
-    does; never a crashed step."""
+    """Run one call: an unknown tool, arguments that do not fit its signature, an exception (`SystemExit` and
+    `KeyboardInterrupt` included: the call goes through components/user_code.py), a call past `timeout_s` or a
+    result that is not text (nor a number) become an error message the model reads, as TRL does; never a crashed
+    step. A stop signal (Ctrl-C, SIGTERM) that arrives during the call stops the stage as usual."""
     tool = tools.get(call.name)
     if tool is None:
         return ToolResult(call.name, f"error: no tool named {call.name!r}; tools: {', '.join(sorted(tools))}", True)
@@ -99,11 +101,12 @@ def call_tool(tools: Mapping[str, Tool], call: ToolCall, timeout_s: float) -> To
         inspect.signature(tool.function).bind(**call.arguments)
     except TypeError as err:
         return ToolResult(call.name, f"error: wrong arguments for {call.name}: {err}", True)
-    try:
-        with time_limit(timeout_s, f"tool {call.name!r}"):
+    try:  # the one door for user code: SystemExit and KeyboardInterrupt included; a stop signal goes on
+        with calling(f"tool {call.name!r}", "answering a call"), time_limit(timeout_s, f"tool {call.name!r}"):
             result = tool.function(**call.arguments)
-    except Exception as err:  # noqa: BLE001 - the user's tool: its failure is the model's to read
-        return ToolResult(call.name, f"error: {type(err).__name__}: {err}", True)
+    except UserCodeError as err:  # the user's tool: its failure is the model's to read
+        cause = err.__cause__
+        return ToolResult(call.name, f"error: {type(cause).__name__}: {cause}", True)
     if isinstance(result, bool) or not isinstance(result, (str, int, float)):
         return ToolResult(call.name, f"error: tool {call.name} returned {type(result).__name__}, not text", True)
     return ToolResult(call.name, str(result))

@@ -210,12 +210,14 @@ def test_an_environment_is_played_turn_by_turn_and_its_reward_kept():
     assert reward_inputs(tokenizer, rollouts)[1]["environment_reward"] == [1.0]
 
 
-def test_an_environment_failing_on_most_episodes_stops_the_stage_in_one_line():
+@pytest.mark.parametrize("name, raised", [("broken", "ValueError: the environment broke"),
+                                          ("quitter", "SystemExit: the environment quit")])
+def test_an_environment_failing_on_most_episodes_stops_the_stage_in_one_line(name, raised):
     tokenizer = chat_tokenizer()
-    runner = EpisodeRunner(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:broken"),
-                           EpisodeLimits(4, 400, 1.0), f"{FIXTURES}:broken")
-    with pytest.raises(EnvironmentFailed, match=r"broken failed on 2 of 2 episodes in one turn .* the first: "
-                                                 r"environment error: ValueError: the environment broke") as err:
+    runner = EpisodeRunner(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"),
+                           EpisodeLimits(4, 400, 1.0), f"{FIXTURES}:{name}")
+    with pytest.raises(EnvironmentFailed, match=rf"{name} failed on 2 of 2 episodes in one turn .* the first: "
+                                                 rf"environment error: {raised}") as err:
         runner.run(ScriptedEngine(tokenizer, ["hi"]), [{"prompt": "x"}], SamplingParams(n=2, max_new_tokens=9))
     assert "\n" not in str(err.value)
 

@@ -37,13 +37,14 @@ def test_a_tool_that_cannot_be_used_is_refused_in_one_line_naming_it(name, messa
 @pytest.mark.parametrize("call, text", [
     (ToolCall("add", {"a": 2, "b": 3}), "5"),
     (ToolCall("boom", {"x": "?"}), "error: RuntimeError: tool exploded"),
+    (ToolCall("exits", {"x": "?"}), "error: SystemExit: 3"),
     (ToolCall("sleepy", {"seconds": 5}), "error: TimeoutError: tool 'sleepy' took longer than 0.2s"),
     (ToolCall("not_text", {"x": "?"}), "error: tool not_text returned dict, not text"),
     (ToolCall("add", {"a": 2}), "error: wrong arguments for add: missing a required argument: 'b'"),
-    (ToolCall("nope", {}), "error: no tool named 'nope'; tools: add, boom, not_text, sleepy"),
+    (ToolCall("nope", {}), "error: no tool named 'nope'; tools: add, boom, exits, not_text, sleepy"),
 ])
 def test_every_failed_call_is_an_error_the_model_reads_never_a_crash(call, text):
-    tools = {t.name: t for t in load_tools([f"{FIXTURES}:{n}" for n in ("add", "boom", "sleepy", "not_text")])}
+    tools = {t.name: t for t in load_tools([f"{FIXTURES}:{n}" for n in ("add", "boom", "exits", "sleepy", "not_text")])}
     result = call_tool(tools, call, timeout_s=0.2)
     assert result.text == text and result.error == text.startswith("error")
 

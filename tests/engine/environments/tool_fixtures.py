@@ -24,6 +24,15 @@ def boom(x: str) -> str:
     raise RuntimeError("tool exploded")
 
 
+def exits(x: str) -> str:
+    """Leaves by another door.
+
+    Args:
+        x: anything.
+    """
+    raise SystemExit(3)
+
+
 def sleepy(seconds: float) -> str:
     """Sleeps.
 
@@ -68,6 +77,15 @@ class Broken:
 
     def step(self, turn):
         raise ValueError("the environment broke")
+
+
+class Quitter(Broken):
+    def step(self, turn):
+        raise SystemExit("the environment quit")
+
+
+def quitter():
+    return Quitter()
 
 
 def echo():
