@@ -25,6 +25,17 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
 
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """Each test starts from the environment the one before it started from: a CLI entry point called in-process
+    sets variables for its own run (`MLFLOW_TRACKING_URI`, the Prefect API) that must not follow a later test on
+    the same worker into the servers and subprocesses it starts."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 # Small enough for seconds per stage, big enough that every stage does real work.
 FAST_PARAMS = [
     "task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epochs=4", "grpo.steps=6",

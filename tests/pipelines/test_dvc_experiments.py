@@ -16,7 +16,7 @@ from conftest import BIN, copy_project, run
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def test_dvc_experiments_run_queue_show_and_apply(tmp_path):
+def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
     import yaml
     from dvc.api import exp_show
     from mlflow.tracking import MlflowClient
@@ -27,7 +27,8 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path):
     repo = copy_project(tmp_path / "repo")
     apply_to_params(repo / "params.yaml", [preset_path("fast_test")], ["threads=1"])
     run(["git", "commit", "-qam", "the fast preset as my settings"], repo)
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default store: ./mlflow.db
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store: ./mlflow.db (the server too)
+    env = dict(os.environ)
     server = start_server(str(repo))  # the stages skip their imports; not what is under test
     env[SERVER_ENV] = server[1]
     dvc = str(BIN / "dvc")
