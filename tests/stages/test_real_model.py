@@ -291,20 +291,21 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, c
     from components.stages.sft import train_sft
 
     raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(CALCULATOR.read_text())), {
-        "task": {"n_sft": 8, "n_train": 16, "n_heldout": 6},
-        "sft": {"epochs": 1, "batch_size": 8, "stop_at_reward": None},
-        "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_completion_length": 48,
+        "task": {"n_sft": 16, "n_train": 16, "n_heldout": 6},  # 6 SFT steps at 3e-4: the format learned, every seed
+        "sft": {"epochs": 3, "batch_size": 8, "learning_rate": 3e-4, "stop_at_reward": None},
+        "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_completion_length": 72,
                  "checkpoint_every": 0, "log_every": 1},
-        "evaluate": {"max_new_tokens": 48, "batch_size": 6, "every": 0, "bootstrap_samples": 100},
+        "evaluate": {"max_new_tokens": 72, "batch_size": 6, "every": 0, "bootstrap_samples": 100},
         "register": {"model_name": "smollm2-tools-test", "require_improvement": False},
         "reports": {"samples_every": 1}})
     cfg, paths = config_from_dict(raw), Paths(root=tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))  # the run's params, as registered
     prepare(cfg, paths)
     import shutil
 
     shutil.copytree(converted, paths.base_model)
     sft = train_sft(cfg, paths)
-    assert sft["enabled"] and sft["examples"] == 8
+    assert sft["enabled"] and sft["examples"] == 16
     summary = train_grpo(cfg, paths)
     assert summary["steps"] == 2
     rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
