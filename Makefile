@@ -71,21 +71,21 @@ run-smollm2-reasoning: setup
 run-smollm2-calculator: setup
 	grpo-pipeline run --params configs/examples/smollm2_calculator.yaml
 
-# ruff, then the suite on three workers, a test file each at a time (module fixtures such as the servers start once
-# per file). A third of a two-worker run's time was spent waiting on subprocesses and servers with a core idle, so
-# three workers share two cores. xdist's own reordering (files with most tests first) is off: the files go longest
-# first, by the per-file times in $(SUITE_RESULTS), so no long file starts last. Both steps always run; either
-# failing fails `make test`. Each test has a time limit (pytest-timeout, pyproject.toml); the suite's time and its
-# slowest tests go to $(SUITE_RESULTS) (and .md).
+# ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
+# start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker
+# nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). The files
+# go longest first, by the per-file times in $(SUITE_RESULTS) (xdist's own reordering, most tests first, is off: it
+# started the one-test Quick start file last). Both steps always run; either failing fails `make test`. Each test
+# has a time limit (pytest-timeout, pyproject.toml); the suite's time and its slowest tests go to $(SUITE_RESULTS).
 SUITE_RESULTS := benchmarks/results/test_suite.json
 test: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
 	exit $$status
 
 test-fast: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
 	exit $$status
 
 # Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new

@@ -20,7 +20,7 @@ for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTI
                      "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-# Each pytest process (`make test` runs three workers) gets a Prefect home of its own: two pipeline runs at
+# Each pytest process (`make test` runs two workers) gets a Prefect home of its own: two pipeline runs at
 # once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
