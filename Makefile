@@ -73,19 +73,20 @@ run-smollm2-calculator: setup
 
 # ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
 # start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker
-# nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). The files
-# go longest first, by the per-file times in $(SUITE_RESULTS) (xdist's own reordering, most tests first, is off: it
-# started the one-test Quick start file last). Both steps always run; either failing fails `make test`. Each test
-# has a time limit (pytest-timeout, pyproject.toml); the suite's time and its slowest tests go to $(SUITE_RESULTS).
+# nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). Both
+# steps always run; either failing fails `make test`. Each test has a time limit (pytest-timeout, pyproject.toml);
+# the suite's time and its slowest tests go to $(SUITE_RESULTS) (and .md). Files are collected longest first from
+# that record, but xdist hands them out by test count (its default); `--no-loadscope-reorder` would keep the record's
+# order (not yet measured to be faster).
 SUITE_RESULTS := benchmarks/results/test_suite.json
 test: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
 	exit $$status
 
 test-fast: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow and not integration" || status=1; \
 	exit $$status
 
 # Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new
