@@ -7,8 +7,9 @@ The JSON holds the wall time, the outcome counts, the machine, the commit, every
 slowest tests (setup + call + teardown); a Markdown table is written beside it. With pytest-xdist the
 controller writes it, from the reports the workers send back.
 
-Ordering: `--dist loadfile` hands out files in collection order, so a long file collected last leaves one
-worker running it alone at the end. Files go in order of their seconds in the last record (files it does not
+Ordering: with `--no-loadscope-reorder`, `--dist loadfile` hands out files in collection order, so a long file
+collected last leaves one worker running it alone at the end (without it xdist hands out files with most tests
+first, whatever the collection order). Files go in order of their seconds in the last record (files it does not
 know first), or without a record, files with a slow test first.
 """
 
