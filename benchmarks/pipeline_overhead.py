@@ -43,18 +43,6 @@ def fresh_clone(work: Path) -> dict[str, str]:
 def pipeline_run(work: Path, args: list[str], log: Path, fresh: bool = True) -> float:
     """`grpo-pipeline run ARGS` in a clone at `work` (a fresh one unless `fresh` is false; this checkout's .venv,
     telemetry off): its wall seconds. The output goes to `log`; a failed run raises, naming the log."""
-    return pipeline_run_measured(work, args, log, fresh)[0]
-
-
-# Runs a command and writes the peak resident memory (KiB) of its largest process, itself or any descendant waited
-# for (Linux folds a reaped process's peak into its parent's RUSAGE_CHILDREN), to argv[1].
-_PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
-                 "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
-                 "sys.exit(code)")
-
-
-def pipeline_run_measured(work: Path, args: list[str], log: Path, fresh: bool = True) -> tuple[float, float]:
-    """`pipeline_run`, also giving the peak resident memory of the run's largest process (GiB)."""
     from components.quiet import QUIET_DEFAULTS
 
     if fresh:
@@ -62,15 +50,14 @@ def pipeline_run_measured(work: Path, args: list[str], log: Path, fresh: bool = 
     env = {**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")},
            **QUIET_DEFAULTS}
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}"
-    peak_file = log.with_suffix(".peak_kib")
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, str(peak_file), "grpo-pipeline", "run", *args],
-                          cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(["grpo-pipeline", "run", *args], cwd=work, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - started
     log.write_text(proc.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"grpo-pipeline run {' '.join(args)} failed ({proc.returncode}); see {log}")
-    return wall, int(peak_file.read_text()) / 2**20
+    return wall
 
 
 def measure(work: Path) -> dict:

@@ -39,10 +39,10 @@ DEFAULT_SEEDS = [1234, 1, 2]
 
 
 def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> dict[str, Any]:
-    from benchmarks.pipeline_overhead import pipeline_run_measured
+    from benchmarks.pipeline_overhead import pipeline_run
 
     sets = [x for o in [f"seed={seed}", *overrides] for x in ("--set", o)]
-    wall, peak_gib = pipeline_run_measured(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
+    wall = pipeline_run(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
@@ -51,8 +51,7 @@ def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> 
     return {"seed": seed, "before": report["baseline"]["mean_reward"], "after": report["candidate"]["mean_reward"],
             "improvement": improvement["mean"], "ci95_low": improvement["ci95_low"],
             "ci95_high": improvement["ci95_high"], "n": report["n"], "grpo_steps": steps["steps"],
-            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1),
-            "peak_rss_gib": round(peak_gib, 2), "commit": commit.strip()}
+            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1), "commit": commit.strip()}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -65,13 +64,13 @@ def markdown(result: dict[str, Any]) -> str:
              "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
              "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
              "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | wall (s) "
-             "| peak memory (GiB, largest process) | commit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| commit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tokens = "-" if r.get("completion_tokens_after") is None else f"{r['completion_tokens_after']:.1f}"
         lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
                      f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | {r['wall_s']:.0f} | "
-                     f"{r['peak_rss_gib'] if 'peak_rss_gib' in r else '-'} | {r.get('commit', result['commit'])} |")
+                     f"{r.get('commit', result['commit'])} |")
     s = result["summary"]
     lines += ["", "| | before | after | improvement | lowest CI low | wall (s) |", "|---|---|---|---|---|---|",
               f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
@@ -101,8 +100,7 @@ def main() -> int:
         rows.append(one_seed(example, seed, Path(args.work) / "clone", overrides))
         r, elapsed = rows[-1], time.perf_counter() - started
         print(f"[{i}/{len(args.seeds)}] seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
-              f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s, "
-              f"peak {r['peak_rss_gib']:.1f} GiB | "
+              f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s | "
               f"ETA {elapsed / i * (len(args.seeds) - i) / 60:.0f} min", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = {"command": "python benchmarks/smollm2_seeds.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
