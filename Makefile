@@ -76,17 +76,18 @@ run-smollm2-calculator: setup
 # nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). Both
 # steps always run; either failing fails `make test`. Each test has a time limit (pytest-timeout, pyproject.toml);
 # the suite's time and its slowest tests go to $(SUITE_RESULTS) (and .md). Files are collected longest first from
-# that record, but xdist hands them out by test count (its default); `--no-loadscope-reorder` would keep the record's
-# order (not yet measured to be faster).
+# that record and handed out in that order (`--no-loadscope-reorder`; xdist's default is most tests first), so the
+# longest files start first and no long file is left running alone at the end. Tests wait passively for OpenMP
+# work (tests/conftest.py), so the two workers' torch threads do not spin on each other's core.
 SUITE_RESULTS := benchmarks/results/test_suite.json
 test: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
 	exit $$status
 
 test-fast: setup
 	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow and not integration" || status=1; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
 	exit $$status
 
 # Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new

@@ -17,7 +17,11 @@ pytest_plugins = ["suite_timing"]  # `--suite-results PATH`: the suite's time an
 
 for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                      "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
-                     "TOKENIZERS_PARALLELISM": "false"}.items():
+                     "TOKENIZERS_PARALLELISM": "false",
+                     # Two workers share two cores: OpenMP threads that spin while they wait for work take the
+                     # other worker's core; passive waits give it back and change no result (HISTORY.md has the
+                     # measurement). Inherited by the workers and every subprocess a test starts.
+                     "OMP_WAIT_POLICY": "PASSIVE"}.items():
     os.environ.setdefault(_key, _value)
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 # Each pytest process (`make test` runs two workers) gets a Prefect home of its own: two pipeline runs at

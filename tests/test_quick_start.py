@@ -49,7 +49,8 @@ def stranger_env(home: Path) -> dict[str, str]:
     cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True).stdout
     env = {"PATH": os.pathsep.join([str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
            "HOME": str(home), "PREFECT_HOME": str(home / "prefect"), "PIP_CACHE_DIR": cache.strip(),
-           **{k: v for k, v in os.environ.items() if k.startswith("PIP_") and k != "PIP_CACHE_DIR"}}
+           **{k: v for k, v in os.environ.items() if k.startswith("PIP_") and k != "PIP_CACHE_DIR"},
+           **{k: v for k, v in os.environ.items() if k == "OMP_WAIT_POLICY"}}  # the suite's, see conftest.py
     user_pip = Path.home() / ".config" / "pip"
     if user_pip.is_dir():
         (home / ".config").mkdir(parents=True, exist_ok=True)
