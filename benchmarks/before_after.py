@@ -135,6 +135,7 @@ def main() -> int:
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         report["rows"].append(compare(name, against, args, work))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "before_after.md").write_text(markdown(report))
     print(markdown(report))
