@@ -204,19 +204,16 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
 
     from components.data.records import read_jsonl, split_path
     from components.engine.evaluation.heldout import greedy_completions_of, score
-    from components.engine.models.prompting import PromptFormatter
     from components.engine.rewards.rewards import RewardModel
 
     records = read_jsonl(split_path(root / "data" / "prepared", "heldout"))[:limit]
     rewards = RewardModel(cfg.grpo.rewards)
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
 
     def evaluate(model) -> dict[str, Any]:
         was_training = model.training
         model.eval()
         state = torch.get_rng_state()
-        completions = greedy_completions_of(model, tokenizer, formatter, records, cfg.evaluate.max_new_tokens,
-                                            cfg.evaluate.batch_size)
+        completions = greedy_completions_of(cfg, model, tokenizer, records)
         torch.set_rng_state(state)  # evaluation never shifts the engine's own random stream
         model.train(was_training)
         per_prompt = score(records, completions, rewards)

@@ -30,7 +30,6 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     from components.engine.grpo.policy import build_policy
     from components.engine.grpo.trajectory import build_trajectory
     from components.engine.models.modeling import count_parameters, pick_device, seed_everything
-    from components.engine.models.rollouts import decode_completions
     from components.engine.rewards.rewards import RewardModel
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
@@ -62,7 +61,7 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
                                               ref)
                 logp, _ = policy.logprobs(rollouts, g.temperature)
                 out = loss(logp, logp, trajectory.advantages, trajectory.loss_mask, ref_logp=ref)
-            completions = decode_completions(policy.tokenizer, rollouts)
+            completions = policy.generation.read(rollouts).transcripts
             rewards = torch.tensor(batch.advantage_rewards)
             report = {"parameters": count_parameters(policy.model), "completions": batch.sampled,
                       "reward_mean": float(rewards.nanmean()) if len(rewards) else 0.0, "loss": float(out.loss),

@@ -61,7 +61,8 @@ class RegisterConfig:
     which is linked to its base (registered once as `<model_name>-base`)."""
 
 
-FIXED_METRICS = ("reward", "completion_length", "eos_rate")  # the rest: pass@k, or a reward's name
+# the rest: pass@k, or a reward's name
+FIXED_METRICS = ("reward", "completion_length", "episode_length", "environment_tokens", "eos_rate")
 PASS_AT_K = re.compile(r"pass@([1-9][0-9]*)")
 
 

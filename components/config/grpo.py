@@ -3,6 +3,8 @@ GRPO section itself, with the checks that need only that section."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -93,6 +95,10 @@ class EpisodeConfig:
     timeout_s: float = 10.0
     """Seconds a tool call, or an environment's reset or step, may take; past it the call fails (counted, and the
     model reads the error, or the episode ends)."""
+    cut_reward: float = 0.0
+    """The `environment_reward` of an episode a limit ended (`max_turns`, or the token budget) when its environment
+    gives none (it has no `on_cut(reason)` method, or that returns None): a cut episode is scored, so it takes part in
+    its group's comparison."""
 
 
 @dataclass
@@ -299,6 +305,7 @@ def check_grpo(g: GRPOConfig) -> None:
              "tools it needs)")
     _require(g.episode.max_turns >= 1, "grpo.episode.max_turns", "must be >= 1")
     _require(g.episode.timeout_s > 0, "grpo.episode.timeout_s", "must be > 0")
+    _require(math.isfinite(g.episode.cut_reward), "grpo.episode.cut_reward", "must be a finite number")
 
 
 def _check_variants(g: GRPOConfig) -> None:

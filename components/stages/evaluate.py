@@ -18,11 +18,9 @@ import numpy as np
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, split_path, write_jsonl, write_text_atomic
-from components.engine.environments.spec import episode_spec
 from components.engine.evaluation.heldout import paired_bootstrap
 from components.engine.evaluation.task_metrics import TaskMetrics, check_metrics, metric_key
 from components.engine.models.modeling import load_policy_model, load_tokenizer, pick_device, seed_everything
-from components.engine.models.prompting import PromptFormatter
 from components.stages.cli import stage_main
 
 
@@ -35,15 +33,14 @@ def evaluate(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
     device = pick_device(cfg.device)
     heldout_file = split_path(paths.data, "heldout")
     records = read_jsonl(heldout_file)
-    metrics = TaskMetrics(e, cfg.grpo.rewards, episodes=episode_spec(cfg))
+    metrics = TaskMetrics(e, cfg.grpo.rewards, cfg=cfg)
     results: dict[str, dict[str, Any]] = {}
     with stage_run(cfg.tracking.experiment, "evaluate", to_flat_dict(cfg)) as run:
         for role, model_dir in (("baseline", paths.sft_model), ("candidate", paths.grpo_model)):
             tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
             model = load_policy_model(cfg, model_dir, device)
-            formatter = PromptFormatter(cfg.prompt, tokenizer)
-            values, out = metrics.per_prompt(model, tokenizer, [formatter(r) for r in records], records, cfg.seed)
-            results[role] = {"completions": out.transcripts or out.texts, **values}  # an episode: all its turns
+            values, out = metrics.per_prompt(model, tokenizer, records, cfg.seed)
+            results[role] = {"completions": out.transcripts, **values}  # an episode: all its turns
             means = ", ".join(f"{name} {np.mean(v):.4f}" for name, v in values.items())
             print(f"evaluate: {role} ({model_dir}) {means} on {len(records)} prompts")
         table = {name: {"baseline": float(np.mean(results["baseline"][name])),

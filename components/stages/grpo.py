@@ -119,7 +119,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
 
     with tracking_run(ctx.is_main, cfg.tracking.experiment, "grpo", to_flat_dict(cfg)) as run:
         run.set_tags({"grpo.resumed_from_step": t.start_step})
-        reporter = GRPOReporter(run, policy.tokenizer, cfg.reports)
+        reporter = GRPOReporter(run, policy.tokenizer, cfg.reports, lambda r: policy.generation.read(r).transcripts)
         log = StepLog(run, g, t.start_step, history, ctx.is_main, cfg.monitors.not_learning,
                       cfg.tracking.metrics_flush_s)
         heldout = HeldoutDuringTraining(probe, cfg, paths, run, run_hash,

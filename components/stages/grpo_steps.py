@@ -23,6 +23,7 @@ from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import UpdateStats
 from components.engine.models.modeling import load_policy_model
+from components.engine.models.rollouts import Episode
 from components.engine.parallel.distributed import DistContext
 from components.engine.rewards.rewards import RewardError
 from components.tracking.reports import GRPOReporter
@@ -48,6 +49,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
                  seconds: dict[str, float]) -> dict[str, float]:
     """One step's row of plots/grpo_steps.csv (MLflow groups them: tracking/step_log.py)."""
     rollout, first = batch.rollouts, torch.tensor(batch.rewards.total)
+    written = rollout.written  # the model's tokens: what completion_length counts everywhere
     advantages, scorable = trajectory.advantages, trajectory.scorable
     grouped = rollout.by_group(first)
     metrics = {
@@ -55,8 +57,8 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
         "reward_mean": float(first.mean()), "reward_std": float(first.std()) if len(first) > 1 else 0.0,
         "advantage_mean": float(advantages.mean()) if len(advantages) else 0.0,
         "logprob_mean": stats.logprob_mean, "entropy": stats.entropy,
-        "completion_length": float(rollout.completion_mask.sum(-1).float().mean()) if len(rollout) else 0.0,
-        "completion_length_max": float(rollout.completion_mask.sum(-1).max()) if len(rollout) else 0.0,
+        "completion_length": float(written.sum(-1).float().mean()) if len(rollout) else 0.0,
+        "completion_length_max": float(written.sum(-1).max()) if len(rollout) else 0.0,
         "truncated_frac": float(rollout.truncated.float().mean()) if len(rollout) else 0.0,
         "distinct_completion_frac": rollout.distinct_fraction(),
         "zero_std_group_frac": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
@@ -74,13 +76,23 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
         metrics["logprob_gap_mean"] = stats.gap_sum / stats.gap_tokens
         metrics["logprob_gap_max"] = stats.gap_max
     metrics.update({f"reward/{k}/mean": v for k, v in batch.rewards.component_means().items()})
-    if rollout.episodes:  # tools and environments: what the episodes did
-        episodes = rollout.episodes
-        metrics.update({"turns_per_episode": sum(e.turns for e in episodes) / len(episodes),
-                        "tool_calls_per_episode": sum(e.tool_calls for e in episodes) / len(episodes),
-                        "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / len(episodes),
-                        "episodes_cut_frac": sum(e.cut is not None for e in episodes) / len(episodes)})
+    metrics.update(episode_metrics(rollout.episodes or ()))
     return metrics
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """What a step's rows did as episodes (a single turn is an episode of one turn): turns, tool calls and errors,
+    the share cut by a limit, every token after the prompt (`episode_length`), those a tool or environment wrote,
+    and the share of them the model wrote (the rest stays out of the loss)."""
+    if not episodes:
+        return {}
+    n, tokens = len(episodes), sum(len(e.ids) for e in episodes)
+    return {"turns_per_episode": sum(e.turns for e in episodes) / n,
+            "tool_calls_per_episode": sum(e.tool_calls for e in episodes) / n,
+            "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / n,
+            "episodes_cut_frac": sum(e.cut is not None for e in episodes) / n,
+            "episode_length": tokens / n, "environment_tokens": sum(e.environment_tokens for e in episodes) / n,
+            "episode_model_token_frac": sum(e.model_tokens for e in episodes) / tokens if tokens else 1.0}
 
 
 class HeldoutDuringTraining:

@@ -17,7 +17,7 @@ import torch
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
-from components.engine.environments.spec import episode_spec
+from components.engine.environments.generation import conversation_encoder, for_evaluation
 from components.engine.evaluation.task_metrics import generate
 from components.engine.models.modeling import (
     load_policy_model,
@@ -29,7 +29,7 @@ from components.engine.models.modeling import (
 )
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import decode_completions, positions_from_mask
+from components.engine.models.rollouts import positions_from_mask
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -42,7 +42,6 @@ from components.engine.parallel.distributed import (
 )
 from components.engine.rewards.rewards import RewardError, RewardModel
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
@@ -94,11 +93,9 @@ def train_sft(cfg: PipelineConfig, paths: Paths = Paths()) -> dict:
 
 
 def _demonstrations(cfg: PipelineConfig, paths: Paths, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The SFT split encoded (`encode_sft`); with tools or an environment a worked conversation is laid out as an
-    episode is."""
-    spec = episode_spec(cfg)
+    """The SFT split encoded (`encode_sft`); a worked conversation is laid out as the run's episodes are."""
     return encode_sft(tokenizer, read_jsonl(split_path(paths.data, "sft")), PromptFormatter(cfg.prompt, tokenizer),
-                      cfg.sft.target_column, spec.conversation(tokenizer) if spec else None)
+                      cfg.sft.target_column, conversation_encoder(cfg, tokenizer))
 
 
 def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor,
@@ -132,40 +129,24 @@ class WarmStartCheck:
     whatever the CPU's rounding or the seed (a fixed budget sat on a knife edge: 14% on one CPU, 62% on
     another). Every rank computes the same number from the same weights, so all stop together."""
 
-    def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer, format_prompt):
+    def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer):
         # The first check_prompts records only: a large training file is not read whole for them.
-        records = [r for _, r in itertools.islice(iter_jsonl(split_path(paths.data, "train")), cfg.sft.check_prompts)]
-        self.prompts = [format_prompt(r) for r in records]
-        self.raw_prompts = [r["prompt"] for r in records]
-        self.columns = reward_columns(records, 1)
+        self.records = [r for _, r in itertools.islice(iter_jsonl(split_path(paths.data, "train")),
+                                                       cfg.sft.check_prompts)]
+        self.prompts = [r["prompt"] for r in self.records]
+        self.columns = reward_columns(self.records, 1)
         self.rewards = RewardModel(cfg.grpo.rewards)
-        self.tokenizer, self.max_new_tokens = tokenizer, cfg.grpo.max_completion_length
-        self.records, self.episodes = records, episode_spec(cfg)  # with tools, the check plays episodes
+        self.cfg, self.tokenizer, self.max_new_tokens = cfg, tokenizer, cfg.grpo.max_completion_length
 
-    @torch.no_grad()
     def __call__(self, model, stop_together=None) -> float:
-        """`stop_together`: with a sharded (FSDP) model every rank decodes the same prompts in lockstep."""
-        if self.episodes is not None:
-            out = generate(model, self.tokenizer, self.prompts, 1, self.max_new_tokens, 256, episodes=self.episodes,
-                           records=self.records)
-            columns = dict(self.columns, completion_token_lengths=out.lengths, **out.columns)
-            scores = self.rewards(self.raw_prompts, out.texts, columns).total
-            return sum(scores) / len(scores)
-        was_training = model.training
-        model.eval()
+        """`stop_together`: with a sharded (FSDP) model every rank decodes the same prompts in lockstep. Generated
+        as held-out evaluation generates (with tools, the check plays episodes)."""
+        generation = for_evaluation(self.cfg, model, self.tokenizer, self.max_new_tokens, self.records, stop_together)
+        out = generate(generation, model, self.records, SamplingParams(max_new_tokens=self.max_new_tokens,
+                                                                       greedy=True), 256)
+        columns = dict(self.columns, completion_token_lengths=out.lengths, **out.columns)
         try:
-            completions, lengths = [], []
-            for start in range(0, len(self.prompts), 256):
-                rollouts = sample_texts(model, self.tokenizer, self.prompts[start:start + 256],
-                                        SamplingParams(max_new_tokens=self.max_new_tokens, greedy=True),
-                                        stop_together=stop_together)
-                completions += decode_completions(self.tokenizer, rollouts)
-                lengths += rollouts.completion_lengths()
-        finally:
-            model.train(was_training)
-        columns = dict(self.columns, completion_token_lengths=lengths)
-        try:
-            scores = self.rewards(self.raw_prompts, completions, columns).total
+            scores = self.rewards(self.prompts, out.texts, columns).total
         except RewardError as err:  # said with where it happened: SFT's stop check, not GRPO
             raise RewardError(f"{err} (in SFT's stop check, sft.stop_at_reward)") from err
         return sum(scores) / len(scores)
@@ -189,7 +170,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     optimizer = make_optimizer(model, s.learning_rate, s.weight_decay, device, fused=False)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
-    check = WarmStartCheck(cfg, paths, tokenizer, PromptFormatter(cfg.prompt, tokenizer)) \
+    check = WarmStartCheck(cfg, paths, tokenizer) \
         if s.stop_at_reward is not None else None
     check_reward, stopped = None, False
     lockstep = (lambda done: all_true(ctx, done)) if ctx.lockstep else None

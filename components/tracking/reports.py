@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ def _pyplot():
 class GRPOReporter:
     """Collects what the figures and sample tables need, step by step; never touches training state."""
 
-    def __init__(self, run, tokenizer, reports: ReportsConfig):
-        self.run, self.tokenizer = run, tokenizer
+    def __init__(self, run, tokenizer, reports: ReportsConfig, transcripts: Callable[[Any], list[str]]):
+        """`transcripts(rollouts)`: what a person reads of each row (the generation's reading)."""
+        self.run, self.tokenizer, self.transcripts = run, tokenizer, transcripts
         self.samples_every, self.samples_rows = reports.samples_every, reports.samples_rows
         self.group_means: list[tuple[int, list[float]]] = []  # (step, mean reward of each group)
 
@@ -49,28 +51,24 @@ class GRPOReporter:
 
     def samples_text(self, rollout, scores, groups: int = 2) -> str:
         """The first completion of the first `groups` groups with its score, one line each (for a warning)."""
-        from components.engine.environments.episodes import completion_texts
-
-        rows = [i * rollout.group_size for i in range(groups) if i * rollout.group_size < len(rollout)]
+        rows = [rollout.group_rows([i])[0] for i in range(min(groups, rollout.num_groups))]
         part = rollout.select(rows)
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
         scored = [scores.total[i] if i < len(scores.total) else None for i in rows]
-        completions = completion_texts(self.tokenizer, part)
+        completions = self.transcripts(part)
         return "\n".join(f"  sample: {prompt[-120:]!r} -> {completion[:200]!r} (reward {score})"
                          for prompt, completion, score in zip(prompts, completions, scored))
 
     def sample_rows(self, rollout, scores, advantages) -> dict[str, list[Any]]:
         """Columns of the sample table: whole groups, first `samples_rows` completions of the step."""
-        from components.engine.environments.episodes import completion_texts
-
         size = rollout.group_size
         n = min(len(rollout), max(size, self.samples_rows // size * size))
         part = rollout.select(list(range(n)))
         prompts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                    for ids, mask in zip(part.prompt_ids.cpu(), part.prompt_mask.cpu())]
         table: dict[str, list[Any]] = {"group": [i // size for i in range(n)], "prompt": prompts,
-                                       "completion": completion_texts(self.tokenizer, part)}
+                                       "completion": self.transcripts(part)}
         if len(scores.total) == len(rollout):  # rows line up with the scored round (no dynamic sampling)
             for name, values in scores.components.items():
                 table[f"reward/{name}"] = [None if v is None else float(v) for v in values[:n]]

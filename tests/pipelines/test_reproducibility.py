@@ -14,7 +14,7 @@ from packaging.version import Version
 from components.config import load_config
 from components.data.paths import Paths
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
+from tests.engine.sampling import sample_texts
 from components.stages.grpo import train_grpo
 from components.stages.model import build_base_model
 from components.stages.prepare import prepare

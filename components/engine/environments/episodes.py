@@ -1,32 +1,34 @@
-"""The episode loop, in one place: the rollout door's `sample` for the model's turns, `step` of each rollout's
-environment between them, until every episode ends or meets a limit.
+"""How a row plays: its prompt, what answers the model's turns, and the frozen `Episode` it leaves.
 
-A group's G episodes start from one prompt (their environments' first messages, rendered once), so GRPO still
-compares completions of one prompt. The first turn samples G completions per prompt; later turns one per open
-episode, from its whole context. The completion an episode leaves is everything after the prompt: the model's turns
-(model_mask 1, with the sampler's log-probs) and what the environment wrote between them (model_mask 0).
+Two plays, one contract (`Play`), so the generation loop (generation.py) never asks which it runs:
+- `SingleTurn`: the record formatted by `prompt.template` (through the chat template where it applies) is the prompt,
+  and the row ends after the model's first turn;
+- `Episodes`: one environment per row (the user's, or `ToolEnvironment` for `grpo.tools`): `reset(record)` gives
+  the first messages, rendered once per group by the chat template; `step(turn)` answers each model turn, until it
+  ends the episode or a limit does.
 
 Limits: `max_turns` model turns; `max_tokens` tokens after the prompt, model and environment together (TRL's
 `max_completion_length` for tool episodes: an answer that would not fit is dropped and the episode ends there); a
-tool or environment call's seconds (`timeout_s`). An episode cut at a limit is marked truncated.
+tool or environment call's seconds (`timeout_s`). An episode a limit ends is cut: the environment is asked for its
+reward (`on_cut(reason)`, when it has that method), else it scores `cut_reward`, so it takes part in its group's
+comparison like any other.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 from components.engine.environments.chat import ChatFormat
 from components.engine.environments.environment import Environment, EnvironmentStep, as_step
-from components.engine.models.rollouts import Rollouts, decode_completions, left_pad
+from components.engine.models.prompting import longest_row
+from components.engine.models.rollouts import Episode, Message, encode_prompts
 from components.engine.rewards.rewards import time_limit
-from components.engine.rollout.base import RolloutEngine, SamplingParams
 from components.errors import StageFailed
 from components.user_code import UserCodeError, calling
+
+LIMITS = ("turns", "tokens")  # the cuts a limit makes (the others are environment errors)
 
 
 class EnvironmentFailed(StageFailed):
@@ -34,191 +36,219 @@ class EnvironmentFailed(StageFailed):
     (checkpoints kept)."""
 
 
-@dataclass
-class Episode:
-    """One rollout's conversation after its prompt, and how it went."""
-
-    messages: list[dict[str, Any]] = field(default_factory=list)  # model turns and the answers between them
-    turns: int = 0  # model turns
-    tool_calls: int = 0
-    tool_errors: int = 0
-    reward: float | None = None  # the environment's own, when it gave one
-    cut: str | None = None  # the limit that ended it ("turns", "tokens"), or "environment error: ..."
-    done: bool = False
-
-    @property
-    def answer(self) -> str:
-        """The model's last turn: what rewards read as the completion."""
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_tokens: int = 256  # tokens after the prompt, the model's and the answers' together
+    timeout_s: float = 10.0
+    failure_share: float = 0.5  # more than this share of a turn's episodes failing stops the stage
+    cut_reward: float = 0.0  # the environment reward of an episode a limit ended, when the environment gives none
 
 
 @dataclass
-class _Run:
-    """One episode's tokens while it runs."""
+class Row:
+    """One row while it plays; frozen into an `Episode` when it ends."""
 
-    episode: Episode
     environment: Any
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None
+    cut: str | None = None
+    done: bool = False
     ended_with_eos: bool = True
+    answer: list[int] = field(default_factory=list)  # the answer's ids appended last (the next turn starts after them)
+
+    def freeze(self) -> Episode:
+        return Episode(tuple(self.messages), tuple(self.ids), tuple(self.model), tuple(self.logp), self.turns,
+                       self.ended_with_eos, self.tool_calls, self.tool_errors, self.reward, self.cut)
 
 
-@dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int = 4
-    max_tokens: int = 256
-    timeout_s: float = 10.0
-    failure_share: float = 0.5  # more than this share of a batch's episodes failing stops the stage
+class Play(Protocol):
+    """What a run's rows are: their prompts and environments, and how the model's turns are answered and read."""
+
+    describe: str  # what failures name
+    limits: EpisodeLimits
+
+    def start(self, records: Sequence[dict[str, Any]], n: int) -> tuple[list[list[int]], list[Row]]:
+        """Each record's prompt ids and `n` rows per record, prompt-major."""
+        ...
+
+    def step(self, row: Row, text: str) -> EnvironmentStep | None:
+        """The answer to the model's turn `text`; None when the environment failed (the row's `cut` says how)."""
+        ...
+
+    def answer_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The tokens of an answer, through the generation prompt of the model's next turn."""
+        ...
+
+    def on_cut(self, row: Row) -> float | None:
+        """The environment's reward for a row a limit ended (None: it keeps none)."""
+        ...
+
+    def columns(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+        """What rewards read about the episodes beside their texts."""
+        ...
+
+    def transcript(self, episode: Episode) -> str:
+        """What a person reads of an episode (sample tables, evaluation outputs)."""
+        ...
+
+    def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
+        ...
 
 
-class EpisodeRunner:
-    """Runs episodes through an engine. `make_environment()` builds one environment per rollout."""
+class SingleTurn:
+    """Rows that end after the model's first turn; the prompt is `format_prompt(record)`, tokenised as one batch."""
+
+    describe = "single turn"
+
+    def __init__(self, tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], limits: EpisodeLimits):
+        self.tokenizer, self.format_prompt, self.limits = tokenizer, format_prompt, limits
+
+    def start(self, records: Sequence[dict[str, Any]], n: int) -> tuple[list[list[int]], list[Row]]:
+        prompts = encode_prompts(self.tokenizer, [self.format_prompt(r) for r in records])
+        return prompts, [Row(None) for _ in range(len(records) * n)]
+
+    def step(self, row: Row, text: str) -> EnvironmentStep:
+        return DONE
+
+    def answer_ids(self, messages: Sequence[Message]) -> list[int]:
+        raise RuntimeError("a single turn is never answered")
+
+    def on_cut(self, row: Row) -> float | None:
+        return None
+
+    def columns(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+        return {}
+
+    def transcript(self, episode: Episode) -> str:
+        return episode.answer
+
+    def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
+        return longest_row(self.tokenizer, self.format_prompt, records, 0)
+
+
+DONE = EnvironmentStep(done=True)
+
+
+class Episodes:
+    """Rows that play an environment each (`make_environment()` per row) through `chat`'s template."""
 
     def __init__(self, chat: ChatFormat, make_environment: Callable[[], Environment], limits: EpisodeLimits,
                  describe: str = "environment"):
         self.chat, self.make_environment, self.limits, self.describe = chat, make_environment, limits, describe
-        self.tokenizer = chat.tokenizer
-        self.device: torch.device | None = None  # where the engine puts its rollouts (the episodes' go there too)
 
-    def run(self, engine: RolloutEngine, records: Sequence[dict[str, Any]], params: SamplingParams,
-            generator: torch.Generator | None = None) -> Rollouts:
-        """`params.n` episodes of each record, prompt-major, as rollouts carrying their episodes."""
-        prompts, runs = self._start(records, params.n)
-        open_runs = [(i, r) for i, r in enumerate(runs) if not r.episode.done]
-        first = True
-        while open_runs:
-            rows = [r for _, r in open_runs]
-            contexts = [prompts[i // params.n] + r.ids for i, r in open_runs]
-            budget = max(self.limits.max_tokens - len(r.ids) for r in rows)
-            turn_params = dataclasses.replace(params, n=params.n if first else 1,
-                                              max_new_tokens=min(params.max_new_tokens, budget))
-            sampled = engine.sample(prompts if first else contexts, turn_params, generator)
-            self.device = sampled.completion_ids.device
-            for row, run in zip(range(len(sampled)), rows):
-                self._take_turn(run, sampled, row)
-            self._check_failures(rows)
-            first = False
-            open_runs = [(i, r) for i, r in enumerate(runs) if not r.episode.done]
-        return self._rollouts(prompts, runs, params.n)
-
-    def longest_row(self, records: Sequence[dict[str, Any]]) -> int:
-        """The most tokens an episode of `records` can hold: its prompt (one `reset` per record) and `max_tokens`."""
-        prompts, _ = self._start(records, 1)
-        return max((len(p) for p in prompts), default=0) + self.limits.max_tokens
-
-    def _start(self, records: Sequence[dict[str, Any]], n: int) -> tuple[list[list[int]], list[_Run]]:
-        """Each record's prompt (its environments' first messages, which must agree within the group) and a run per
-        episode."""
-        prompts, runs = [], []
+    def start(self, records: Sequence[dict[str, Any]], n: int) -> tuple[list[list[int]], list[Row]]:
+        """Each record's prompt: its environments' first messages, which must agree within the group."""
+        prompts, rows = [], []
         for record in records:
-            group = []
-            for _ in range(n):
-                try:  # the user's code, through the one door (components/user_code.py)
-                    with calling(self.describe, "starting an episode"), \
-                            time_limit(self.limits.timeout_s, f"{self.describe} reset"):
-                        environment = self.make_environment()
-                        first = environment.reset(record)
-                except UserCodeError as err:  # this record cannot be played
-                    cause = err.__cause__
-                    raise EnvironmentFailed(f"{self.describe}: reset raised {type(cause).__name__}: {cause} "
-                                            f"(record {record.get('id')!r})") from err
-                group.append((environment, first))
+            group = [self._reset(record) for _ in range(n)]
             if any(messages != group[0][1] for _, messages in group):
                 raise EnvironmentFailed(f"{self.describe}: reset gave one record's {n} episodes different first "
                                         f"messages (record {record.get('id')!r}); GRPO compares completions of one "
                                         "prompt")
             prompts.append(self.chat.prompt_ids(group[0][1]))
-            runs += [_Run(Episode(), environment) for environment, _ in group]
-        return prompts, runs
+            rows += [Row(environment) for environment, _ in group]
+        return prompts, rows
 
-    def _take_turn(self, run: _Run, sampled: Rollouts, row: int) -> None:
-        """Append the model's turn; let the environment answer, unless a limit ends the episode first."""
-        written = sampled.completion_mask[row].bool()
-        ids = sampled.completion_ids[row][written].tolist()[: self.limits.max_tokens - len(run.ids)]
-        logp = sampled.sampling_logp[row][written].tolist()[: len(ids)] if sampled.sampling_logp is not None \
-            else [0.0] * len(ids)
-        run.ids, run.model, run.logp = run.ids + ids, run.model + [1] * len(ids), run.logp + logp
-        episode = run.episode
-        episode.turns += 1
-        text = self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_token_id], skip_special_tokens=True)
-        episode.messages.append({"role": "assistant", "content": text})
-        run.ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
-        if not run.ended_with_eos:  # out of tokens mid-turn: the environment is not asked about half a turn
-            episode.done, episode.cut = True, "tokens"
-            return
-        step = self._step(run, text)
-        if step is None:
-            return
-        episode.tool_calls += step.tool_calls
-        episode.tool_errors += step.tool_errors
-        if step.done or not step.messages:
-            episode.done, episode.reward = True, step.reward
-            return
-        if episode.turns >= self.limits.max_turns:
-            episode.done, episode.cut = True, "turns"
-            return
-        answer = self.chat.answer_ids(step.messages)
-        if len(run.ids) + len(answer) >= self.limits.max_tokens:  # no room for the answer and a turn after it
-            episode.done, episode.cut = True, "tokens"
-            return
-        episode.messages += step.messages
-        run.ids, run.model, run.logp = run.ids + answer, run.model + [0] * len(answer), run.logp + [0.0] * len(answer)
+    def _reset(self, record: dict[str, Any]) -> tuple[Any, list[Message]]:
+        try:  # the user's code, through the one door (components/user_code.py)
+            with calling(self.describe, "starting an episode"), \
+                    time_limit(self.limits.timeout_s, f"{self.describe} reset"):
+                environment = self.make_environment()
+                return environment, environment.reset(record)
+        except UserCodeError as err:  # this record cannot be played
+            cause = err.__cause__
+            raise EnvironmentFailed(f"{self.describe}: reset raised {type(cause).__name__}: {cause} "
+                                    f"(record {record.get('id')!r})") from err
 
-    def _step(self, run: _Run, text: str) -> EnvironmentStep | None:
-        """The environment's answer; None (the episode ended, the failure recorded) when it raises or overruns."""
+    def step(self, row: Row, text: str) -> EnvironmentStep | None:
         try:  # the user's code, through the one door: whatever it raises fails this episode, not the step
             with calling(self.describe, "answering a turn"), time_limit(self.limits.timeout_s, f"{self.describe} step"):
-                return as_step(run.environment.step(text))
+                return as_step(row.environment.step(text))
         except UserCodeError as err:
             cause = err.__cause__
-            run.episode.done, run.episode.cut = True, f"environment error: {type(cause).__name__}: {cause}"
+            row.cut = f"environment error: {type(cause).__name__}: {cause}"
             return None
 
-    def _check_failures(self, runs: Sequence[_Run]) -> None:
-        failed = [r.episode.cut for r in runs if (r.episode.cut or "").startswith("environment error")]
-        if runs and len(failed) > self.limits.failure_share * len(runs):
-            raise EnvironmentFailed(f"{self.describe} failed on {len(failed)} of {len(runs)} episodes in one turn "
-                                    f"(more than {self.limits.failure_share:.0%}); the first: {failed[0]}")
+    def answer_ids(self, messages: Sequence[Message]) -> list[int]:
+        return self.chat.answer_ids(messages)
 
-    def _rollouts(self, prompts: list[list[int]], runs: list[_Run], n: int) -> Rollouts:
-        pad = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad([prompts[i // n] for i in range(len(runs))], pad)
-        width = max((len(r.ids) for r in runs), default=0)
+    def on_cut(self, row: Row) -> float | None:
+        ask = getattr(row.environment, "on_cut", None)
+        if not callable(ask):
+            return None
+        try:
+            with calling(self.describe, "scoring a cut episode"), \
+                    time_limit(self.limits.timeout_s, f"{self.describe} on_cut"):
+                reward = ask(row.cut)
+        except UserCodeError as err:  # its failure leaves the episode unscored, as a failing step does
+            row.cut = f"environment error: {type(err.__cause__).__name__}: {err.__cause__}"
+            return None
+        return None if reward is None else float(reward)
 
-        def grid(values: Callable[[_Run], list], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([values(r) + [fill] * (width - len(r.ids)) for r in runs], dtype=dtype).view(-1, width)
+    def columns(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+        return {"episode": [list(e.messages) for e in episodes], "environment_reward": [e.reward for e in episodes],
+                "tool_calls": [e.tool_calls for e in episodes], "tool_errors": [e.tool_errors for e in episodes],
+                "turns": [e.turns for e in episodes]}
 
-        completion_ids = grid(lambda r: r.ids, pad, torch.long)
-        completion_mask = grid(lambda r: [1] * len(r.ids), 0, torch.long)
-        truncated = torch.tensor([r.episode.cut is not None or not r.ended_with_eos for r in runs], dtype=torch.bool)
-        rollouts = Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, n,
-                            grid(lambda r: r.logp, 0.0, torch.float32), grid(lambda r: r.model, 0, torch.long),
-                            tuple(r.episode for r in runs))
-        return rollouts.map(lambda t: t.to(self.device)) if self.device is not None else rollouts
+    def transcript(self, episode: Episode) -> str:
+        return "\n".join(f"[{m['role']}{'/' + str(m['name']) if m.get('name') else ''}] {m['content']}"
+                         for m in episode.messages)
 
-
-def reward_inputs(tokenizer: Any, rollouts: Rollouts) -> tuple[list[str], dict[str, list[Any]]]:
-    """What rewards read of rollouts: each completion's text and, for episodes, columns about the episode (the model's
-    last turn is the completion; `episode` holds every message after the prompt, tool calls and results included;
-    `environment_reward`, `tool_calls`, `tool_errors`, `turns`)."""
-    if rollouts.episodes is None:
-        return decode_completions(tokenizer, rollouts), {}
-    episodes = rollouts.episodes
-    return [e.answer for e in episodes], {
-        "episode": [list(e.messages) for e in episodes], "environment_reward": [e.reward for e in episodes],
-        "tool_calls": [e.tool_calls for e in episodes], "tool_errors": [e.tool_errors for e in episodes],
-        "turns": [e.turns for e in episodes]}
+    def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
+        return max((len(self.chat.prompt_ids(self._reset(r)[1])) for r in records), default=1)
 
 
-def transcript(episode: Episode) -> str:
-    """An episode as one readable text: each message after the prompt, by role."""
-    return "\n".join(f"[{m['role']}{'/' + m['name'] if m.get('name') else ''}] {m['content']}"
-                     for m in episode.messages)
+def take_turn(play: Play, row: Row, ids: list[int], logp: list[float], eos_id: int, decode: Callable[[list[int]], str]
+              ) -> None:
+    """Append the model's turn to `row` (cut to the row's token budget); let the environment answer, unless the
+    turn was cut off or a limit ends the episode first. The answer's ids are left in `row.answer`."""
+    limits = play.limits
+    ids = ids[: limits.max_tokens - len(row.ids)]
+    row.ids, row.model, row.logp = row.ids + ids, row.model + [1] * len(ids), row.logp + logp[: len(ids)]
+    row.turns += 1
+    text = decode([t for t in ids if t != eos_id])
+    row.messages.append({"role": "assistant", "content": text})
+    row.ended_with_eos, row.answer = bool(ids) and ids[-1] == eos_id, []
+    if not row.ended_with_eos:  # out of tokens mid-turn: the environment is not asked about half a turn
+        row.done, row.cut = True, "tokens"
+        return
+    step = play.step(row, text)
+    if step is None:  # the environment failed on this turn
+        row.done = True
+        return
+    row.tool_calls += step.tool_calls
+    row.tool_errors += step.tool_errors
+    if step.done or not step.messages:
+        row.done, row.reward = True, step.reward
+        return
+    if row.turns >= limits.max_turns:
+        row.done, row.cut = True, "turns"
+        return
+    answer = play.answer_ids(step.messages)
+    if len(row.ids) + len(answer) >= limits.max_tokens:  # no room for the answer and a turn after it
+        row.done, row.cut = True, "tokens"
+        return
+    row.messages += step.messages
+    row.ids, row.model, row.logp = row.ids + answer, row.model + [0] * len(answer), row.logp + [0.0] * len(answer)
+    row.answer = answer
 
 
-def completion_texts(tokenizer: Any, rollouts: Rollouts) -> list[str]:
-    """What a person reads of each completion: its text, or an episode's transcript (sample tables, warnings)."""
-    if rollouts.episodes is None:
-        return decode_completions(tokenizer, rollouts)
-    return [transcript(e) for e in rollouts.episodes]
+def finish(play: Play, row: Row) -> Episode:
+    """The row's frozen episode; a row a limit cut is scored by its environment (`on_cut`) or `cut_reward`."""
+    if row.cut in LIMITS:
+        asked = play.on_cut(row)
+        if row.cut in LIMITS:  # `on_cut` itself did not fail
+            row.reward = play.limits.cut_reward if asked is None else asked
+    return row.freeze()
+
+
+def failed(rows: Sequence[Row]) -> list[str]:
+    """Why each of `rows` that the environment failed on ended."""
+    return [row.cut for row in rows if row.cut is not None and row.cut not in LIMITS]

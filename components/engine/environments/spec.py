@@ -1,9 +1,10 @@
 """A run's episodes from its config: `grpo.tools` (the pipeline's `ToolEnvironment`) or `grpo.environment` (the
-user's factory), the prompt settings and the limits; None when rollouts are single turns. Built once; the runner is
+user's factory), the prompt settings and the limits; None when rollouts are single turns. Built once; the play is
 made per tokenizer (training, evaluation and SFT's stop check each have theirs)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ from components.config import GRPOConfig, PipelineConfig, PromptConfig
 from components.data.records import DataError
 from components.engine.environments.chat import ChatFormat, conversation_ids
 from components.engine.environments.environment import Environment, ToolEnvironment, load_environment_factory
-from components.engine.environments.episodes import EpisodeLimits, EpisodeRunner
+from components.engine.environments.episodes import EpisodeLimits, Episodes
 from components.engine.environments.tools import Tool, load_tools, tools_prompt
 
 
@@ -26,15 +27,14 @@ class EpisodeSpec:
     prompt: PromptConfig
     limits: EpisodeLimits
 
-    def runner(self, tokenizer: Any, max_tokens: int) -> EpisodeRunner:
-        """The episode loop for `tokenizer`'s chat template, `max_tokens` after each prompt."""
+    def play(self, tokenizer: Any, max_tokens: int) -> Episodes:
+        """The episodes through `tokenizer`'s chat template, `max_tokens` after each prompt."""
         chat = self.chat(tokenizer)
-        limits = EpisodeLimits(self.limits.max_turns, max_tokens, self.limits.timeout_s, self.limits.failure_share)
+        limits = dataclasses.replace(self.limits, max_tokens=max_tokens)
         if self.factory is not None:
-            return EpisodeRunner(chat, self.factory, limits, self.name)
+            return Episodes(chat, self.factory, limits, self.name)
         first, tools = self.first_messages(chat), self.tools
-        return EpisodeRunner(chat, lambda: ToolEnvironment(tools, first, limits.timeout_s, tokenizer), limits,
-                             self.name)
+        return Episodes(chat, lambda: ToolEnvironment(tools, first, limits.timeout_s, tokenizer), limits, self.name)
 
     def chat(self, tokenizer: Any) -> ChatFormat:
         return ChatFormat(tokenizer, [t.schema for t in self.tools] or None)
@@ -77,7 +77,8 @@ def episode_spec(cfg: PipelineConfig) -> EpisodeSpec | None:
     g = cfg.grpo
     if not (g.tools or g.environment):
         return None
-    limits = EpisodeLimits(g.episode.max_turns, g.max_completion_length, g.episode.timeout_s)
+    limits = EpisodeLimits(g.episode.max_turns, g.max_completion_length, g.episode.timeout_s,
+                           cut_reward=g.episode.cut_reward)
     if g.environment:
         return EpisodeSpec((), load_environment_factory(g.environment), g.environment, cfg.prompt, limits)
     return EpisodeSpec(tuple(load_tools(g.tools)), None, "tools " + ", ".join(g.tools), cfg.prompt, limits)

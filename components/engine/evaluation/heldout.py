@@ -18,7 +18,7 @@ from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, reward_columns, split_path
-from components.engine.environments.spec import episode_spec
+from components.engine.environments.generation import for_evaluation
 from components.engine.models.modeling import (
     ModelLoadError,
     load_policy_model,
@@ -27,11 +27,8 @@ from components.engine.models.modeling import (
     resolve_model_dir,
     seed_everything,
 )
-from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import decode_completions
 from components.engine.rewards.rewards import RewardModel
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
 
 
 def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:
@@ -44,17 +41,15 @@ def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, 
     return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
 
 
-@torch.no_grad()
-def greedy_completions_of(model, tokenizer, formatter, records: list[dict[str, Any]], max_new_tokens: int,
-                          batch_size: int) -> list[str]:
-    """Greedy completions of an in-memory model (benchmarks evaluate mid-training without saving)."""
-    prompts = [formatter(r) for r in records]
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    out: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], greedy)
-        out += decode_completions(tokenizer, rollouts)
-    return out
+def greedy_completions_of(cfg: PipelineConfig, model, tokenizer, records: list[dict[str, Any]]) -> list[str]:
+    """Greedy completions of an in-memory model as rewards read them (benchmarks evaluate mid-training without
+    saving), `evaluate.max_new_tokens` and `evaluate.batch_size` as the evaluate stage."""
+    from components.engine.evaluation.task_metrics import generate
+
+    e = cfg.evaluate
+    generation = for_evaluation(cfg, model, tokenizer, e.max_new_tokens, records)
+    return generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
+                    e.batch_size).texts
 
 
 def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
@@ -95,12 +90,12 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     tokenizer, model = load_for_eval(cfg, Path(path), paths, device)
     heldout = split_path(paths.data, "heldout")
     records = read_jsonl(heldout)
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
     from components.engine.evaluation.task_metrics import generate
 
-    out = generate(model, tokenizer, [formatter(r) for r in records], 1, e.max_new_tokens, e.batch_size,
-                   episodes=episode_spec(cfg), records=records)
-    completions = out.transcripts or out.texts
+    generation = for_evaluation(cfg, model, tokenizer, e.max_new_tokens, records)
+    out = generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
+                   e.batch_size)
+    completions = out.transcripts
     rewards = RewardModel(cfg.grpo.rewards)([r["prompt"] for r in records], out.texts,
                                             {**reward_columns(records, 1), **out.columns}).total
     return {"checkpoint": str(path), "n": len(records), "heldout_md5": file_md5(heldout),
@@ -123,11 +118,9 @@ class HeldoutProbe:
         self.every, self.steps, self.tokenizer = e.every, cfg.grpo.steps, tokenizer
         self.keep_metric = cfg.grpo.keep_metric
         self.records = read_jsonl(split_path(paths.data, "heldout"))[: e.during_training_n]
-        formatter = PromptFormatter(cfg.prompt, tokenizer)
-        self.prompts = [formatter(r) for r in self.records]
         # pass@k is skipped below; a reward that hangs is stopped as in a training step
         self.metrics = TaskMetrics(e, cfg.grpo.rewards, [*e.metrics, cfg.grpo.keep_metric], cfg.grpo.reward_timeout_s,
-                                   episode_spec(cfg))
+                                   cfg)
         self.seconds = 0.0
         self.origin: np.ndarray | None = None  # the start model's per-prompt keep_metric
         self.origin_scores: dict[str, float] = {}
@@ -158,7 +151,6 @@ class HeldoutProbe:
         import time
 
         started = time.perf_counter()
-        values, _ = self.metrics.per_prompt(model, self.tokenizer, self.prompts, self.records, seed=0,
-                                            greedy_only=True)
+        values, _ = self.metrics.per_prompt(model, self.tokenizer, self.records, seed=0, greedy_only=True)
         self.seconds += time.perf_counter() - started
         return values

@@ -8,12 +8,15 @@ compared prompt by prompt with the paired bootstrap:
   of the training reward of the same name, if there is one);
 - `pass@k`: whether a correct completion (training reward total >= `evaluate.correct_at`) is among k
   sampled at `evaluate.pass_k_temperature`, with Chen et al.'s unbiased estimator over n >= k samples;
-- `completion_length`: tokens of the greedy completion, EOS included (in an episode, every model turn's);
+- `completion_length`: tokens the model wrote in the greedy completion, EOS included (in an episode, every model
+  turn's), as the step metric of the same name counts them;
+- `episode_length`: every token after the prompt (the model's and a tool's or environment's); `environment_tokens`:
+  those a tool or the environment wrote (0 for single turns);
 - `eos_rate`: 1 when the greedy completion ended with EOS within `evaluate.max_new_tokens`, else 0 (an episode:
   when it ended without meeting a limit).
 
-With tools or an environment (`grpo.tools`, `grpo.environment`) every completion is an episode, played the same way
-as in training with `evaluate.max_new_tokens` tokens after each prompt; rewards read it as in training.
+Completions come from the one generation service (`environments.generation.for_evaluation`), played the same way
+as in training with `evaluate.max_new_tokens` tokens after each prompt; rewards read them as in training.
 """
 
 from __future__ import annotations
@@ -26,14 +29,11 @@ from typing import Any
 
 import torch
 
-from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, RewardSpec
+from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, PipelineConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.environments.episodes import reward_inputs, transcript
-from components.engine.environments.spec import EpisodeSpec
+from components.engine.environments.generation import Generation, for_evaluation
 from components.engine.rewards.rewards import RewardModel, resolve_reward
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.choose import evaluation_engine
-from components.engine.rollout.hf import sample_texts
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -70,44 +70,35 @@ def check_metrics(names: Sequence[str]) -> None:
 
 @dataclass
 class Completions:
-    """Decoded completions with their token lengths and whether each ended with EOS (prompt-major); for episodes,
-    the columns rewards read about them and each episode's transcript."""
+    """What rewards and metrics read of completions (prompt-major): texts, the episodes' reward columns, what a
+    person reads, and per completion its model tokens, all its tokens after the prompt and whether it ended by
+    itself."""
 
-    texts: list[str]
-    lengths: list[int]
-    ended: list[bool]
+    texts: list[str] = field(default_factory=list)
     columns: dict[str, list[Any]] = field(default_factory=dict)
-    transcripts: list[str] | None = None
+    transcripts: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # model tokens
+    episode_lengths: list[int] = field(default_factory=list)  # every token after the prompt
+    ended: list[bool] = field(default_factory=list)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int, batch_size: int, *,
-             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             generator: torch.Generator | None = None, episodes: EpisodeSpec | None = None,
-             records: Sequence[dict[str, Any]] = ()) -> Completions:
-    """n completions per prompt (greedy: n = 1), `batch_size` prompts at a time, in eval mode; with `episodes`, n
-    episodes of each of `records` instead (the prompts are then the environments' first messages)."""
-    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            greedy=greedy)
-    runner = episodes.runner(tokenizer, max_new_tokens) if episodes is not None else None
+def generate(generation: Generation, model, records: Sequence[dict[str, Any]], params: SamplingParams,
+             batch_size: int, generator: torch.Generator | None = None) -> Completions:
+    """`params.n` completions of each record, `batch_size` records at a time, with `model` in eval mode."""
     was_training = model.training
     model.eval()
-    engine = evaluation_engine(model, tokenizer, max_new_tokens, runner.longest_row(records)) \
-        if runner is not None else None
-    out = Completions([], [], [], {}, [] if runner is not None else None)
+    out = Completions()
     try:
-        for start in range(0, len(prompts), batch_size):
-            if runner is not None:
-                rollouts = runner.run(engine, records[start: start + batch_size], params, generator)
-            else:
-                rollouts = sample_texts(model, tokenizer, prompts[start: start + batch_size], params, generator)
-            texts, columns = reward_inputs(tokenizer, rollouts)
-            out.texts += texts
-            for key, values in columns.items():
+        for start in range(0, len(records), batch_size):
+            rollouts = generation.run(records[start: start + batch_size], params, generator)
+            reading = generation.read(rollouts)
+            out.texts += reading.texts
+            out.transcripts += reading.transcripts
+            for key, values in reading.columns.items():
                 out.columns.setdefault(key, []).extend(values)
-            if out.transcripts is not None:
-                out.transcripts += [transcript(e) for e in rollouts.episodes]
-            out.lengths += rollouts.completion_lengths()
+            out.lengths += [e.model_tokens for e in rollouts.episodes]
+            out.episode_lengths += [len(e.ids) for e in rollouts.episodes]
             out.ended += [bool(x) for x in ~rollouts.truncated]
     finally:
         model.train(was_training)
@@ -118,10 +109,11 @@ class TaskMetrics:
     """Computes `evaluate.metrics` (plus `reward`, always) per prompt for one model."""
 
     def __init__(self, e: EvaluateConfig, rewards: Sequence[RewardSpec], names: Sequence[str] | None = None,
-                 timeout_s: float = 0.0, episodes: EpisodeSpec | None = None):
+                 timeout_s: float = 0.0, cfg: PipelineConfig | None = None):
         """`timeout_s`: each reward call's time limit (0 = none); evaluation during training uses GRPO's.
-        `episodes`: the run's tools or environment (`environments.spec.episode_spec`), None for single turns."""
-        self.e, self.episodes = e, episodes
+        `cfg`: the run's prompt settings, tools or environment (how completions are generated; default: single turns
+        of the record's prompt)."""
+        self.e, self.cfg = e, cfg if cfg is not None else PipelineConfig()
         self.names = list(dict.fromkeys(["reward", *(e.metrics if names is None else names)]))
         self.reward = RewardModel(rewards, timeout_s=timeout_s)
         options = {spec.name: spec.options for spec in rewards}
@@ -133,28 +125,30 @@ class TaskMetrics:
     def greedy_names(self) -> list[str]:
         return [n for n in self.names if not pass_k(n)]
 
-    def per_prompt(self, model, tokenizer, prompts: list[str], records: list[dict[str, Any]], seed: int,
+    def per_prompt(self, model, tokenizer, records: list[dict[str, Any]], seed: int,
                    greedy_only: bool = False) -> tuple[dict[str, list[float]], Completions]:
-        """{metric: one value per prompt} and the greedy completions; pass@k left out when `greedy_only`."""
+        """{metric: one value per record} and the greedy completions; pass@k left out when `greedy_only`."""
         e = self.e
-        out = generate(model, tokenizer, prompts, 1, e.max_new_tokens, e.batch_size, episodes=self.episodes,
-                       records=records)
+        generation = for_evaluation(self.cfg, model, tokenizer, e.max_new_tokens, records)
+        prompts = [r["prompt"] for r in records]
+        out = generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
+                       e.batch_size)
         columns = {**reward_columns(records, 1), **out.columns}
         values: dict[str, list[float]] = {"reward": self.reward(prompts, out.texts, columns).total}
+        fixed = {"completion_length": out.lengths, "episode_length": out.episode_lengths,
+                 "environment_tokens": [a - b for a, b in zip(out.episode_lengths, out.lengths)], "eos_rate": out.ended}
         for name in self.greedy_names:
-            if name == "completion_length":
-                values[name] = [float(x) for x in out.lengths]
-            elif name == "eos_rate":
-                values[name] = [float(x) for x in out.ended]
+            if name in fixed:
+                values[name] = [float(x) for x in fixed[name]]
             elif name in self.single:
                 values[name] = self.single[name](prompts, out.texts, columns).total
         ks = [k for k in map(pass_k, self.names) if k]
         if ks and not greedy_only:
             n = e.pass_k_samples or max(ks)
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-            sampled = generate(model, tokenizer, prompts, n, e.max_new_tokens, max(1, e.batch_size // n),
-                               greedy=False, temperature=e.pass_k_temperature, top_p=e.pass_k_top_p,
-                               top_k=e.pass_k_top_k, generator=generator, episodes=self.episodes, records=records)
+            params = SamplingParams(n=n, max_new_tokens=e.max_new_tokens, temperature=e.pass_k_temperature,
+                                    top_p=e.pass_k_top_p, top_k=e.pass_k_top_k)
+            sampled = generate(generation, model, records, params, max(1, e.batch_size // n), generator)
             scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts,
                                  {**reward_columns(records, n), **sampled.columns}).total
             correct = [sum(s >= e.correct_at for s in scores[i * n:(i + 1) * n]) for i in range(len(prompts))]

@@ -1,10 +1,18 @@
 """The fast path's decoder: each prompt encoded once, its cache copied to its G rows, one token per open row a step
 over a KV cache that grows as tokens are decoded; rows that emitted EOS leave the caches once enough of them have
-(`COMPACT_AT`), so the sampler only ever sees the rows still open."""
+(`COMPACT_AT`), so the sampler only ever sees the rows still open.
+
+A continuing decoder (an episode's turns) keeps every row until the turn ends (a finished row is fed padding, masked
+out of later turns); `extend` then appends each kept row's next tokens (a tool's or environment's answer) to its
+cache in one forward, so a conversation is encoded once."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from components.engine.models.rollouts import left_pad, positions_from_mask
 
 from components.engine.fast.layers import LayerWeights, Rotary
 from components.engine.fast.pieces import ModelPieces
@@ -15,8 +23,9 @@ COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of t
 
 
 def start_decoding(pieces: ModelPieces, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                   max_new_tokens: int) -> Decoder:
-    """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion."""
+                   max_new_tokens: int, continuing: bool = False) -> Decoder:
+    """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion.
+    `continuing`: later turns may follow (rows are held to the end of each turn)."""
     weights = pieces.fused_weights(merge_lora=not torch.is_grad_enabled())  # no gradient: LoRA merged
     last, caches, cache_mask = encode_prompts(pieces, prompt_ids, prompt_mask, weights)
     first = pieces.head(last)
@@ -34,8 +43,11 @@ def start_decoding(pieces: ModelPieces, prompt_ids: torch.Tensor, prompt_mask: t
     start = prompt_mask.sum(-1)[rows]
     positions = start[:, None] + torch.arange(max_new_tokens, device=prompt_ids.device)
     rope = pieces.positions(first[:, None, :1], positions)  # every decode step's rotation, computed once
-    return Decoder(pieces, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
-                   cache_mask.shape[1] + max_new_tokens)
+    decoder = Decoder(pieces, weights, buffers, bias, cache_mask.shape[1], rope, first.index_select(0, rows),
+                      cache_mask.shape[1] + max_new_tokens)
+    if continuing:
+        decoder.real = [cache_mask.bool()[rows]]
+    return decoder
 
 
 class Decoder:
@@ -49,13 +61,17 @@ class Decoder:
         rows = torch.arange(len(first_logits), device=first_logits.device)
         self.held = rows  # the rows whose caches it holds (indices into the rows it started with)
         self.open = rows  # the rows still decoding, a subset of `held`; `advance` returns their logits
+        self.real: list[torch.Tensor] | None = None  # continuing: which cache columns of each row are real tokens
 
     def advance(self, drawn: torch.Tensor, still_open: torch.Tensor, pad_id: int) -> torch.Tensor:
         """Feed the tokens just drawn for the open rows (`still_open`: which of them did not emit EOS) and return
         the logits of the rows still open. Rows that finished are fed `pad_id` while their caches are held; once at
         most `COMPACT_AT` of the held rows are open, the finished ones leave the caches (one copy per layer)."""
         now_open = self.open[still_open]
-        if len(now_open) <= COMPACT_AT * len(self.held):
+        if self.real is not None:  # continuing: every row held to the turn's end; the rows fed a token they drew
+            self.real.append(torch.zeros(len(self.held), 1, dtype=torch.bool, device=drawn.device)
+                             .index_fill_(0, self.open, True))
+        elif len(now_open) <= COMPACT_AT * len(self.held):
             self.keep(torch.searchsorted(self.held, now_open))
             self.held, self.open = now_open, now_open
             return self.feed(drawn[still_open])
@@ -65,6 +81,39 @@ class Decoder:
         self.open = now_open
         logits = self.feed(tokens)
         return logits if len(now_open) == len(self.held) else logits[torch.searchsorted(self.held, now_open)]
+
+    def extend(self, rows: torch.Tensor, chunks: Sequence[Sequence[int]], room: int) -> None:
+        """Keep `rows` (of a continuing decoder, after a turn), feed each its chunk (left-padded to the longest) over
+        its cache in one forward, and start the next turn with room for `room` tokens: the state `start_decoding`
+        leaves, with the whole conversation so far as the prompt."""
+        pieces, end = self.pieces, self.prompt_len + self.offset
+        real = torch.cat(self.real, 1).index_select(0, rows)
+        ids, mask = left_pad(chunks, 0, rows.device)
+        width = ids.shape[1]
+        capacity = end + width + min(room, DECODE_CACHE_BLOCK)
+        buffers = []
+        for k, v in self.buffers:
+            kbuf, vbuf = (t.new_empty(len(rows), t.shape[1], capacity, t.shape[3]) for t in (k, v))
+            kbuf[:, :, :end], vbuf[:, :, :end] = k.index_select(0, rows)[:, :, :end], v.index_select(0, rows)[:, :, :end]
+            buffers.append((kbuf, vbuf))
+        x = pieces.embed(ids)
+        rotary = pieces.positions(x, real.sum(-1, keepdim=True) + positions_from_mask(mask))
+        causal = torch.ones(width, width, dtype=torch.bool, device=rows.device).tril()
+        keep = torch.cat([real[:, None, :].expand(-1, width, -1), causal[None] & mask.bool()[:, None, :]], -1)
+        bias = pieces.bias(keep, x.dtype)[:, None, None]  # [R, 1, 1, W, end + W]
+        for layer, fused, (kbuf, vbuf) in zip(pieces.layers, self.weights, buffers):
+            q, k, v = pieces.qkv(layer, fused, pieces.norm(layer.input_layernorm, x), rotary)
+            kbuf[:, :, end:end + width], vbuf[:, :, end:end + width] = k, v
+            attn = pieces.attend(q, kbuf[:, :, :end + width], vbuf[:, :, :end + width], bias)
+            x = pieces.finish_layer(layer, fused, x, pieces.merge_heads(attn))
+        real = torch.cat([real, mask.bool()], 1)
+        self.buffers, self.real, self.prompt_len, self.offset = buffers, [real], end + width, 0
+        self.logits = pieces.head(pieces.final_norm(x[:, -1, :]))
+        self.bias = pieces.bias(torch.cat([real, real.new_ones(len(rows), room)], 1), x.dtype)[:, None, None, None]
+        positions = real.sum(-1, keepdim=True) + torch.arange(room, device=rows.device)
+        self.rope = pieces.positions(x[:, -1:, :], positions)
+        self.held = self.open = torch.arange(len(rows), device=rows.device)
+        self.max_length = self.prompt_len + room
 
     def _reserve(self, end: int) -> None:
         """Room in the caches for `end` positions: the completion part doubles (at least `DECODE_CACHE_BLOCK`

@@ -144,6 +144,6 @@ class PrefixSharedLM:
 
     # --------------------------------------------------------------------------------------- sampling
     def start_decoding(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                       max_new_tokens: int) -> Decoder:
+                       max_new_tokens: int, continuing: bool = False) -> Decoder:
         """Encode prompts once; the decoder holds G copies of each prompt's cache (`decoder.start_decoding`)."""
-        return start_decoding(self.pieces, prompt_ids, prompt_mask, group_size, max_new_tokens)
+        return start_decoding(self.pieces, prompt_ids, prompt_mask, group_size, max_new_tokens, continuing)

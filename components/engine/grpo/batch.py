@@ -20,7 +20,6 @@ import torch
 
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.environments.episodes import reward_inputs
 from components.engine.grpo.objectives import normalize_then_sum
 from components.engine.grpo.policy import Policy
 from components.engine.models.rollouts import Rollouts, concat_rollouts
@@ -183,14 +182,14 @@ def per_group_round(policy: Policy, records: list[dict[str, Any]], params: Sampl
 def score_groups(policy: Policy, parts: list[Rollouts], records: list[dict[str, Any]], rewards: RewardModel,
                  g: GRPOConfig) -> list[ScoredGroups]:
     """Score rollouts of `records`' groups (one rollout per part, parts in record order) in one call of the rewards:
-    completions decoded (an episode's: its last turn, and the episode in columns of its own), the records' columns
-    and each completion's token length passed along."""
-    read = [reward_inputs(policy.tokenizer, part) for part in parts]
-    completions = [text for texts, _ in read for text in texts]
+    each completion as the generation reads it (an episode's: its last turn, and the episode in columns of its own),
+    the records' columns and each completion's token length (the model's tokens) passed along."""
+    read = [policy.generation.read(part) for part in parts]
+    completions = [text for reading in read for text in reading.texts]
     group_size = parts[0].group_size
     columns = reward_columns(records, group_size)
-    for key in read[0][1]:
-        columns[key] = [value for _, extra in read for value in extra[key]]
+    for key in read[0].columns:
+        columns[key] = [value for reading in read for value in reading.columns[key]]
     columns["completion_token_lengths"] = [n for part in parts for n in part.completion_lengths()]
     t0 = time.perf_counter()
     scored = rewards([r["prompt"] for r in records for _ in range(group_size)], completions, columns)

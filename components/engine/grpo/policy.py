@@ -19,15 +19,14 @@ from typing import Any
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
-from components.engine.environments.episodes import EpisodeRunner
-from components.engine.environments.spec import episode_spec
+from components.engine.environments.episodes import EpisodeLimits, SingleTurn
+from components.engine.environments.generation import Generation, play_of
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
-from components.engine.models.prompting import PromptFormatter, longest_row
-from components.engine.models.rollouts import Rollouts, encode_prompts
-from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.choose import EngineSettings, build_engine
-from components.engine.rollout.hf import HFEngine
+from components.engine.models.rollouts import Rollouts
+from components.engine.rollout.base import Decoding, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import EngineSettings, build_engine, plain_engine, through_trainer
+from components.engine.rollout.turns import Reencoding
 
 
 def attach_lora(model, lora: LoRAConfig):
@@ -55,6 +54,9 @@ class AdaptersOff:
     def __init__(self, engine: RolloutEngine, model: Any):
         self.engine, self.model = engine, model
 
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> Decoding:
+        return Reencoding(self, prompts)
+
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
         with self.model.disable_adapter():
@@ -75,31 +77,40 @@ def raw_prompt(record: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Policy:
-    """The model being trained, how its prompts are formatted, and the engines that sample and score."""
+    """The model being trained, how its rows are generated (`generation`: its engine and play), and the engines that
+    score."""
 
     tokenizer: Any
     model: Any
-    engine: RolloutEngine  # samples and scores with `model`
+    generation: Generation  # samples with `engine`: single turns or episodes
     reference: Any | None = None  # a separate frozen model, or None (no KL, or LoRA: adapters disabled)
     reference_engine: RolloutEngine | None = None  # scores with the reference (None: no KL term)
     lora: bool = False
-    format_prompt: Callable[[dict[str, Any]], str] = raw_prompt
     trainer: Any | None = None  # the module gradient forwards go through (DDP's wrapper); None: `model`
-    episodes: EpisodeRunner | None = None  # multi-turn episodes (tools, an environment); None: one turn each
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """Samples and scores with `model`."""
+        return self.generation.engine
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any, engine: RolloutEngine | None = None, reference: Any | None = None,
            lora: bool = False, with_reference: bool = True,
-           format_prompt: Callable[[dict[str, Any]], str] = raw_prompt) -> Policy:
-        """A policy over `model` with `engine` (default: the plain Hugging Face one) and, when `with_reference`,
-        the reference engine that goes with it: LoRA's adapters off, or the same engine over `reference`."""
-        engine = engine if engine is not None else HFEngine(model, SpecialTokens.of(tokenizer))
+           format_prompt: Callable[[dict[str, Any]], str] = raw_prompt,
+           generation: Generation | None = None) -> Policy:
+        """A policy over `model` with `engine` (default: the plain Hugging Face one) generating single turns of
+        `format_prompt` (or `generation` over that engine) and, when `with_reference`, the reference engine that goes
+        with it: LoRA's adapters off, or the same engine over `reference`."""
+        engine = engine if engine is not None else plain_engine(model, SpecialTokens.of(tokenizer))
+        if generation is None:
+            single = SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1, max_tokens=1 << 30))
+            generation = Generation(engine, single, tokenizer)
         reference_engine = None
         if with_reference and lora:
             reference_engine = AdaptersOff(engine, model)
         elif with_reference and reference is not None:
             reference_engine = engine.over(reference)
-        return cls(tokenizer, model, engine, reference, reference_engine, lora, format_prompt)
+        return cls(tokenizer, model, generation.with_engine(engine), reference, reference_engine, lora)
 
     @property
     def train_module(self) -> Any:
@@ -108,18 +119,13 @@ class Policy:
     def with_trainer(self, trainer: Any) -> Policy:
         """This policy training through `trainer` (DDP's wrapper): only the plain engine, built for wrapped runs,
         forwards through a wrapper."""
-        if not isinstance(self.engine, HFEngine):
-            raise TypeError(f"a wrapped model trains through the plain engine, not {self.engine.name!r}")
-        return dataclasses.replace(self, trainer=trainer, engine=self.engine.with_trainer(trainer))
+        generation = self.generation.with_engine(through_trainer(self.engine, trainer))
+        return dataclasses.replace(self, trainer=trainer, generation=generation)
 
     def sample(self, records: Sequence[dict[str, Any]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        """`params.n` completions of each record's prompt, formatted and tokenised as this policy reads it; with
-        tools or an environment, `params.n` episodes of each record (the engine samples each turn)."""
-        if self.episodes is not None:
-            return self.episodes.run(self.engine, records, params, generator)
-        prompts = encode_prompts(self.tokenizer, [self.format_prompt(r) for r in records])
-        return self.engine.sample(prompts, params, generator)
+        """`params.n` rows of each record, each played to its end (`Generation.run`)."""
+        return self.generation.run(records, params, generator)
 
     def logprobs(self, rollouts: Rollouts, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,7 +148,8 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     (`memory_estimate.fit_memory`, returned beside the policy); then the engine (`wrapped`: several processes, whose
     forwards must go through their wrapper or be the same for any process count; `stop_together`: a sharded model's
     lockstep decoding).
-    `records` size the memory estimate and the prompt-once engine's self-check."""
+    `records` size the memory estimate and the engine (the longest row they can make: prompt, tool schemas, turns and
+    answers)."""
     g = cfg.grpo
     tokenizer = load_tokenizer(start_dir, cfg.model.trust_remote_code)
     model = load_policy_model(cfg, start_dir, device)
@@ -152,19 +159,17 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     elif with_reference:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    format_prompt = PromptFormatter(cfg.prompt, tokenizer)
-    prompt_tokens = longest_row(tokenizer, format_prompt, (records or [])[:256], 0)
+    play = play_of(cfg, tokenizer, g.max_completion_length)  # single turns or episodes: the engine is sized from it
+    prompt_tokens = play.longest_prompt((records or [])[:256])
     memory = fit_memory(g, model, prompt_tokens, reference is not None, say)
     settings = EngineSettings(
         prefix_sharing=g.prefix_sharing, cuda_graphs=g.cuda_graphs, onednn_matmul=g.onednn_matmul,
         gradient_checkpointing=memory.gradient_checkpointing, vocab_size=len(tokenizer),
-        max_length=longest_row(tokenizer, format_prompt, records, g.max_completion_length) if records else None,
+        max_length=play.longest_prompt(records) + play.limits.max_tokens if records else None,
         completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)
     engine = build_engine(model.train(), SpecialTokens.of(tokenizer), settings, say)
-    policy = Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference, format_prompt)
-    spec = episode_spec(cfg)
-    if spec is not None:
-        policy = dataclasses.replace(policy, episodes=spec.runner(tokenizer, g.max_completion_length))
+    policy = Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference,
+                       generation=Generation(engine, play, tokenizer))
     return policy, memory
 
 

@@ -9,11 +9,47 @@ of the loss (`model_mask`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
+
+Message = Mapping[str, object]  # a chat message: role, content and, for a tool's answer, its name
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One row's conversation after its prompt, built once when it ended (a single turn is the episode of one turn).
+
+    `ids`, `model_mask` and `sampling_logp` hold every token after the prompt: the model's turns (mask 1, with the
+    log-prob the sampler drew each with) and what a tool or environment answered between them (mask 0, log-prob 0).
+    """
+
+    messages: tuple[Message, ...]  # the model's turns (`assistant`) and the answers between them, in order
+    ids: tuple[int, ...]
+    model_mask: tuple[int, ...]
+    sampling_logp: tuple[float, ...]
+    turns: int  # model turns
+    ended_with_eos: bool  # the model's last turn ended with EOS (not cut off mid-turn)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    reward: float | None = None  # the environment's reward (asked of it, or `grpo.episode.cut_reward`, when cut)
+    cut: str | None = None  # the limit that ended it ("turns", "tokens"), or "environment error: ..."
+
+    @property
+    def answer(self) -> str:
+        """The model's last turn: what rewards read as the completion."""
+        return next((str(m["content"]) for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model wrote (EOS included)."""
+        return sum(self.model_mask)
+
+    @property
+    def environment_tokens(self) -> int:
+        """Tokens a tool or the environment wrote between the model's turns."""
+        return len(self.ids) - self.model_tokens
 
 
 @dataclass(frozen=True)
@@ -28,7 +64,7 @@ class Rollouts:
     group_size: int = 1  # G completions per prompt: the layout of the rows
     sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it (0 elsewhere)
     model_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens the model wrote (None: every completion token)
-    episodes: tuple[Any, ...] | None = None  # per row, the episode's conversation (`environments.episodes.Episode`)
+    episodes: tuple[Episode, ...] | None = None  # per row, its episode (None: an engine's turn, not yet played)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

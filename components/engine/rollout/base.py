@@ -36,16 +36,40 @@ class SpecialTokens:
         return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+class Decoding(Protocol):
+    """One decoding run over a batch of prompts that may go on for several turns (an episode's): each row's context
+    stays encoded between turns, so what a tool or environment answers is appended to it, never re-encoded with the
+    conversation before it. Made by `RolloutEngine.start`."""
+
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+        """The next turn of every open row, drawn as `RolloutEngine.sample` draws (the same generator use): the first
+        turn `params.n` rows per prompt, prompt-major, with the prompts as the rollouts' prompt part; a later turn one
+        row per row kept by `extend`, in order, with an empty prompt part."""
+        ...
+
+    def extend(self, rows: Sequence[int], answers: Sequence[Sequence[int]], room: int) -> None:
+        """Go on with `rows` only (indices into the last turn's rows, ascending): each one's last turn, then
+        `answers[i]` (the tokens a tool or environment wrote, through the next turn's generation prompt), join its
+        context. `room`: tokens the next turn may draw at most."""
+        ...
+
+
 class RolloutEngine(Protocol):
     """Generates completions and scores them with one model. Implementations: hf.py (the plain Hugging Face
-    forward, the reference the others are tested against), prefix_shared.py (the CPU prompt-once path)."""
+    forward, the reference the others are tested against), prefix_shared.py (the CPU prompt-once path),
+    cuda_graphs.py (captured decoding on a CUDA device)."""
 
     name: str
 
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> Decoding:
+        """A decoding run over `prompts` (token ids); `continuing`: later turns may follow the first (the caches of
+        rows that finish a turn are then kept for the next)."""
+        ...
+
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        """`params.n` completions of each prompt (token ids), prompt-major. With the same generator state every
-        engine draws the same tokens as the plain path (greedy, or sampled)."""
+        """`params.n` completions of each prompt (token ids), prompt-major: `start(prompts).turn(params, generator)`.
+        With the same generator state every engine draws the same tokens as the plain path (greedy, or sampled)."""
         ...
 
     def logprobs(self, rollouts: Rollouts, temperature: float,

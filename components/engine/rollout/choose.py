@@ -1,4 +1,5 @@
-"""Which rollout engine runs: decided here, once, when the policy is built, from its settings and device."""
+"""Which rollout engine runs: decided here, once, when the policy (or an evaluation's generation) is built, from its
+settings and device. The only module outside each engine's own that names a concrete engine."""
 
 from __future__ import annotations
 
@@ -46,17 +47,34 @@ def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
                     stop_together=settings.stop_together)
 
 
+def plain_engine(model: Any, tokens: SpecialTokens) -> RolloutEngine:
+    """The plain Hugging Face engine over `model` (tests and tools that build a policy by hand)."""
+    return HFEngine(model, tokens)
+
+
+def through_trainer(engine: RolloutEngine, trainer: Any) -> RolloutEngine:
+    """`engine` with gradient forwards through `trainer` (DDP's wrapper): only the plain engine, built for wrapped
+    runs, forwards through a wrapper."""
+    if not isinstance(engine, HFEngine):
+        raise TypeError(f"a wrapped model trains through the plain engine, not {engine.name!r}")
+    return engine.with_trainer(trainer)
+
+
 _EVALUATION_ENGINES: weakref.WeakKeyDictionary[Any, tuple[int, RolloutEngine]] = weakref.WeakKeyDictionary()
 
 
 def evaluation_engine(model: Any, tokenizer: Any, completion_length: int, max_length: int,
-                      say: Callable[..., None] = print) -> RolloutEngine:
-    """The engine held-out episodes run on (a turn at a time, each from its whole context): the prompt-once engine
-    where its self-check on rows of `max_length` tokens passes, else the plain Hugging Face one.
+                      say: Callable[..., None] = print, stop_together: Callable[[bool], bool] | None = None,
+                      prefix_sharing: bool = True) -> RolloutEngine:
+    """The engine held-out evaluation, pass@k and SFT's stop check run on: the prompt-once engine where its
+    self-check on rows of `max_length` tokens passes, else the plain Hugging Face one (always for a sharded model,
+    which decodes in lockstep: `stop_together`, and with `grpo.prefix_sharing` off).
 
     The self-check (forwards and backwards of rows that long) runs once per model object and row length: SFT's stop
     check and the held-out probe during GRPO evaluate the same model, whose weights change but whose structure does
     not. It compares gradients, so it runs with them on, whatever the caller's mode; it writes no `.grad`."""
+    if stop_together is not None or not prefix_sharing:
+        return HFEngine(model, SpecialTokens.of(tokenizer), stop_together=stop_together)
     cached = _EVALUATION_ENGINES.get(model)
     if cached is not None and cached[0] >= max_length:
         return cached[1]

@@ -37,6 +37,7 @@ from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, key_bucket, row_bucket
 from components.engine.rollout.token_loop import decode
+from components.engine.rollout.turns import Reencoding
 
 Mode = Literal["graphs", "eager", "token_loop"]
 CHECK_EVERY = 8  # decode steps between the host's looks at which rows are open (each look waits for the GPU)
@@ -60,6 +61,10 @@ class CudaGraphEngine:
         self.pool: Any = None
         self.stream: Any = None
         self._step = self._fused_step
+
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> Reencoding:
+        """Each turn one `sample` (later turns re-encode each row's context)."""
+        return Reencoding(self, prompts)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:

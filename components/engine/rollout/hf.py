@@ -11,16 +11,16 @@ import torch
 
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.modeling import layer_checkpointing
-from components.engine.models.rollouts import Rollouts, encode_prompts, left_pad, positions_from_mask
+from components.engine.models.rollouts import Rollouts, left_pad, positions_from_mask
 from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.token_loop import decode
+from components.engine.rollout.turns import LoopDecoding
 
 
 class HFEngine:
     """Samples with the model's cache (each prompt encoded once, its cache expanded G times) and scores with its
     forward. A forward with gradients goes through `trainer` when given (DDP's wrapper averages the gradients);
     forwards without them through the model itself. Finished rows are fed the pad token: the model's cache keeps
-    every row to the end of the run."""
+    every row to the end of a turn (in a continuing run those positions are masked out of later turns)."""
 
     name = "hf"
 
@@ -30,14 +30,17 @@ class HFEngine:
         self.model, self.tokens, self.trainer = model, tokens, trainer
         self.gradient_checkpointing, self.stop_together = gradient_checkpointing, stop_together
 
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> LoopDecoding:
+        """Under `no_grad` (not inference mode: a sharded model's parameters must not become inference tensors)."""
+        def make(prompt_ids, prompt_mask, group_size, max_new_tokens, keep):
+            return HFDecoder(self.model, prompt_ids, prompt_mask, group_size, max_new_tokens, keep)
+
+        return LoopDecoding(make, prompts, self.tokens, next(self.model.parameters()).device, continuing,
+                            torch.no_grad, stop_together=self.stop_together)
+
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        """Under `no_grad` (not inference mode: a sharded model's parameters must not become inference tensors)."""
-        device = next(self.model.parameters()).device
-        prompt_ids, prompt_mask = left_pad(prompts, self.tokens.pad_id, device)
-        with torch.no_grad():
-            decoder = HFDecoder(self.model, prompt_ids, prompt_mask, params.n, params.max_new_tokens)
-            return decode(decoder, prompt_ids, prompt_mask, params, self.tokens, generator, self.stop_together)
+        return self.start(prompts).turn(params, generator)
 
     def logprobs(self, rollouts: Rollouts, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -56,10 +59,11 @@ class HFEngine:
 
 
 class HFDecoder:
-    """`token_loop.StepDecoder` over the Hugging Face model's own cache."""
+    """`turns.ContinuingDecoder` over the Hugging Face model's own cache. In a continuing run it records which cache
+    positions hold real tokens (a finished row's padding does not), so a later turn's attention mask skips the rest."""
 
     def __init__(self, model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                 max_new_tokens: int):
+                 max_new_tokens: int, continuing: bool = False):
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions_from_mask(prompt_mask),
                     use_cache=True)
         self.model, self.cache, self.logits = model, out.past_key_values, out.logits[:, -1, :]
@@ -67,26 +71,38 @@ class HFDecoder:
             self.cache.batch_repeat_interleave(group_size)
             self.logits = self.logits.repeat_interleave(group_size, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-        n, self.prompt_len = prompt_mask.shape
-        self.attention = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=prompt_mask.dtype,
-                                                            device=prompt_mask.device)], 1)
-        self.next_pos = prompt_mask.sum(-1, keepdim=True)
-        self.open, self.offset = torch.arange(n, device=prompt_mask.device), 0
+        self._begin_turn(prompt_mask, max_new_tokens)
+        self.real: list[torch.Tensor] | None = [prompt_mask.bool()] if continuing else None
+
+    def _begin_turn(self, context_mask: torch.Tensor, max_new_tokens: int) -> None:
+        """A turn's decoding state after `context_mask` ([rows, cache length]: 1 on real tokens) was encoded."""
+        n, self.prompt_len = context_mask.shape
+        self.attention = torch.cat([context_mask, torch.ones(n, max_new_tokens, dtype=context_mask.dtype,
+                                                             device=context_mask.device)], 1)
+        self.next_pos = context_mask.sum(-1, keepdim=True)
+        self.open, self.offset = torch.arange(n, device=context_mask.device), 0
 
     def advance(self, drawn: torch.Tensor, still_open: torch.Tensor, pad_id: int) -> torch.Tensor:
         n, t = len(self.attention), self.offset
         tokens = drawn if len(self.open) == n else torch.full((n,), pad_id, dtype=drawn.dtype,
                                                                device=drawn.device).index_put_((self.open,), drawn)
+        if self.real is not None:  # the rows fed a token they drew (the others are fed padding)
+            self.real.append(torch.zeros(n, 1, dtype=torch.bool, device=drawn.device).index_fill_(0, self.open, True))
         step = self.model(input_ids=tokens[:, None], attention_mask=self.attention[:, : self.prompt_len + t + 1],
                           position_ids=self.next_pos + t, past_key_values=self.cache, use_cache=True)
         self.cache, self.offset, self.open = step.past_key_values, t + 1, self.open[still_open]
         logits = step.logits[:, -1, :]
         return logits if len(self.open) == n else logits[self.open]
 
-
-def sample_texts(model: Any, tokenizer: Any, prompts: Sequence[str], params: SamplingParams,
-                 generator: torch.Generator | None = None,
-                 stop_together: Callable[[bool], bool] | None = None) -> Rollouts:
-    """Completions of prompt texts with the plain engine (evaluation and SFT's stop check, on any model)."""
-    engine = HFEngine(model, SpecialTokens.of(tokenizer), stop_together=stop_together)
-    return engine.sample(encode_prompts(tokenizer, prompts), params, generator)
+    def extend(self, rows: torch.Tensor, chunks: Sequence[Sequence[int]], room: int) -> None:
+        """One forward of each kept row's chunk (left-padded to the longest) over its cache."""
+        real = torch.cat(self.real, 1).index_select(0, rows).long()
+        self.cache.batch_select_indices(rows)
+        chunk_ids, chunk_mask = left_pad(chunks, 0, rows.device)
+        mask = torch.cat([real, chunk_mask], 1)
+        positions = real.sum(-1, keepdim=True) + positions_from_mask(chunk_mask)
+        out = self.model(input_ids=chunk_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True)
+        self.cache, self.logits = out.past_key_values, out.logits[:, -1, :]
+        self.real = [mask.bool()]
+        self._begin_turn(mask, room)

@@ -12,9 +12,9 @@ import torch
 from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.pieces import FastOptions
-from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.models.rollouts import Rollouts
 from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.token_loop import decode
+from components.engine.rollout.turns import LoopDecoding
 
 
 class PrefixSharedEngine:
@@ -27,14 +27,13 @@ class PrefixSharedEngine:
     def __init__(self, lm: PrefixSharedLM, tokens: SpecialTokens):
         self.lm, self.tokens = lm, tokens
 
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> LoopDecoding:
+        return LoopDecoding(self.lm.start_decoding, prompts, self.tokens, next(self.lm.model.parameters()).device,
+                            continuing, torch.inference_mode, clone=True)
+
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        device = next(self.lm.model.parameters()).device
-        prompt_ids, prompt_mask = left_pad(prompts, self.tokens.pad_id, device)
-        with torch.inference_mode():
-            decoder = self.lm.start_decoding(prompt_ids, prompt_mask, params.n, params.max_new_tokens)
-            rollouts = decode(decoder, prompt_ids, prompt_mask, params, self.tokens, generator)
-        return rollouts.clone()
+        return self.start(prompts).turn(params, generator)
 
     def logprobs(self, rollouts: Rollouts, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,12 +12,8 @@ import torch
 from components.config import ConfigError, GRPOConfig
 from components.engine.environments.chat import ChatFormat, conversation_ids
 from components.engine.environments.environment import ToolEnvironment, load_environment_factory
-from components.engine.environments.episodes import (
-    EnvironmentFailed,
-    EpisodeLimits,
-    EpisodeRunner,
-    reward_inputs,
-)
+from components.engine.environments.episodes import EnvironmentFailed, EpisodeLimits, Episodes
+from components.engine.environments.generation import Generation
 from components.engine.environments.tools import load_tools
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import build_trajectory, loss_mask
@@ -25,6 +21,7 @@ from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.rollouts import Rollouts, left_pad
 from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.turns import Reencoding
 from components.losses import LOSSES
 from tests.engine.environments.chat_fixtures import CHATML, HERMES, chat_tokenizer
 
@@ -40,6 +37,9 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, turns: Sequence[str]):
         self.tokenizer, self.turns, self.calls = tokenizer, list(turns), 0
+
+    def start(self, prompts, continuing=False):
+        return Reencoding(self, prompts)
 
     def sample(self, prompts, params: SamplingParams, generator=None) -> Rollouts:
         text = self.turns[min(self.calls, len(self.turns) - 1)]
@@ -59,15 +59,33 @@ class ScriptedEngine:
         return self
 
 
-def _runner(tokenizer, tools=("add",), max_turns=4, max_tokens=400, timeout_s=1.0):
+class Runner:
+    """A play run through `Generation` over any engine."""
+
+    def __init__(self, play, tokenizer):
+        self.play, self.tokenizer = play, tokenizer
+
+    def run(self, engine, records, params, generator=None):
+        return Generation(engine, self.play, self.tokenizer).run(records, params, generator)
+
+    def read(self, rollouts):
+        return Generation(None, self.play, self.tokenizer).read(rollouts)
+
+
+def _runner(tokenizer, tools=("add",), max_turns=4, max_tokens=400, timeout_s=1.0, cut_reward=0.0):
     chat = ChatFormat(tokenizer, [t.schema for t in load_tools([f"{FIXTURES}:{n}" for n in tools])])
     loaded = load_tools([f"{FIXTURES}:{n}" for n in tools])
 
     def first(record):
         return [{"role": "user", "content": record["prompt"]}]
 
-    return EpisodeRunner(chat, lambda: ToolEnvironment(loaded, first, timeout_s, tokenizer),
-                         EpisodeLimits(max_turns, max_tokens, timeout_s))
+    limits = EpisodeLimits(max_turns, max_tokens, timeout_s, cut_reward=cut_reward)
+    return Runner(Episodes(chat, lambda: ToolEnvironment(loaded, first, timeout_s, tokenizer), limits), tokenizer)
+
+
+def _environment_runner(tokenizer, name, limits=EpisodeLimits(4, 400, 1.0), describe="environment"):
+    return Runner(Episodes(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"), limits, describe),
+                  tokenizer)
 
 
 def test_an_episode_is_laid_out_as_its_conversation_with_only_the_models_tokens_marked():
@@ -86,7 +104,8 @@ def test_an_episode_is_laid_out_as_its_conversation_with_only_the_models_tokens_
     episode = rollouts.episodes[0]
     assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.cut) == (2, 1, 0, None)
     assert episode.answer == "7" and episode.messages[1] == {"role": "tool", "name": "add", "content": "7"}
-    texts, columns = reward_inputs(tokenizer, rollouts)
+    reading = _runner(tokenizer).read(rollouts)
+    texts, columns = reading.texts, reading.columns
     assert texts == ["7", "7"] and columns["tool_calls"] == [1, 1] and columns["turns"] == [2, 2]
     assert columns["episode"][0][0]["content"] == CALL and not rollouts.truncated.any()
 
@@ -179,7 +198,7 @@ def test_limits_end_episodes_and_say_which():
     tokens = _runner(tokenizer, max_tokens=len(CALL) + 10).run(ScriptedEngine(tokenizer, [CALL, "7"]),
                                                                [{"prompt": "3+4?"}],
                                                                SamplingParams(n=1, max_new_tokens=400))
-    assert tokens.episodes[0].cut == "tokens" and tokens.model_mask.all()  # the answer that did not fit is dropped
+    assert tokens.episodes[0].cut == "tokens" and tokens.written.all()  # the answer that did not fit is dropped
     short = _runner(tokenizer, max_tokens=10).run(ScriptedEngine(tokenizer, [CALL]), [{"prompt": "3+4?"}],
                                                   SamplingParams(n=1, max_new_tokens=400))
     assert short.episodes[0].cut == "tokens" and short.completion_ids.shape[1] == 10
@@ -201,21 +220,19 @@ def test_a_tool_that_fails_is_an_error_in_the_conversation_not_a_crashed_step():
 
 def test_an_environment_is_played_turn_by_turn_and_its_reward_kept():
     tokenizer = chat_tokenizer()
-    factory = load_environment_factory(f"{FIXTURES}:echo")
-    runner = EpisodeRunner(ChatFormat(tokenizer), factory, EpisodeLimits(4, 400, 1.0))
+    runner = _environment_runner(tokenizer, "echo")
     rollouts = runner.run(ScriptedEngine(tokenizer, ["hi", "bye"]), [{"prompt": "Ana"}], SamplingParams(n=1,
                                                                                                        max_new_tokens=9))
     episode = rollouts.episodes[0]
     assert [m["content"] for m in episode.messages] == ["hi", "HI", "bye"] and episode.reward == 1.0
-    assert reward_inputs(tokenizer, rollouts)[1]["environment_reward"] == [1.0]
+    assert runner.read(rollouts).columns["environment_reward"] == [1.0]
 
 
 @pytest.mark.parametrize("name, raised", [("broken", "ValueError: the environment broke"),
                                           ("quitter", "SystemExit: the environment quit")])
 def test_an_environment_failing_on_most_episodes_stops_the_stage_in_one_line(name, raised):
     tokenizer = chat_tokenizer()
-    runner = EpisodeRunner(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"),
-                           EpisodeLimits(4, 400, 1.0), f"{FIXTURES}:{name}")
+    runner = _environment_runner(tokenizer, name, describe=f"{FIXTURES}:{name}")
     with pytest.raises(EnvironmentFailed, match=rf"{name} failed on 2 of 2 episodes in one turn .* the first: "
                                                  rf"environment error: {raised}") as err:
         runner.run(ScriptedEngine(tokenizer, ["hi"]), [{"prompt": "x"}], SamplingParams(n=2, max_new_tokens=9))
@@ -265,7 +282,7 @@ def test_episodes_through_every_engine_draw_the_plain_engines_tokens():
                                                           SamplingParams(n=3, max_new_tokens=60),
                                                           torch.Generator().manual_seed(1))
     assert torch.equal(out["hf"].completion_ids, out["prefix_shared"].completion_ids)
-    assert torch.equal(out["hf"].model_mask, out["prefix_shared"].model_mask)
+    assert torch.equal(out["hf"].written, out["prefix_shared"].written)
     rollouts = out["hf"]
     written = rollouts.written
     logp, _ = completion_logprobs(model, rollouts)

@@ -7,7 +7,7 @@ import pytest
 from components.config import EvaluateConfig, RewardSpec
 from components.engine.evaluation.task_metrics import TaskMetrics, metric_key, pass_at_k
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import sample_texts
+from tests.engine.sampling import sample_texts
 
 
 @pytest.mark.parametrize("n, correct, k, expected", [
@@ -46,17 +46,20 @@ def test_every_metric_per_prompt_on_a_real_model(tiny):
     records = [{"id": i, "prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
     prompts = [r["prompt"] for r in records]
     e = EvaluateConfig(max_new_tokens=5, batch_size=4, pass_k_samples=4, correct_at=1.0,
-                       metrics=["reward_fixtures:every_other", "pass@2", "pass@4", "completion_length", "eos_rate"])
-    values, out = TaskMetrics(e, [RewardSpec("reward_fixtures:every_other")]).per_prompt(
-        model, tokenizer, prompts, records, seed=3)
+                       metrics=["reward_fixtures:every_other", "pass@2", "pass@4", "completion_length", "eos_rate",
+                                "episode_length", "environment_tokens"])
+    values, out = TaskMetrics(e, [RewardSpec("reward_fixtures:every_other")]).per_prompt(model, tokenizer, records,
+                                                                                         seed=3)
     greedy = sample_texts(model, tokenizer, prompts, SamplingParams(max_new_tokens=5, greedy=True))
     assert values["completion_length"] == greedy.completion_mask.sum(-1).float().tolist()
     assert values["eos_rate"] == (~greedy.truncated).float().tolist()
+    # single turns: every token after the prompt is the model's
+    assert values["episode_length"] == values["completion_length"] and values["environment_tokens"] == [0.0] * 6
     # every_other scores the greedy completions 1, 0, 1, ... ; the 4 samples of each prompt 1, 0, 1, 0:
     # two of four correct, so pass@2 = 1 - C(2,2)/C(4,2) = 5/6 and pass@4 = 1 on every prompt.
     assert values["reward"] == values["reward_fixtures:every_other"] == [1.0, 0.0] * 3
     assert values["pass@2"] == pytest.approx([5 / 6] * 6)
     assert values["pass@4"] == [1.0] * 6
     assert list(values) == ["reward", "reward_fixtures:every_other", "pass@2", "pass@4", "completion_length",
-                            "eos_rate"]
+                            "eos_rate", "episode_length", "environment_tokens"]
     assert out.lengths == values["completion_length"] and len(out.texts) == 6

@@ -22,7 +22,7 @@ from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.rollouts import Rollouts
 from components.engine.rewards.rewards import RewardModel
 from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.hf import sample_texts
+from tests.engine.sampling import sample_texts
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 
 from conftest import ROOT

@@ -14,7 +14,8 @@ from components.engine.grpo.policy import Policy, attach_lora, update_reference
 from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import HFEngine, sample_texts
+from components.engine.rollout.hf import HFEngine
+from tests.engine.sampling import sample_texts
 from tests.engine.grpo.trajectories import trajectory
 
 from conftest import ROOT

@@ -25,7 +25,7 @@ def _checkpoint_bytes(root, seconds: float) -> dict[str, bytes]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    policy = Policy(tokenizer=None, model=model, engine=HFEngine(model, SpecialTokens(eos_id=1, pad_id=0)))
+    policy = Policy.of(None, model, HFEngine(model, SpecialTokens(eos_id=1, pad_id=0)), with_reference=False)
     save_training_state(root, 1, "hash", policy, optimizer, False, _history(seconds),
                         torch.Generator().manual_seed(1), DistContext(), lambda: model)
     return {p.name: p.read_bytes() for p in (root / "step-0000001").iterdir()}

@@ -17,7 +17,7 @@ from components.engine.models.modeling import (
 from components.engine.models.rollouts import decode_completions
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.draw import filter_top_k, filter_top_p, sample_from
-from components.engine.rollout.hf import sample_texts
+from tests.engine.sampling import sample_texts
 
 TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
 

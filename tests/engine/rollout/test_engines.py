@@ -7,6 +7,7 @@ engine's log-probs must be the plain forward's. The next engine is one module an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -155,3 +156,52 @@ def test_an_engine_over_another_model_scores_with_that_model(engine):
     mask = rollouts.completion_mask.bool()
     torch.testing.assert_close(ours[mask], completion_logprobs(reference, rollouts)[0][mask], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours[mask], completion_logprobs(model, rollouts)[0][mask], atol=1e-3)
+
+
+ANSWERS = [[7, 8], [9], [10, 11], [12]]  # what an environment writes between turns (ragged: one chunk a row)
+
+
+def _three_turns(decoding, params: SamplingParams, generator: torch.Generator, after_first=lambda: None) -> list:
+    """Three turns; after each, the rows that ended with EOS but the first go on with an answer each."""
+    turns = [decoding.turn(params, generator)]
+    after_first()
+    for _ in range(2):
+        last = turns[-1]
+        ended = [r for r in range(len(last)) if not last.truncated[r]]
+        going = ended[1:] or ended
+        assert going, "no row ended its turn: nothing to continue"
+        decoding.extend(going, [ANSWERS[k % len(ANSWERS)] for k in going], params.max_new_tokens)
+        turns.append(decoding.turn(dataclasses.replace(params, n=1), generator))
+    return turns
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_continued_conversation_draws_what_reencoding_it_draws(engine, greedy):
+    """Three turns on one decoding run (each row's answer appended to its cache) against the same turns with every
+    context encoded again (`turns.Reencoding`, what TRL's tool loop does): the same tokens, sampler log-probs and
+    generator use in float32; and after the first turn no forward re-reads a context (only new tokens are fed)."""
+    from components.engine.rollout.turns import Reencoding
+
+    model = _llama(1.2)
+    built = ENGINES[engine](model, TOKENS)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, greedy=greedy)
+    widths: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(args[0].shape[-1]))
+    try:
+        gen = torch.Generator().manual_seed(3)
+        continued = _three_turns(built.start(PROMPTS, continuing=True), params, gen, after_first=widths.clear)
+    finally:
+        hook.remove()
+    ref_gen = torch.Generator().manual_seed(3)
+    reencoded = _three_turns(Reencoding(built, PROMPTS), params, ref_gen)
+    assert len(continued) == len(reencoded) == 3
+    for ours, theirs in zip(continued, reencoded):
+        assert torch.equal(ours.completion_ids, theirs.completion_ids)
+        assert torch.equal(ours.completion_mask, theirs.completion_mask)
+        if not greedy:
+            torch.testing.assert_close(ours.sampling_logp, theirs.sampling_logp, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen.get_state(), ref_gen.get_state()), "the generator was consumed differently"
+    longest_chunk = 1 + max(len(a) for a in ANSWERS)  # a row's unfed last token and its answer
+    assert widths and max(widths) <= longest_chunk, f"a later turn re-read a context: widths {sorted(set(widths))}"
+
