@@ -4,7 +4,6 @@ GRPO section itself, with the checks that need only that section."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Literal
 

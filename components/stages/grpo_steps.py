@@ -84,9 +84,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """What a step's rows did as episodes (a single turn is an episode of one turn): turns, tool calls and errors,
     the share cut by a limit, every token after the prompt (`episode_length`), those a tool or environment wrote,
     and the share of them the model wrote (the rest stays out of the loss)."""
-    if not episodes:
-        return {}
-    n, tokens = len(episodes), sum(len(e.ids) for e in episodes)
+    n, tokens = max(len(episodes), 1), sum(len(e.ids) for e in episodes)
     return {"turns_per_episode": sum(e.turns for e in episodes) / n,
             "tool_calls_per_episode": sum(e.tool_calls for e in episodes) / n,
             "tool_errors_per_episode": sum(e.tool_errors for e in episodes) / n,

@@ -14,11 +14,11 @@ from packaging.version import Version
 from components.config import load_config
 from components.data.paths import Paths
 from components.engine.rollout.base import SamplingParams
-from tests.engine.sampling import sample_texts
 from components.stages.grpo import train_grpo
 from components.stages.model import build_base_model
 from components.stages.prepare import prepare
 from components.stages.sft import train_sft
+from tests.engine.sampling import sample_texts
 
 from conftest import FAST_PARAMS, ROOT, copy_project, dvc_repro_warm
 

@@ -49,6 +49,13 @@ class Generation:
     def __init__(self, engine: RolloutEngine, play: Play, tokenizer: Any):
         self.engine, self.play, self.tokenizer = engine, play, tokenizer
 
+    @classmethod
+    def single_turn(cls, engine: RolloutEngine, tokenizer: Any,
+                    format_prompt: Callable[[dict[str, Any]], str]) -> Generation:
+        """Single turns of `format_prompt(record)`, as long as the sampling parameters allow (policies built by hand)."""
+        return cls(engine, SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1, max_tokens=1 << 30)),
+                   tokenizer)
+
     def with_engine(self, engine: RolloutEngine) -> Generation:
         return Generation(engine, self.play, self.tokenizer)
 
@@ -119,8 +126,8 @@ class Generation:
                                  device=device)
         return Rollouts(prompt_ids, prompt_mask, grid(lambda e: e.ids, pad, torch.long),
                         grid(lambda e: [1] * len(e.ids), 0, torch.long), truncated, n,
-                        grid(lambda e: e.sampling_logp, 0.0, torch.float32), grid(lambda e: e.model_mask, 0, torch.long),
-                        episodes)
+                        grid(lambda e: e.sampling_logp, 0.0, torch.float32),
+                        grid(lambda e: e.model_mask, 0, torch.long), episodes)
 
 
 def play_of(cfg: PipelineConfig, tokenizer: Any, max_tokens: int) -> Play:

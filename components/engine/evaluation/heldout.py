@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE

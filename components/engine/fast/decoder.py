@@ -12,11 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from components.engine.models.rollouts import left_pad, positions_from_mask
-
 from components.engine.fast.layers import LayerWeights, Rotary
 from components.engine.fast.pieces import ModelPieces
 from components.engine.fast.prompts import Caches, encode_prompts
+from components.engine.models.rollouts import left_pad, positions_from_mask
 
 DECODE_CACHE_BLOCK = 32  # decoding caches start with room for this many completion tokens and double when full
 COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of the rows held is open
@@ -94,7 +93,8 @@ class Decoder:
         buffers = []
         for k, v in self.buffers:
             kbuf, vbuf = (t.new_empty(len(rows), t.shape[1], capacity, t.shape[3]) for t in (k, v))
-            kbuf[:, :, :end], vbuf[:, :, :end] = k.index_select(0, rows)[:, :, :end], v.index_select(0, rows)[:, :, :end]
+            kbuf[:, :, :end] = k.index_select(0, rows)[:, :, :end]
+            vbuf[:, :, :end] = v.index_select(0, rows)[:, :, :end]
             buffers.append((kbuf, vbuf))
         x = pieces.embed(ids)
         rotary = pieces.positions(x, real.sum(-1, keepdim=True) + positions_from_mask(mask))

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
-from components.engine.environments.episodes import EpisodeLimits, SingleTurn
 from components.engine.environments.generation import Generation, play_of
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
@@ -102,9 +101,7 @@ class Policy:
         `format_prompt` (or `generation` over that engine) and, when `with_reference`, the reference engine that goes
         with it: LoRA's adapters off, or the same engine over `reference`."""
         engine = engine if engine is not None else plain_engine(model, SpecialTokens.of(tokenizer))
-        if generation is None:
-            single = SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1, max_tokens=1 << 30))
-            generation = Generation(engine, single, tokenizer)
+        generation = generation or Generation.single_turn(engine, tokenizer, format_prompt)
         reference_engine = None
         if with_reference and lora:
             reference_engine = AdaptersOff(engine, model)

@@ -83,9 +83,9 @@ def _runner(tokenizer, tools=("add",), max_turns=4, max_tokens=400, timeout_s=1.
     return Runner(Episodes(chat, lambda: ToolEnvironment(loaded, first, timeout_s, tokenizer), limits), tokenizer)
 
 
-def _environment_runner(tokenizer, name, limits=EpisodeLimits(4, 400, 1.0), describe="environment"):
-    return Runner(Episodes(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"), limits, describe),
-                  tokenizer)
+def _environment_runner(tokenizer, name, limits=None, describe="environment"):
+    return Runner(Episodes(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"),
+                           limits or EpisodeLimits(4, 400, 1.0), describe), tokenizer)
 
 
 def test_an_episode_is_laid_out_as_its_conversation_with_only_the_models_tokens_marked():
@@ -202,6 +202,59 @@ def test_limits_end_episodes_and_say_which():
     short = _runner(tokenizer, max_tokens=10).run(ScriptedEngine(tokenizer, [CALL]), [{"prompt": "3+4?"}],
                                                   SamplingParams(n=1, max_new_tokens=400))
     assert short.episodes[0].cut == "tokens" and short.completion_ids.shape[1] == 10
+
+
+class FirstTurnPerRow(ScriptedEngine):
+    """The first turn's rows write the given texts (a text without "$" ends with EOS; with it, it runs to the budget
+    and is cut there); later turns write the last text."""
+
+    def __init__(self, tokenizer, first: Sequence[str]):
+        super().__init__(tokenizer, [first[-1]])
+        self.first = list(first)
+
+    def sample(self, prompts, params: SamplingParams, generator=None) -> Rollouts:
+        if self.calls:
+            return super().sample(prompts, params, generator)
+        self.calls += 1
+        eos = self.tokenizer.eos_token_id
+        rows = [self.tokenizer(t.replace("$", "9" * params.max_new_tokens), add_special_tokens=False).input_ids
+                + ([] if "$" in t else [eos]) for t in self.first]
+        rows = [r[: params.max_new_tokens] for r in rows]
+        ids, mask = left_pad([p for p in prompts for _ in range(params.n)], self.tokenizer.pad_token_id)
+        width = max(map(len, rows))
+        completion = torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        written = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        truncated = torch.tensor([eos not in r for r in rows])
+        return Rollouts(ids, mask, completion, written, truncated, params.n, -written.float() / 10)
+
+
+@pytest.mark.parametrize("factory, cut_score", [("guess_number", 0.5), ("guess_number_scoring_cuts", -0.5)])
+def test_episodes_cut_by_a_limit_are_scored_and_compared(factory, cut_score):
+    """A guess-the-number environment with a token budget that cuts most episodes: the cut ones are scored (the
+    environment's `on_cut`, else `grpo.episode.cut_reward`), so the group's advantages are not all zero; without
+    that they would be left out of the comparison and the one scored episode would have no one to beat."""
+    from components.config import RewardSpec
+    from components.engine.grpo.objectives import group_advantages
+    from components.engine.rewards.rewards import RewardModel
+
+    tokenizer = chat_tokenizer()
+    limits = EpisodeLimits(max_turns=3, max_tokens=12, timeout_s=1.0, cut_reward=0.5)
+    runner = _environment_runner(tokenizer, factory, limits)
+    engine = FirstTurnPerRow(tokenizer, ["7", "$", "$", "$"])  # a hit, then three that ramble past the budget
+    rollouts = runner.run(engine, [{"prompt": "?"}], SamplingParams(n=4, max_new_tokens=12))
+    assert [e.cut for e in rollouts.episodes] == [None, "tokens", "tokens", "tokens"]
+    reading = runner.read(rollouts)
+    assert reading.columns["environment_reward"] == [1.0, cut_score, cut_score, cut_score]
+    totals = RewardModel([RewardSpec("environment_reward")])(["?"] * 4, reading.texts, reading.columns).total
+    advantages = group_advantages(torch.tensor(totals, dtype=torch.float32), 4)
+    assert (advantages != 0).all() and advantages[0] > 0
+
+
+def test_a_turn_limit_cut_is_scored_too():
+    tokenizer = chat_tokenizer()
+    runner = _environment_runner(tokenizer, "guess_number_scoring_cuts", EpisodeLimits(2, 400, 1.0))
+    rollouts = runner.run(ScriptedEngine(tokenizer, ["1"]), [{"prompt": "?"}], SamplingParams(n=1, max_new_tokens=9))
+    assert rollouts.episodes[0].cut == "turns" and rollouts.episodes[0].reward == -0.25
 
 
 def test_a_tool_that_fails_is_an_error_in_the_conversation_not_a_crashed_step():

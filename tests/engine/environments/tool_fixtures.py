@@ -98,3 +98,34 @@ def broken():
 
 def no_step():
     return object()
+
+
+class GuessNumber:
+    """Guess a number from 1 to 9 (7): reward 1 on a hit, 0 after three misses; "higher"/"lower" between."""
+
+    def reset(self, record):
+        self.misses = 0
+        return [{"role": "user", "content": "Guess my number from 1 to 9."}]
+
+    def step(self, turn):
+        if "7" in turn:
+            return {"done": True, "reward": 1.0}
+        self.misses += 1
+        if self.misses >= 3:
+            return {"done": True, "reward": 0.0}
+        return {"messages": [{"role": "user", "content": "higher" if turn.strip() < "7" else "lower"}]}
+
+
+class GuessNumberScoringCuts(GuessNumber):
+    """Asked for its reward when a limit ends the episode: a little for the misses it saw."""
+
+    def on_cut(self, reason):
+        return -0.5 if reason == "tokens" else -0.25
+
+
+def guess_number():
+    return GuessNumber()
+
+
+def guess_number_scoring_cuts():
+    return GuessNumberScoringCuts()

@@ -22,8 +22,8 @@ from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.rollouts import Rollouts
 from components.engine.rewards.rewards import RewardModel
 from components.engine.rollout.base import SamplingParams, SpecialTokens
-from tests.engine.sampling import sample_texts
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
+from tests.engine.sampling import sample_texts
 
 from conftest import ROOT
 

@@ -15,8 +15,8 @@ from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.hf import HFEngine
-from tests.engine.sampling import sample_texts
 from tests.engine.grpo.trajectories import trajectory
+from tests.engine.sampling import sample_texts
 
 from conftest import ROOT
 
