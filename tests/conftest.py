@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-pytest_plugins = ["suite_timing"]  # `--suite-results PATH`: the suite's time and slowest tests (make test)
+pytest_plugins = ["suite_timing"]  # `--suite-order`/`--suite-record`: the order of files, the suite record
 
 for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                      "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
