@@ -66,7 +66,7 @@ VERSION_OF = re.compile(r"(?:TRL|torch|PyTorch|Python|CUDA|MLflow|Prefect|DVC|tr
                         r"|by default|defaults to|seeds?|seed \d+,|seeds \d+ and|Qwen2\.5-|Llama-)\s?$", re.I)
 SETTING_AFTER = re.compile(r"^\s*(?:by default|\(default\)|is the default)")
 APPROX = re.compile(r"\b(?:about|some|nearly|roughly|around|almost|approximately)\s+$|~\s?$")
-COUNT_OF = re.compile(rf"(\d[\d,]*) of (?:the |its |their |all )?(\d[\d,]*)\b")
+COUNT_OF = re.compile(r"(\d[\d,]*) of (?:the |its |their |all )?(\d[\d,]*)\b")
 WORDS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
          "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15, "twenty": 20, "thirty": 30, "forty": 40,
          "fifty": 50, "sixty": 60, "ninety": 90}
@@ -74,7 +74,8 @@ SPELLED = re.compile(r"\b(half an?|" + "|".join(WORDS) + r")\s+(minutes?|hours?|
 # Multiples and shares in words, where they compare quantities ("twice the rate", "half its completions", "a quarter
 # fewer calls"), not where they count events ("written twice") or name a part ("half of its groups").
 MULTIPLE = re.compile(r"(?<![-\w])(twice(?= (?:as|the|that|its|what)\b)|half(?= (?:the|its|as|their|what)\b)|"
-                      r"(?:a third|a quarter|a fifth|two thirds|three quarters)(?= (?:of|the|as|fewer|more|less|its)\b)|"
+                      r"(?:a third|a quarter|a fifth|two thirds|three quarters)"
+                      r"(?= (?:of|the|as|fewer|more|less|its)\b)|"
                       r"(?:two|three|four|five|six|seven|eight|nine|ten) times(?= (?:as|the|faster|slower|more|less|"
                       r"longer|shorter)\b))", re.I)
 MULTIPLE_VALUE = {"twice": 2, "half": 0.5, "a third": 1 / 3, "a quarter": 0.25, "a fifth": 0.2, "two thirds": 2 / 3,
@@ -133,7 +134,7 @@ def figures(text: str, settings: frozenset[float] = frozenset()) -> Iterator[str
         if _not_a_figure(text, match.start(), match.end()):
             continue
         unit = (match.group(3) or "").strip()
-        ranged = bool(re.search(rf"\s*(?:–|-|\.\.|to)\s*\d", match.group(2)))
+        ranged = bool(re.search(r"\s*(?:–|-|\.\.|to)\s*\d", match.group(2)))
         approx = bool(APPROX.search(text[max(0, match.start() - 16):match.start()]))
         for number in re.findall(NUMBER, match.group(0)):
             if ARXIV.match(number) or number.count(".") > 1:

@@ -94,7 +94,7 @@ def _seconds(x: float) -> str:
 
 
 def _memory(ours_mb: float, trl_mb: float) -> str:
-    """Two peak resident sets recorded in MiB, in MiB while both are under 1 GiB, else in GiB."""
+    """Two peak resident sets recorded in MiB, in MiB while both are under `1 GiB`, else in GiB."""
     if max(ours_mb, trl_mb) < 1024:
         return f"{ours_mb:.0f} / {trl_mb:.0f} MiB"
     return f"{ours_mb / 1024:.1f} / {trl_mb / 1024:.1f} GiB"
