@@ -42,8 +42,14 @@ check-python:
 	$(if $(filter $(PYTHON_VERSION),$(SUPPORTED_PYTHONS)),,$(error $(PYTHON_USED) is Python $(PYTHON_VERSION); \
 	grpo-pipeline needs Python 3.11 or 3.12: $(PYTHON_FIX) (nothing was installed)))
 
+# A Python without venv support (Debian and Ubuntu split it into python3.X-venv) fails to make .venv, or, from before,
+# leaves one without pip: either is refused in one line naming the fix.
+VENV_FIX = rm -rf $(VENV), install it (Debian, Ubuntu: sudo apt-get install python$(PYTHON_VERSION)-venv), then make again
 $(VENV)/.torch-%: | check-python
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	  echo "make: $(PYTHON) could not make $(VENV) (above): it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
+	@$(PY) -m pip --version >/dev/null 2>&1 || { \
+	  echo "make: $(VENV) is half-made (no pip): the Python that made it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
 	$(PIP) install -q --upgrade pip
 	@sh install/torch.sh $* $(PY) $(TORCH_CPU_INDEX) "$(TORCH_WHY)"
 	@rm -f $(VENV)/.torch-* $(VENV)/.installed && touch $@
