@@ -134,7 +134,7 @@ def figures(text: str, settings: frozenset[float] = frozenset()) -> Iterator[str
         if _not_a_figure(text, match.start(), match.end()):
             continue
         unit = (match.group(3) or "").strip()
-        ranged = bool(re.search(r"\s*(?:–|-|\.\.|to)\s*\d", match.group(2)))
+        ranged = bool(re.match(r"(?:–|-)\d|\s*(?:\.\.|to)\s*\d", match.group(2)))  # "12 - 3" is a sum
         approx = bool(APPROX.search(text[max(0, match.start() - 16):match.start()]))
         for number in re.findall(NUMBER, match.group(0)):
             if ARXIV.match(number) or number.count(".") > 1:
