@@ -160,7 +160,7 @@ def _ngrams(tokens: list[str], n: int) -> set[tuple[str, ...]]:
 
 def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int = 2,
                     group_index: Sequence[int] | None = None, **_: Any) -> list[float | None]:
-    """Diversity within a group (the seeds' "diversity" component): the share of a completion's distinct word
+    """Diversity within a group: the share of a completion's distinct word
     n-grams that no other completion of its group contains. 1 for a completion unlike the rest, 0 for a copy or an
     empty one; None (not applicable) for a completion alone in its group, as in a greedy evaluation. Groups are
     GRPO's sampled groups (`group_index`, which training passes), else the completions of the same prompt."""
