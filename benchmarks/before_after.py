@@ -128,7 +128,10 @@ def main() -> int:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
                               text=True).stdout.strip()
 
-    report = {"command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]), "commit": commit(ROOT),
+    shown = [f"CHECKOUT_OF_{commit(against)}" if prev == "--against" else arg.split("=")[0] + "=CHECKOUT"
+             if arg.startswith("--against=") else arg for prev, arg in zip(["", *sys.argv[1:]], sys.argv[1:])]
+    report = {"command": "python benchmarks/before_after.py " + " ".join(shown),  # no path of this machine
+              "commit": commit(ROOT),
               "against_commit": commit(against),
               "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
                          f"torch {torch.__version__}", "rows": []}

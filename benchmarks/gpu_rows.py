@@ -23,8 +23,9 @@ not finish in time, and says so):
 Every row says how far it is from the card: decoding against memory bandwidth (bytes a decode step must read:
 the weights once, plus each row's cached keys and values), the update against the bf16 matrix rate (model FLOPs:
 2N a token forward, 4N forward + backward with LoRA, 6N full, 2N more under gradient checkpointing). Targets
-(issue 55): long row >= 10,000 completion tokens/s a step and >= 3x TRL; generation >= 20,000 tokens/s for 135M at
-64 rows; 1.5B full fine-tuning at 64 x 512 fits one 80 GB card.
+(issue 55), the constants of benchmarks/gpu_rows_report.py: the long row's whole step at `LONG_STEP_TOKENS_S`
+completion tokens/s and `LONG_VS_TRL` times TRL; 135M generation at 64 rows at `GENERATION_TOKENS_S` tokens/s; 1.5B
+full fine-tuning at 64 x 512 within one card of `FULL_1_5B_GB`.
 
     python benchmarks/gpu_rows.py --out $OUT                      # on the GPU machine (tracking off, no MLflow)
     python benchmarks/gpu_rows.py --smoke                         # the whole script on the CPU, tiny shapes
@@ -38,7 +39,7 @@ On the device tool's GPU machine (its image lacks TRL, datasets, torchao: `make 
     nvidia-smi --query-gpu=name,memory.total --format=csv; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py \
       --out $OUT 2>&1 | tee $OUT/log1.txt
 
-Call 2 at once (the machine stays warm 30 s; part a waits in /root), carry [".whl", ".gguf/b", ".gguf/sha256"],
+Call 2 at once (the machine stays warm `30 s`; part a waits in /root), carry [".whl", ".gguf/b", ".gguf/sha256"],
 timeout_s 300: the held-out phase alone (`--lengths '' --scale '' --no-tests --gguf ...`), its report then merged
 here with `--merge call1/gpu_rows.json call2/gpu_rows.json`:
 

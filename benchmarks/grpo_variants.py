@@ -7,10 +7,10 @@ scores it on the held-out split. Seeds vary the GRPO run only (sampling, prompt 
 Each run's on-policy check (the mean and largest |sampler log-prob - trainer log-prob|, from plots/grpo_steps.csv)
 is recorded beside it. Not a test: it reports, it does not assert; it is not a contest either.
 
-    python benchmarks/grpo_variants.py --task default --seeds 1 2 3          # about 35 minutes on 2 CPU cores
-    python benchmarks/grpo_variants.py --task smollm2 --seeds 1 2 3          # about an hour
+    python benchmarks/grpo_variants.py --task default --seeds 1 2 3          # each run's seconds: the JSON
+    python benchmarks/grpo_variants.py --task smollm2 --seeds 1 2 3
 
-The SmolLM2 runs take 20 steps, half the example's 40: each step here costs an extra forward (the old log-probs)
+The SmolLM2 runs take 20 steps where the example takes 40: each step here costs an extra forward (the old log-probs)
 and the example's first 20 steps already carry most of its gain.
 
 Every variant, the baseline included, runs two optimizer steps per rollout (each on half of its groups), so the

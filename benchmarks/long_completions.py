@@ -5,12 +5,12 @@ example + overrides), then runs `--steps` GRPO steps of 64 completions (8 prompt
 ignored, so every completion is `max_completion_length` tokens long (the worst case a length budget allows),
 the reference forward when the loss has a KL term, and the policy update. The figure is the process's peak
 resident set (`ru_maxrss`: model, optimizer state, sampling, activations), the number a machine's memory
-has to hold. A watchdog stops a process that passes `--cap-gb` (the machine has 24 GiB), reported as "> cap".
+has to hold. A watchdog stops a process that passes `--cap-gb` (below the machine's memory), reported as "> cap".
 
 `--before COMMIT` measures the engine of another commit too (a git worktree, the same worker), engines
 alternating per length, so "before" and "after" come from one sitting on one machine.
 
-    python benchmarks/long_completions.py                                  # after only, about 25 minutes
+    python benchmarks/long_completions.py                                  # after only
     python benchmarks/long_completions.py --before 8cd25d5 --lengths 32,96,128,256,512 --steps 1 --update
     python benchmarks/long_completions.py --lengths 96 --modes lora --variants plain
 

@@ -2,7 +2,7 @@
 
 A phase's achieved fraction of the ceiling is what it did divided by what the machine can do:
 - compute: model FLOPs from the parameter count N, counted as a plain forward does them (every row's prompt and
-  completion; an engine that computes a group's prompt once or a repeated completion once can exceed 100%), 2N a
+  completion; an engine that computes a group's prompt once or a repeated completion once can exceed the ceiling), 2N a
   token forward (generation, reference) and, for the policy
   update, 2N forward + 2N backward through the weights (activation gradients) + 2N for weight gradients when all
   weights train (LoRA's are negligible), over the phase's seconds. Attention's own FLOPs (a few percent at these

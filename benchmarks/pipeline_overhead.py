@@ -6,10 +6,10 @@ seconds each stage records between the end of its imports and the end of its wor
 (components/stages/cli.py). The difference is Prefect, MLflow, DVC, process start-up and imports.
 
 The start-up is CPU-bound on two cores, so the share moves with whatever else the shared machine
-runs (4.3-5.4% for the same code within one evening). As for the engine speed-ups, the figure
+runs. As for the engine speed-ups, the figure
 reported is the median of several runs, each a fresh clone; every run is kept in the report.
 
-    python benchmarks/pipeline_overhead.py [WORKDIR] [--runs N]   # about 5 minutes per run on 2 CPU cores
+    python benchmarks/pipeline_overhead.py [WORKDIR] [--runs N]
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ its output block are generated from the result (benchmarks/render_results.py).
 
     python benchmarks/quick_start.py [WORKDIR]   # writes benchmarks/results/quick_start.json and .md
 
-The figures hold for the conditions it records beside them: the machine, the load average while it ran (the
-machines here are shared: seconds measured beside other jobs are longer), whether pip's cache already held the
-wheels, and where torch came from. The rewards are those of the default on this CPU kind (README "What
-reproduced means").
+pip runs as on a machine nobody configured: no pip configuration file and no PIP_* setting of this machine (its
+mirrors, wheel folders or constraints), so packages come from PyPI and the CPU build of torch from the Makefile's
+TORCH_CPU_INDEX; pip's cache is a new, empty folder. Run it alone on the machine: the figures hold for the
+conditions it records beside them (the machine, the load average while it ran, where the packages came from).
+The rewards are those of the default on this CPU kind (README "What reproduced means"). The results name no path
+of this machine; a package source that is not a URL stops the script before it writes anything.
 """
 
 from __future__ import annotations
@@ -34,15 +36,29 @@ FIRST_RESULT_LINE = "held-out mean reward before GRPO:"
 LAST_RESULT_LINE = "registered model:"
 
 
+# pip settings that are not package sources (how to reach them), kept from this machine's environment.
+PIP_TRANSPORT = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY", "PIP_RETRIES")
+
+
 def stranger_env(home: Path) -> dict[str, str]:
-    """This environment as a fresh shell has it: no project venv on PATH, no tracking or Prefect server, a home of
-    its own for Prefect; pip's own settings and cache stay the user's."""
+    """This environment as a fresh shell on an unconfigured machine has it: no project venv on PATH, no tracking or
+    Prefect server, a home of its own for Prefect, pip with its defaults (no configuration file, no PIP_* setting
+    but how to reach the network) and a new, empty cache."""
     venv_bin = str(ROOT / ".venv" / "bin")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PYTHONPATH")}
+           if k not in ("VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PYTHONPATH")
+           and (not k.startswith("PIP_") or k in PIP_TRANSPORT)}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     env["PREFECT_HOME"] = str(home / "prefect")
+    env["PIP_CONFIG_FILE"] = os.devnull  # pip loads no configuration file at all
+    env["PIP_CACHE_DIR"] = str(home / "pip-cache")
     return env
+
+
+def makefile_cpu_index() -> str:
+    """The Makefile's default TORCH_CPU_INDEX: where `make` takes the CPU build of torch from."""
+    text = (ROOT / "Makefile").read_text()
+    return next(line.split("?=", 1)[1].strip() for line in text.splitlines() if line.startswith("TORCH_CPU_INDEX"))
 
 
 def folder_bytes(path: Path) -> int:
@@ -55,15 +71,24 @@ def pip_cache_bytes(env: dict[str, str]) -> int:
     return folder_bytes(folder) if proc.returncode == 0 and folder.is_dir() else 0
 
 
-def package_sources(env: dict[str, str]) -> list[str]:
-    """Where pip takes packages from here: its index (PyPI unless configured), extra indexes and wheel folders."""
+def package_sources(env: dict[str, str], cpu_torch: bool) -> list[str]:
+    """Where pip takes packages from under `env`: its index (PyPI unless configured), extra indexes and wheel
+    folders, and the Makefile's CPU index of torch when the CPU build was installed on Linux."""
     proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True)
     settings: dict[str, list[str]] = {}
     for line in proc.stdout.splitlines():
         key, _, value = line.partition("=")
         settings.setdefault(key.rsplit(".", 1)[-1], []).extend(value.strip("'").split())
+    for key in ("index-url", "extra-index-url", "find-links"):  # a PIP_* variable the environment kept
+        settings.setdefault(key, []).extend(env.get("PIP_" + key.upper().replace("-", "_"), "").split())
     index = settings.get("index-url") or ["https://pypi.org/simple"]
-    return sorted(set(index + settings.get("extra-index-url", []) + settings.get("find-links", [])))
+    torch_index = [makefile_cpu_index()] if cpu_torch and platform.system() == "Linux" else []
+    return sorted(set(index + settings.get("extra-index-url", []) + settings.get("find-links", []) + torch_index))
+
+
+def local_sources(sources: list[str]) -> list[str]:
+    """The package sources that are not URLs of a package index (a folder or file:// URL of this machine)."""
+    return [s for s in sources if not s.startswith(("https://", "http://"))]
 
 
 class TreePeak:
@@ -129,6 +154,10 @@ def measure(work: Path) -> dict[str, Any]:
     clone = work / "grpo-pipeline"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     env = stranger_env(work)
+    sources = package_sources(env, cpu_torch=True)
+    if local_sources(sources):
+        raise RuntimeError(f"pip would take packages from this machine ({', '.join(local_sources(sources))}), not "
+                           "the default sources; the README's figures need those")
     cache_before = pip_cache_bytes(env)
     install_s, install_out, install_samples = timed(["make", "setup"], clone, env, work / "make-setup.log")
     torch_line = next((line for line in install_out.splitlines() if line.startswith("torch ")), "")
@@ -145,7 +174,8 @@ def measure(work: Path) -> dict[str, Any]:
         "finished": time.strftime("%Y-%m-%d"), "python": python,
         "install": {"command": "make setup (fresh clone, new .venv)", "seconds": round(install_s),
                     "venv_gb": round(folder_bytes(clone / ".venv") / 1e9, 1), "torch": torch_line,
-                    "pip_cache_gb_before": round(cache_before / 1e9, 1), "package_sources": package_sources(env),
+                    "pip_cache_gb_before": round(cache_before / 1e9, 1),
+                    "package_sources": package_sources(env, cpu_torch="CPU build" in torch_line),
                     "load_average_1min": load(install_samples)},
         "run": {"command": "make run (the default, right after the install)", "seconds": round(run_s),
                 "peak_tree_gib": round(run_samples.peak / 2**30, 2), "load_average_1min": load(run_samples),

@@ -94,7 +94,7 @@ def _seconds(x: float) -> str:
 
 
 def _memory(ours_mb: float, trl_mb: float) -> str:
-    """Two peak resident sets recorded in MiB, in MiB while both are under 1 GiB, else in GiB."""
+    """Two peak resident sets recorded in MiB, in MiB while both are under `1 GiB`, else in GiB."""
     if max(ours_mb, trl_mb) < 1024:
         return f"{ours_mb:.0f} / {trl_mb:.0f} MiB"
     return f"{ours_mb / 1024:.1f} / {trl_mb / 1024:.1f} GiB"
@@ -349,8 +349,11 @@ def quick_start_figures() -> str:
     d = _load("quick_start")
     i, r = d["install"], d["run"]
     cache = "already held the wheels" if i["pip_cache_gb_before"] >= 1 else "was empty"
+    urls = [s for s in i["package_sources"] if s.startswith(("https://", "http://"))]
+    sources = ", ".join(urls) if len(urls) == len(i["package_sources"]) else \
+        "the measuring machine's own package mirrors, not the default sources"  # never a path of that machine
     return (f"Measured by `python benchmarks/quick_start.py` ([quick_start.md](benchmarks/results/quick_start.md)) "
-            f"on {_cpu(d['machine'])}, {d['python']}, packages from {', '.join(i['package_sources'])} (pip's cache "
+            f"on {_cpu(d['machine'])}, {d['python']}, packages from {sources} (pip's cache "
             f"{cache}): the install took {i['seconds']} s ({load_text(i['load_average_1min'])}) and {i['venv_gb']} GB "
             f"in `.venv/` ({i['torch'].split(':')[0]}); the first run {r['seconds']} s "
             f"({load_text(r['load_average_1min'])}), peak resident memory of all its processes together "

@@ -15,8 +15,8 @@ and range, and writes benchmarks/results/seed_spread.{json,md} (other kernel set
 seed_spread_<settings>.{json,md}). `grpo-pipeline run` compares its own result with the band
 recorded in seed_spread.json. Not a test: it reports, it does not assert.
 
-    python benchmarks/seed_spread.py                       # 5 seeds x 2 kernel settings, about 17 min on 2 cores
-    python benchmarks/seed_spread.py --seeds 1234 --kernels default   # one run, about 2 min
+    python benchmarks/seed_spread.py                       # 5 seeds x 2 kernel settings (10 runs)
+    python benchmarks/seed_spread.py --seeds 1234 --kernels default   # one run
     python benchmarks/seed_spread.py --kernels scalar --out /tmp/x    # the unvectorised path
 """
 

@@ -215,8 +215,8 @@ def tag_limit_exists(tag: str) -> bool:
 
     GPU stages carry the tag only where the limit exists. A tagged task asks the API for a slot
     even when there is no limit, and on a SQLite-backed API that request races the server's own
-    event writes: it is answered 503 now and then, and Prefect's client retries 2 s later. That cost
-    up to 2 s before each of sft, grpo and evaluate, for a limit that was not there.
+    event writes: it is answered 503 now and then, and Prefect's client retries it seconds later, a
+    wait before each of sft, grpo and evaluate for a limit that was not there.
     """
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
@@ -296,7 +296,7 @@ def report_markdown(evaluation: dict[str, Any], registration: dict[str, Any], st
 
 
 def override_list(overrides: dict[str, Any] | None) -> list[str]:
-    """Deployment parameters {"grpo.kl_beta": 0.1} as `key=value` assignments (values YAML-quoted)."""
+    """Deployment parameters `{"grpo.kl_beta": 0.1}` as `key=value` assignments (values YAML-quoted)."""
     return [f"{key}={json.dumps(value)}" for key, value in (overrides or {}).items()]
 
 
@@ -304,7 +304,7 @@ def override_list(overrides: dict[str, Any] | None) -> list[str]:
 def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """prepare -> model -> validate -> sft -> grpo -> evaluate -> register, on params.yaml in `root`.
 
-    `overrides` ({"grpo.kl_beta": 0.1}) are written into params.yaml first, like `run --set`, so a
+    `overrides` (`{"grpo.kl_beta": 0.1}`) are written into params.yaml first, like `run --set`, so a
     deployment's parameters override params keys and `dvc repro` still reproduces the run.
     One run per repository at a time: `grpo-pipeline run` refuses a second one; a served or deployed
     run waits up to `operations.lock_wait_s` for the running one (schedule and trigger may coincide).

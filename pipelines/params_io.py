@@ -138,7 +138,7 @@ def yaml_load(text: str) -> dict[str, Any]:
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"grpo.learning_rate": 0.001, ...}: every leaf by its dotted key (lists are leaves)."""
+    """`{"grpo.learning_rate": 0.001, ...}`: every leaf by its dotted key (lists are leaves)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:

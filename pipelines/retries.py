@@ -54,5 +54,5 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def backoff_delays(first_s: float, retries: int) -> list[float]:
-    """first, 3x first, 9x first, ...: one delay per retry."""
+    """`first`, `3 * first`, `9 * first`, ...: one delay per retry."""
     return [first_s * 3 ** i for i in range(retries)]

@@ -6,7 +6,8 @@ params, a rewritten dvc.lock and half of a new run's outputs. So, before a run, 
 params.yaml, dvc.lock and the uncached outputs (metrics, plots: small files), and records which
 outputs existed; on failure it puts them back, and restores the cached outputs (data/prepared,
 models/...) from the DVC cache as the restored dvc.lock names them (`dvc checkout`). The overrides of a
-failed run are therefore not applied; they are applied for good only when the run succeeds.
+failed run are therefore not applied; after a run that succeeds they stay in params.yaml until the next
+run without overrides puts the user's own settings back (`--persist` keeps them: pipelines/params_io.py).
 
 Kept as the failed run left them: GRPO's checkpoints (not DVC outputs; keyed to their inputs, so a rerun of
 the same command resumes from them and nothing else ever does) and the run's log in logs/, where the failed

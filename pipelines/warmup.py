@@ -58,9 +58,8 @@ class TemporaryPrefectAPI:
     def start(self) -> None:
         """Fork the API from this process once it has imported Prefect; a fresh interpreter otherwise.
 
-        The API imports Prefect too (about 1 CPU-second of its 3); forked, it shares this process's
-        import instead of repeating it while both cores are busy starting the run (0.5 s less
-        orchestration overhead, measured). Forking is safe only while this process runs no other
+        The API imports Prefect too; forked, it shares this process's import instead of repeating it
+        while both cores are busy starting the run. Forking is safe only while this process runs no other
         thread (a child inherits no threads, but any lock one held), so with another thread alive
         (Prefect's first-import telemetry in a terminal, for one) it starts a fresh interpreter.
         """
@@ -181,8 +180,8 @@ def flow_settings(api: TemporaryPrefectAPI | None) -> contextlib.AbstractContext
 
     Heartbeats let a long-lived Prefect server mark a run whose process died as crashed. The temporary
     API stops with this process, so nothing would ever read them; and the engine's heartbeat thread,
-    which sleeps in one-second steps, is joined when the flow ends, which held every run's finish by
-    0.5 s on average (up to 1 s). Against a configured server they stay on.
+    which sleeps in one-second steps, is joined when the flow ends, which held every run's finish. Against a
+    configured server they stay on.
     """
     if api is None:
         return contextlib.nullcontext()
@@ -212,7 +211,7 @@ def detach_api_logging() -> None:
     """Send the run's last log lines and events to the API, then stop sending logs: the API is going away.
 
     Without this, Prefect's log worker retries lines logged after the API stopped until the process
-    exits, which held a finished run's exit for over a minute.
+    exits, which held a finished run's exit for a long time.
     """
     import logging
 

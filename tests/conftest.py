@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-pytest_plugins = ["suite_timing"]  # `--suite-results PATH`: the suite's time and slowest tests (make test)
+pytest_plugins = ["suite_timing"]  # `--suite-order`/`--suite-record`: the order of files, the suite record
 
 for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                      "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
@@ -28,6 +29,23 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 # once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
+
+def pytest_configure(config):
+    """Stop before any test, in one line, while params.yaml holds the last run's one-off settings (an example's,
+    `--set`'s): the tests read params.yaml as your own settings; `make own-params` puts those back."""
+    if hasattr(config, "workerinput"):
+        return
+    from pipelines.params_io import RUN_NOTE, user_params
+
+    if user_params(ROOT) != ROOT / "params.yaml":
+        try:
+            described = json.loads((ROOT / RUN_NOTE).read_text()).get("overrides") or "--set/--preset/--params"
+        except (OSError, ValueError):
+            described = "--set/--preset/--params"
+        pytest.exit(f"tests: params.yaml holds the last run's one-off settings ({described}), and the tests read "
+                    "params.yaml as your own settings: `make own-params` puts yours back (as the next plain run "
+                    "would), then `make test`", returncode=pytest.ExitCode.USAGE_ERROR)
+
 
 @pytest.fixture(autouse=True)
 def _environment_put_back():

@@ -1,6 +1,6 @@
 """Hand-written mutations of the GRPO maths, each of which the engine tests must catch.
 
-    python tests/mutation_check.py            # about 5 minutes on 2 cores; prints a table
+    python tests/mutation_check.py            # prints a table (its time: benchmarks/results/mutation_check.md)
     python tests/mutation_check.py -k kl      # only mutations whose name contains "kl"
 
 Each mutation replaces one line (a flipped sign, a dropped term, the policy where the frozen reference

@@ -91,7 +91,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
 
 
 def _parse_scalar(text: str) -> Any:
-    """Parse a `--set` value the way YAML would ("0.1" -> 0.1, "true" -> True, "null" -> None)."""
+    """Parse a `--set` value the way YAML would (`"0.1"` -> `0.1`, `"true"` -> `True`, `"null"` -> `None`)."""
     return yaml.safe_load(text) if text.strip() else ""
 
 

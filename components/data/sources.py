@@ -1,6 +1,6 @@
 """Read users' datasets in the formats they arrive in, rename columns, and split deterministically.
 
-Formats: JSONL, JSON (a list of records, or an object with a `prompts` list as in seed 002), CSV,
+Formats: JSONL, JSON (a list of records, or an object with a `prompts` list), CSV,
 Parquet, and a Hugging Face `datasets` directory written by `save_to_disk`. Every error names the
 file and, where there is one, the line or column.
 """

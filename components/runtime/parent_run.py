@@ -4,7 +4,7 @@
 to REQUEST.json.out. The flow sends these jobs to the warm stage server (pipelines/flow.py,
 ParentRun), which forks a child that has MLflow imported already: the CLI itself never imports
 MLflow. When it did, its MLflow import and the first schema creation shared the GIL with Prefect's
-import, and the first stage started about two seconds later (11.0 s -> 8.9 s, short runs).
+import, and the first stage started later.
 
 Requests:
   {"action": "open", "experiment": NAME}

@@ -1,6 +1,6 @@
 """A warm interpreter for stage processes: import torch, transformers and MLflow once, fork per stage.
 
-Every DVC stage is its own process, and each used to pay Python start-up plus 2-6 s of imports.
+Every DVC stage is its own process, and each used to pay Python start-up plus seconds of imports.
 The pipeline flow starts one `stage_server` per run; `python -m components.runtime.launch STAGE` (the
 dvc.yaml commands) then hands its argv, working directory, environment and stdio to the server,
 which forks a child that runs the stage exactly as `python -m components.stages.<stage>` would, and
@@ -21,9 +21,8 @@ Callers connect to their stage's level socket (`level_path`).
 
 Garbage collection: a level imports with the collector off and freezes what it imported before it
 forks (`imports_without_collection`, which the CLI and the temporary Prefect API use too). The
-imports allocate about 600,000 objects that live as long as the process; collecting while they
-pile up cost a fifth of the import time (5.8 -> 4.4 CPU-s for levels 0, 1 and 3), and a child that
-later ran a full collection walked them all (0.3 s).
+imports allocate hundreds of thousands of objects that live as long as the process; collecting while
+they pile up costs import time, and a child that later ran a full collection walked them all.
 Frozen, they are outside the collector's view; each stage child collects its own objects as usual.
 
 Fork safety: a level only imports; it never runs a torch op or opens a database connection, so
@@ -92,7 +91,7 @@ def imports_without_collection() -> Iterator[None]:
     """Import with the garbage collector off, then freeze what was imported.
 
     Importing Prefect, DVC, MLflow or torch allocates hundreds of thousands of objects that live as
-    long as the process; collecting while they pile up costs about a fifth of the import's CPU time.
+    long as the process; collecting while they pile up costs import time.
     Frozen afterwards, they stay outside later collections, which then only walk new objects.
     """
     was_enabled = gc.isenabled()
@@ -245,7 +244,7 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
 
 def _exit_notifier(pid: int) -> int | None:
     """A descriptor that becomes readable when `pid` exits (Linux pidfd), so the exit code is relayed
-    at once instead of at the next 50 ms poll (seven stages and four MLflow jobs per run); None where
+    at once instead of at the next poll (seven stages and four MLflow jobs per run); None where
     the platform has none, and the loop polls."""
     try:
         return os.pidfd_open(pid)

@@ -126,8 +126,8 @@ def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tenso
 class WarmStartCheck:
     """Greedy mean reward on a fixed set of GRPO training prompts: when it reaches `sft.stop_at_reward`,
     SFT stops. A warm start stopped at a reward, not after a number of steps, lands in the same band
-    whatever the CPU's rounding or the seed (a fixed budget sat on a knife edge: 14% on one CPU, 62% on
-    another). Every rank computes the same number from the same weights, so all stop together."""
+    whatever the CPU's rounding or the seed (a fixed budget sat on a knife edge: a good warm start on one CPU,
+    almost none on another). Every rank computes the same number from the same weights, so all stop together."""
 
     def __init__(self, cfg: PipelineConfig, paths: Paths, tokenizer):
         # The first check_prompts records only: a large training file is not read whole for them.

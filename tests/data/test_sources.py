@@ -15,7 +15,7 @@ from components.stages.prepare import prepare
 
 from conftest import ROOT
 
-# The format of seed 003: question / answer / source, no id column.
+# A common export format: question / answer / source, no id column.
 ROWS = [{"question": "What is 2+3?", "answer": "5", "source": "ch1"},
         {"question": "What is 7*6?", "answer": "42", "source": "ch2"},
         {"question": "Half of 9?", "answer": "4.5", "source": "ch2"}]

@@ -1,7 +1,9 @@
-"""DVC's own experiment workflow on the pipeline (docs/operations.md "DVC experiments"): `dvc exp run -S`, a queue
-of two run by `dvc queue start`, `dvc exp show` with each experiment's held-out figures side by side, and `dvc exp
-apply`. Real git + DVC on the fast preset; every experiment's MLflow runs and checkpoints land where a plain
-run's do (the repository's mlflow.db and checkpoints/), also those the queue ran in temporary copies."""
+"""DVC's own experiment workflow on the pipeline (docs/operations.md "DVC experiments"): `dvc exp run -S` in the
+workspace (which leaves its value in params.yaml, and `git checkout -- params.yaml` takes it out), a queue of two run
+by `dvc queue start` in temporary copies (params.yaml untouched), `dvc exp show` with each experiment's held-out
+figures side by side, and `dvc exp apply`. Real git + DVC on the fast preset; every experiment's MLflow runs and
+checkpoints land where a plain run's do (the repository's mlflow.db and checkpoints/), also those the queue ran in
+temporary copies."""
 
 from __future__ import annotations
 
@@ -32,10 +34,18 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
     server = start_server(str(repo))  # the stages skip their imports; not what is under test
     env[SERVER_ENV] = server[1]
     dvc = str(BIN / "dvc")
+
+    def kl_beta() -> float:
+        return yaml.safe_load((repo / "params.yaml").read_text())["grpo"]["kl_beta"]
+
+    committed = kl_beta()
     try:
-        run([dvc, "exp", "run", "-S", "grpo.kl_beta=0.1"], repo, env=env)
+        ran = run([dvc, "exp", "run", "-S", "grpo.kl_beta=0.1"], repo, env=env).stdout
+        # in the workspace: its value stays in params.yaml, as DVC says; the next plain run would train it
+        assert kl_beta() == 0.1 and "applied to your workspace" in ran, ran[-2000:]
         for beta in ("0.2", "0.3"):
             run([dvc, "exp", "run", "--queue", "-S", f"grpo.kl_beta={beta}"], repo, env=env)
+            assert kl_beta() == 0.1  # queued: the workspace is not touched
         run([dvc, "queue", "start"], repo, env=env)
         deadline = time.time() + 900
         while time.time() < deadline:
@@ -46,6 +56,9 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
         assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "--help"], repo, check=False).stdout
     finally:
         stop_server(*server)
+    assert kl_beta() == 0.1  # the queue ran in temporary copies: params.yaml as the workspace run left it
+    run(["git", "checkout", "--", "params.yaml"], repo)  # the way back the docs give
+    assert kl_beta() == committed != 0.1
 
     shown = exp_show(repo=str(repo))
     experiments = {row["grpo.kl_beta"]: row for row in shown if row.get("Experiment")}

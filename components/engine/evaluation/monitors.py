@@ -26,11 +26,11 @@ def _mean(rows: Sequence[dict[str, Any]], key: str) -> float | None:
 def generalisation(history: Sequence[dict[str, Any]], end: int, window: int, keep_metric: str,
                    evals: Sequence[int]) -> dict[str, Any] | None:
     """The run so far in two numbers: how much the training reward rose, and how much the held-out
-    `keep_metric` rose over the start model (paired, on the same prompts) with its noise (1.96 standard
+    `keep_metric` rose over the start model (paired, on the same prompts) with its noise (`1.96` standard
     errors). None before the first held-out evaluation that knows its start.
 
     The training reward's rise compares the mean of the last `w` steps with the first `w`, where `w` is
-    `window` or a quarter of the steps run, whichever is smaller (so a 20-step run compares 5 with 5)."""
+    `window` or the steps run divided by `4`, whichever is smaller (so a 20-step run compares 5 with 5)."""
     key = f"heldout/{keep_metric}_vs_start"
     if not evals or key not in history[evals[-1]]:
         return None
@@ -196,7 +196,7 @@ def no_signal(history: Sequence[dict[str, Any]], c: NoSignalConfig, total_steps:
     alike, so GRPO had nothing to learn from (None otherwise, and at every other step).
 
     A group whose completions all score the same has zero advantage. Some is normal (the default's first steps:
-    about 70% of groups); nearly all of them means the reward cannot tell completions apart: an answer
+    benchmarks/results/heldout_curves.md); nearly all of them means the reward cannot tell completions apart: an answer
     extraction that misses, a prompt that does not ask for the answer's form, completions cut short."""
     at = min(c.steps, total_steps)
     if c.steps == 0 or len(history) != at:

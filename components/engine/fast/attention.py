@@ -22,7 +22,7 @@ def attention_rows(pieces: ModelPieces, prompts: PromptPass, rows: torch.Tensor,
     """Layer i's attention over the token list: `attend(i, heads [H + 2 Hkv, U*W + S, d])` -> [U*W + S, H * d].
 
     Group rows (`group_rows`): one row per prompt holding its tokens and all its group's completion
-    tokens; a quarter fewer operator calls on the tiny default, but each row's scores are a square over prompt + G
+    tokens; fewer operator calls on small models, but each row's scores are a square over prompt + G
     completions. Completion rows (`completion_rows`): one row per completion over its prompt's cache;
     the least attention work. `attention_rows` "auto" takes group rows while the scores they add stay
     under `GROUP_ROWS_EXTRA_WORK` multiply-adds a layer (never with a shared prefix).

@@ -61,7 +61,7 @@ def _agrees(ours: torch.Tensor, theirs: torch.Tensor, scale: float = 1.0) -> boo
 def _rounds_like_hugging_face(ours: list[torch.Tensor], theirs: list[torch.Tensor], exact: list[torch.Tensor]) -> bool:
     """Half precision: finite, and all values together no further from the float32 ones `exact` (Euclidean distance)
     than `HALF_PRECISION_MARGIN` times Hugging Face's own. The total, not the largest single error: one token's or
-    one tensor's rounding error swings by 2x from case to case, the total by a few percent."""
+    one tensor's rounding error swings more from case to case than the total does."""
     flat = [torch.cat([t.float().flatten() for t in values]) for values in (ours, theirs, exact)]
     if not bool(torch.isfinite(flat[0]).all()):
         return False

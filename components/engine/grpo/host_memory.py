@@ -1,8 +1,8 @@
 """How glibc malloc serves a GRPO step's CPU tensors: reuse freed memory (fast) without letting it pile up.
 
-glibc serves every allocation above its mmap threshold (32 MiB at most) with fresh pages and returns
-them to the kernel on free, so each GRPO step page-faults its vocabulary-sized tensors (150 MB of
-logits for SmolLM2, their log-softmax, their gradient) back in. Serving them from the heap and keeping
+glibc serves every allocation above its mmap threshold (`32 MiB` at most) with fresh pages and returns
+them to the kernel on free, so each GRPO step page-faults its vocabulary-sized tensors (the logits,
+their log-softmax, their gradient) back in. Serving them from the heap and keeping
 freed memory there removes those faults (`keep_freed_memory`). It is what `MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=...` does from the environment, and why PyTorch's CPU tuning guides suggest
 jemalloc or tcmalloc.

@@ -31,10 +31,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW whose state and weights are float32 copies of half-precision parameters (mixed precision's master
     weights): `step` takes the parameters' gradients in float32, updates the copies, and writes them back rounded.
 
-    Without it an update smaller than half a unit in the last place (bfloat16 keeps 8 bits: about 0.4% of a weight;
-    a 1e-5 learning rate moves a weight of 0.01 by 0.1%) is rounded away on every step. Costs 4 bytes a trainable
-    parameter beyond plain AdamW's 8. Parameters already in float32 are updated in place as plain AdamW would.
-    `state_dict` carries the copies (`master_weights`), so a resumed run continues from the float32 values."""
+    Without it an update smaller than half a unit in the last place (bfloat16 keeps 8 significant bits: `2**-8` of a
+    weight; a learning rate of `1e-5` moves a weight of `0.01` by `1e-3` of itself) is rounded away on every step.
+    Costs 4 bytes a trainable parameter beyond plain AdamW's 8. Parameters already in float32 are updated in place as
+    plain AdamW would. `state_dict` carries the copies (`master_weights`), so a resumed run continues from the
+    float32 values."""
 
     def __init__(self, params, **options):
         self.model_params = list(params)

@@ -3,7 +3,7 @@ torchao's NF4 tensors, as torchtune's QLoRA stores them; embeddings, norms and t
 
 Each forward dequantizes a weight to its original dtype as it multiplies (`F.linear` on an NF4 tensor), so values
 are those of the dequantized weight: NF4 keeps 4 bits a value plus a scale per block of `BLOCK` values (and an
-8-bit scale of those scales), about a quarter of bfloat16's memory for these weights. Weights whose size does not
+8-bit scale of those scales), against bfloat16's 16 bits a value. Weights whose size does not
 split into such blocks stay dense.
 """
 

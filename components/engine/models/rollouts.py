@@ -140,7 +140,7 @@ class Rollouts:
         return [int(x) for x in self.written.sum(-1)]
 
     def distinct_fraction(self) -> float:
-        """Distinct (prompt, completion) rows over all rows: 1.0 when no completion repeats another of its group.
+        """Distinct (prompt, completion) rows over all rows: `1.0` when no completion repeats another of its group.
         Low values mean the groups collapsed onto a few answers (little left to compare, and cheap steps)."""
         if not len(self):
             return 0.0

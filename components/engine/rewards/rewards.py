@@ -32,7 +32,7 @@ RewardFn = Callable[..., list]
 
 def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], extract: str | None = None,
                 **_: Any) -> list[float | None]:
-    """1.0 when the completion (text before EOS; or its `extract`ed answer) equals the answer, whitespace aside."""
+    """`1.0` when the completion (text before EOS; or its `extract`ed answer) equals the answer, whitespace aside."""
     scores: list[float | None] = []
     for c, a in zip(completions, answer):
         got = extract_answer(c, extract)
@@ -45,7 +45,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
                   tolerance: float = 1e-6, extract: str | None = None, **_: Any) -> list[float | None]:
-    """1.0 when the first number of the completion (or of its `extract`ed answer) equals the answer within
+    """`1.0` when the first number of the completion (or of its `extract`ed answer) equals the answer within
     `tolerance`."""
     scores: list[float | None] = []
     for c, a in zip(completions, answer):
@@ -64,7 +64,7 @@ def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Se
 
 def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any], extract: str | None = None,
                 **_: Any) -> list[float | None]:
-    """1.0 when math-verify finds the (extracted) completion numerically or symbolically equal to the answer."""
+    """`1.0` when math-verify finds the (extracted) completion numerically or symbolically equal to the answer."""
     from math_verify import parse, verify
 
     scores: list[float | None] = []
@@ -84,7 +84,7 @@ def math_verify(prompts: Sequence[str], completions: Sequence[str], answer: Sequ
 
 def regex_format(prompts: Sequence[str], completions: Sequence[str], pattern: str = r".+", mode: str = "fullmatch",
                  **_: Any) -> list[float | None]:
-    """1.0 when the completion matches `pattern` (`fullmatch` on the stripped text, or `search`)."""
+    """`1.0` when the completion matches `pattern` (`fullmatch` on the stripped text, or `search`)."""
     rx = re.compile(pattern, re.DOTALL)
     match = rx.fullmatch if mode == "fullmatch" else rx.search
     return [float(match(c.strip() if mode == "fullmatch" else c) is not None) for c in completions]
@@ -160,7 +160,7 @@ def _ngrams(tokens: list[str], n: int) -> set[tuple[str, ...]]:
 
 def distinct_ngrams(prompts: Sequence[str], completions: Sequence[str], n: int = 2,
                     group_index: Sequence[int] | None = None, **_: Any) -> list[float | None]:
-    """Diversity within a group (the seeds' "diversity" component): the share of a completion's distinct word
+    """Diversity within a group: the share of a completion's distinct word
     n-grams that no other completion of its group contains. 1 for a completion unlike the rest, 0 for a copy or an
     empty one; None (not applicable) for a completion alone in its group, as in a greedy evaluation. Groups are
     GRPO's sampled groups (`group_index`, which training passes), else the completions of the same prompt."""
@@ -203,7 +203,7 @@ def overlong_penalty(prompts: Sequence[str], completions: Sequence[str], complet
 
 def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (),
                    timeout_s: float = 5.0, memory_mb: int = 512, **_: Any) -> list[float | None]:
-    """1.0 when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
+    """`1.0` when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
     from components.engine.rewards.sandbox import run_untrusted_python
 
     scores: list[float | None] = []

@@ -203,7 +203,7 @@ def _in_range(state: StaticState, keys: int) -> None:
 
 class _TokenLoopDecoder:
     """`token_loop.StepDecoder` over the fixed-shape state: rows that finished are fed padding until the open rows
-    fit half their bucket, then compacted; `advance` returns the open rows' logits in their order."""
+    fit the next smaller bucket, then compacted; `advance` returns the open rows' logits in their order."""
 
     def __init__(self, state: StaticState, n: int):
         self.state, self.rows = state, row_bucket(n)
