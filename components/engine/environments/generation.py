@@ -52,7 +52,7 @@ class Generation:
     @classmethod
     def single_turn(cls, engine: RolloutEngine, tokenizer: Any,
                     format_prompt: Callable[[dict[str, Any]], str]) -> Generation:
-        """Single turns of `format_prompt(record)`, as long as the sampling parameters allow (policies built by hand)."""
+        """Single turns of `format_prompt(record)`, as long as the sampling parameters allow (hand-built policies)."""
         return cls(engine, SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1, max_tokens=1 << 30)),
                    tokenizer)
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from components.engine.rollout.base import SamplingParams
-from conftest import ROOT
 from tests.engine.environments.chat_fixtures import chat_tokenizer
 from tests.engine.environments.test_episodes import CALL, ScriptedEngine, _runner
+
+from conftest import ROOT
 
 SERVICE = ROOT / "components" / "engine" / "environments"  # the service and the plays it runs
 CARRIER = ROOT / "components" / "engine" / "models" / "rollouts.py"  # the record that carries episodes
