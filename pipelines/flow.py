@@ -324,23 +324,14 @@ def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> d
                 return _run_stages(root_path, overrides)
             wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
             with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
+                from pipelines.leftovers import recover_after_a_kill
+
                 recover_after_a_kill(root_path)
                 return _run_stages(root_path, overrides)
     except StageInterruptedError as stop:  # stopped on purpose: Cancelled, not Failed
         from prefect.states import Cancelled
 
         return Cancelled(message=str(stop))
-
-
-def recover_after_a_kill(root_path: Path) -> None:
-    """A deployment's run (which took the run lock itself) starts as `grpo-pipeline run` does: the user's own
-    params.yaml back when an earlier run's one-off overrides are still in it, and DVC's files a killed run left
-    recovered (pipelines/leftovers.py), each said in one line."""
-    from pipelines.leftovers import recover_leftovers
-    from pipelines.params_io import restore_own_settings
-
-    for line in restore_own_settings(root_path) + recover_leftovers(root_path):
-        print(line)
 
 
 def _run_stages(root_path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -31,6 +31,16 @@ RWLOCK_GUARD = Path(".dvc") / "tmp" / "rwlock.lock"
 DVC_LOCK_FILE = Path("dvc.lock")
 
 
+def recover_after_a_kill(root: Path) -> None:
+    """A deployment's run (which took the run lock itself) starts as `grpo-pipeline run` does: the user's own
+    params.yaml back when an earlier run's one-off overrides are still in it, and DVC's files a killed run left
+    recovered, each said in one line."""
+    from pipelines.params_io import restore_own_settings
+
+    for line in restore_own_settings(root) + recover_leftovers(root):
+        print(line)
+
+
 def recover_leftovers(root: Path) -> list[str]:
     """Every DVC state file a killed run left, recovered; the lines to print (none when nothing was left)."""
     return recover_rwlock(root) + recover_dvc_lock_file(root)

@@ -138,7 +138,7 @@ def test_overrides_come_back_after_a_kill_at_any_moment_whatever_runs_next(tmp_p
     assert occupied == (killed_after == 3)
 
     if next_run == "deployment":
-        from pipelines.flow import recover_after_a_kill
+        from pipelines.leftovers import recover_after_a_kill
 
         recover_after_a_kill(tmp_path)
         said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("params.yaml:")]
