@@ -84,7 +84,7 @@ def render_params(params_path: Path, overlays: list[Path], overrides: list[str])
     for assignment in overrides:
         apply_override(doc, assignment)
     text = _dump(yaml, doc)
-    problem = dvc_reading_problem(text)
+    problem = dvc_reading_problem(text, before=params_path.read_text())
     if problem:
         raise ConfigError(f"{params_path.name} as this run would write it: {problem}")
     return None if text == params_path.read_text() else text
@@ -136,9 +136,9 @@ def _dump(yaml: Any, doc: Any) -> str:
     return buffer.getvalue()
 
 
-def dvc_reading_problem(text: str) -> str | None:
-    """None when DVC's parser (YAML 1.2) reads `text` exactly as the pipeline's (PyYAML) does; else what differs, in
-    words a user can act on (the first key read differently, or why DVC cannot read it at all)."""
+def _dvc_differences(text: str) -> dict[str, tuple[Any, Any]] | str:
+    """{key: (as DVC reads it, as the pipeline reads it)} for every leaf DVC's parser (YAML 1.2) reads otherwise than
+    the pipeline's (PyYAML), or why DVC cannot read `text` at all, in words a user can act on."""
     from dvc.utils.serialize import parse_yaml
 
     try:
@@ -147,21 +147,34 @@ def dvc_reading_problem(text: str) -> str | None:
         cause = str(err.__cause__ or err).replace("\n", " ")
         where = re.findall(r"line (\d+), column \d+", cause)
         line = text.splitlines()[int(where[-1]) - 1].strip() if where else ""
+        found = re.search(r"found (.*?)\s+in \"", cause)
         return (f"DVC reads params.yaml as YAML 1.2 and cannot read {f'line {where[-1]} ({line!r})' if where else 'it'}"
-                f" ({cause.split(' in ')[0].split(' while ')[-1].strip()}): quote a value with a ':' inside [...] "
+                f"{f' (found {found.group(1)})' if found else ''}: quote a value with a ':' inside [...] "
                 '(`[calculator, "pkg.mod:fn"]`) or write the list one item a line (`- pkg.mod:fn`)')
-    ours = yaml_load(text)
-    flat_ours, flat_theirs = _flat(ours), _flat(theirs or {})
-    for key in sorted(set(flat_ours) | set(flat_theirs)):
-        if flat_ours.get(key, _MISSING) != flat_theirs.get(key, _MISSING):
-            return (f"DVC (YAML 1.2) reads {key} as {flat_theirs.get(key)!r}, the pipeline as {flat_ours.get(key)!r}: "
-                    "quote the value, or write it as the number or word you mean")
+    flat_ours, flat_theirs = _flat(yaml_load(text)), _flat(theirs or {})
+    return {key: (flat_theirs.get(key), flat_ours.get(key)) for key in sorted(set(flat_ours) | set(flat_theirs))
+            if flat_ours.get(key, _MISSING) != flat_theirs.get(key, _MISSING)}
+
+
+def dvc_reading_problem(text: str, before: str | None = None) -> str | None:
+    """None when DVC reads `text` exactly as the pipeline does, leaving aside values read differently already in
+    `before` (the file as the user wrote it: a `yes` DVC reads as a word is theirs to keep); else what differs."""
+    found = _dvc_differences(text)
+    if isinstance(found, str):
+        return found
+    kept = _dvc_differences(before) if before is not None else {}
+    for key, (theirs, ours) in found.items():
+        if isinstance(kept, str) or key not in kept:
+            return (f"DVC (YAML 1.2) reads {key} as {theirs!r}, the pipeline as {ours!r}: quote the value, or write "
+                    "it as the number or word you mean")
     return None
 
 
 def check_dvc_reads(params_path: Path) -> None:
-    """Refuse, in one line naming the line and the fix, a params file DVC would read otherwise than the pipeline."""
-    problem = dvc_reading_problem(params_path.read_text())
+    """Refuse, in one line naming the line and the fix, a params file DVC cannot read (values it reads otherwise than
+    the pipeline, as the user wrote them, are theirs: DVC only hashes them)."""
+    text = params_path.read_text()
+    problem = dvc_reading_problem(text, before=text)
     if problem:
         raise ConfigError(f"{params_path.name}: {problem}")
 

@@ -184,3 +184,21 @@ def test_bookkeeping_a_kill_cut_short_is_recovered_in_one_line(tmp_path, damaged
     assert params.read_text() == mine and not (tmp_path / BASE_FILE).exists() and not (tmp_path / RUN_NOTE).exists()
     kept = (tmp_path / "logs" / "params-left-by-a-killed-run.yaml").read_text()
     assert kept == (left if damaged.startswith("note") else left[: len(left) // 2] + "\n  bad: [")
+
+
+def test_a_value_dvc_reads_otherwise_is_the_users_to_keep_and_never_one_the_run_writes(tmp_path):
+    """`enabled: yes` in the user's own params.yaml (PyYAML reads true, DVC's YAML 1.2 the word 'yes': DVC only hashes
+    it) is left as written, by the check and by a run's overrides; DVC failing to read the file is refused."""
+    from components.config import ConfigError
+    from pipelines.params_io import check_dvc_reads, dvc_reading_problem
+
+    params = tmp_path / "params.yaml"
+    mine = (ROOT / "params.yaml").read_text().replace("  enabled: true", "  enabled: yes", 1)
+    params.write_text(mine)
+    check_dvc_reads(params)
+    assert apply_to_params(params, [], ["seed=7"]) and "  enabled: yes" in params.read_text()
+    assert dvc_reading_problem(mine) == ("DVC (YAML 1.2) reads sft.enabled as 'yes', the pipeline as True: quote the "
+                                         "value, or write it as the number or word you mean")
+    params.write_text(mine.replace("seed: 1234", "seed: [1, a:b]"))
+    with pytest.raises(ConfigError, match=r"cannot read line \d+ \('seed: \[1, a:b\]'\) \(found unexpected ':'\)"):
+        check_dvc_reads(params)
