@@ -15,7 +15,7 @@ run printed) and what the rerun said about it (its recovery lines). Results hold
 lock file recorded with them (bit-identical is promised for the same CPU kind and threads: README "What reproduced
 means").
 
-    python benchmarks/kill_anywhere.py                      # 40 moments: about 35 min on 2 cores, alone
+    python benchmarks/kill_anywhere.py                      # 40 moments: about an hour on 2 cores, alone
     python benchmarks/kill_anywhere.py --moments 3 --out /tmp/kills   # a quick look (results beside /tmp/kills)
 
 Writes benchmarks/results/kill_anywhere.{json,md} (or OUT.json and OUT.md); exits 1 when any moment was not exact.
@@ -54,7 +54,7 @@ PARAMS = ["task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epoch
 # What a rerun says about what a kill left (recovery lines, resumes) and what it must never print.
 SAID = re.compile(r"^(dvc: |params\.yaml: |mlflow: a previous pipeline run|tracking: skipped|register: removed "
                   r"incomplete)|previous run of this stage|resumed from|removed checkpoints/|skipped checkpoint|"
-                  r"had been killed|WARNING")
+                  r"had been killed")
 DVC_WARNING = "had been killed. Auto removed it from the lock file"
 
 
@@ -80,6 +80,7 @@ def run_env(repo: Path) -> dict[str, str]:
     env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(repo.parent / "prefect"),
                 "MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",  # each line arrives as printed: where a kill landed is read from them
                 "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"})
     return env
 
