@@ -58,8 +58,18 @@ def is_outage(err: BaseException | None) -> bool:
     return False
 
 
-_TRACKING_CODE = (os.sep + os.path.join("mlflow", ""), os.path.join("components", "tracking", ""))
-_USER_CODE = os.path.join("components", "user_code.py")
+_USER_CODE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "user_code.py")
+
+
+def _tracking_code() -> tuple[str, ...]:
+    """The folders of the code that talks to the tracking server: this package, and MLflow's once imported."""
+    import sys
+
+    folders = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and getattr(mlflow, "__file__", None):
+        folders.append(os.path.dirname(os.path.abspath(mlflow.__file__)) + os.sep)
+    return tuple(folders)
 
 
 def raised_by_tracking_client(err: BaseException) -> bool:
@@ -68,9 +78,8 @@ def raised_by_tracking_client(err: BaseException) -> bool:
     server of its own, or raises `ConnectionError` itself, is the user's failure, never the pipeline's outage)."""
     import traceback
 
-    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(err.__traceback__)]
-    return any(marker in f for f in files for marker in _TRACKING_CODE) and not any(f.endswith(_USER_CODE)
-                                                                                  for f in files)
+    files = [os.path.abspath(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return any(f.startswith(_tracking_code()) for f in files) and _USER_CODE not in files
 
 
 def tracking_outage(err: BaseException) -> bool:
