@@ -24,7 +24,6 @@ from pipelines.params_io import (
     merged_config,
     prepare_params,
     preset_path,
-    restore_own_settings,
     user_params,
 )
 from pipelines.safekeeping import WorkingCopySnapshot
@@ -48,13 +47,13 @@ def check_and_run(args: argparse.Namespace, root: Path, api) -> int:
             os.chdir(root)
             dry_run(cfg)
             return 0
-        # what a killed run left, before anything else: the user's own params.yaml (a failure of this run puts back
-        # the user's own, not the killed run's overrides) and DVC's files, before DVC reads them
-        for line in restore_own_settings(root) + recover_leftovers(root):
+        for line in recover_leftovers(root):  # DVC's files a killed run left, before DVC reads them
             print(line)
         snapshot = WorkingCopySnapshot.take(root)
         described = " ".join(([f"--preset {args.preset}"] if args.preset else [])
                              + [f"--params {p}" for p in args.params] + [f"--set {o}" for o in args.overrides])
+        # the user's own params.yaml first when an earlier run's one-off overrides are still in it (killed or not);
+        # taken after the snapshot, so that a failure of this run leaves params.yaml as it found it
         for line in prepare_params(root, overlays, args.overrides, args.persist, described):
             print(line)
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:
