@@ -49,8 +49,9 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     delays = getattr(task, "retry_delay_seconds", None) or [0]
     delay = delays[min(retry - 1, len(delays) - 1)] if isinstance(delays, list) else float(delays)
     stage = str(getattr(task, "name", "stage")).removeprefix("stage-")
-    print(retry_line(stage, outage, retry, int(getattr(task, "retries", 0) or 0), float(delay)), file=sys.stderr,
-          flush=True)
+    # written, not printed: the flow logs its prints through Prefect (a log line of Prefect's, not this one)
+    sys.stderr.write(retry_line(stage, outage, retry, int(getattr(task, "retries", 0) or 0), float(delay)) + "\n")
+    sys.stderr.flush()
     return True
 
 
