@@ -117,7 +117,7 @@ def read_dead_note(path: Path) -> dict[str, Any] | None:
     if not isinstance(note, dict):
         return {"cut_short": True}
     pid = note.get("pid")
-    alive = isinstance(pid, int) and (pid == os.getpid() or _alive(pid, written_at))
+    alive = isinstance(pid, int) and _alive(pid, written_at)  # this process's own note included
     return None if alive else note
 
 

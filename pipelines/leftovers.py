@@ -20,7 +20,6 @@ queue (components/tracking/outbox.py) and the open MLflow runs (pipelines/open_r
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -47,11 +46,10 @@ def recover_leftovers(root: Path) -> list[str]:
 
 
 def holder_alive(pid: int, written_at: float) -> bool:
-    """Whether process `pid` lives and could have written a file last written at `written_at` (it started before)."""
+    """Whether process `pid` lives and could have written a file last written at `written_at` (it started before):
+    after a reboot pids start again, and a process given a dead run's pid (this one included) is not its writer."""
     import psutil
 
-    if pid == os.getpid():
-        return True
     try:
         return psutil.Process(pid).create_time() <= written_at + 1.0
     except psutil.NoSuchProcess:
