@@ -23,14 +23,23 @@ from pathlib import Path
 from typing import Any
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, written_at: float | None = None) -> bool:
+    """Whether `pid` lives and, when `written_at` is given, started before then (a pid reused after a reboot, or by
+    an unrelated process since, is not the note's writer)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    if written_at is None:
+        return True
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() <= written_at + 1.0
+    except Exception:  # noqa: BLE001 - gone since, or not ours to look at: judged by os.kill above
+        return True
 
 
 def marker_path(stage: str, root: Path = Path(".")) -> Path:
@@ -94,13 +103,22 @@ def current() -> RunMarker:
 
 
 def read_dead_note(path: Path) -> dict[str, Any] | None:
-    """The note at `path` when the process that wrote it is gone, else None."""
+    """The note at `path` when the process that wrote it is gone, else None. A note a kill cut short or emptied (it
+    names no pid) was left by a process that is gone too: it comes back as `{"cut_short": True}`."""
     try:
-        note = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+        written_at = path.stat().st_mtime
+    except OSError:
         return None
+    try:
+        note = json.loads(text)
+    except ValueError:
+        note = None
+    if not isinstance(note, dict):
+        return {"cut_short": True}
     pid = note.get("pid")
-    return None if isinstance(pid, int) and (pid == os.getpid() or _alive(pid)) else note
+    alive = isinstance(pid, int) and _alive(pid, written_at)  # this process's own note included
+    return None if alive else note
 
 
 def _where(note: dict[str, Any]) -> str:
@@ -111,21 +129,40 @@ def _where(note: dict[str, Any]) -> str:
     return f" at step {note['step']} of {note['steps']}" if "step" in note and "steps" in note else ""
 
 
+OOM_LIKELY_SHARE = 0.75
+"""A SIGKILL is put down to the out-of-memory killer only when the step's estimate took at least this share of the
+memory that was free when the stage started; otherwise it is "another process or the machine"."""
+
+
 def _memory(note: dict[str, Any]) -> str:
     memory = (f"; its step was estimated at {note['estimate_gb']:.1f} GB with {note['available_gb']:.1f} GB free"
               if "estimate_gb" in note and "available_gb" in note else "")
-    return memory + (f" (lower it with {note['knobs']})" if note.get("knobs") else "")
+    return memory + (f" (lower it with {note['knobs']})" if note.get("knobs") and oom_likely(note) else "")
+
+
+def oom_likely(note: dict[str, Any]) -> bool:
+    """Whether the note's memory estimate makes the kernel's out-of-memory killer the likely sender of a SIGKILL."""
+    estimate, free = note.get("estimate_gb"), note.get("available_gb")
+    return isinstance(estimate, int | float) and isinstance(free, int | float) and estimate >= OOM_LIKELY_SHARE * free
+
+
+def _killer(note: dict[str, Any]) -> str:
+    return ("likely by the kernel's out-of-memory killer" if oom_likely(note)
+            else "by another process or the machine (a preempted machine, `kill -9`)")
 
 
 def killed_run_text(stage: str, note: dict[str, Any]) -> str:
     """One line for the rerun: what the note says about the run that died without a word."""
+    if note.get("cut_short"):
+        return (f"{stage}: the previous run of this stage was killed (SIGKILL) while it wrote its note, which it left "
+                "cut short (replaced now)")
     who = f"{stage}: the previous run of this stage (pid {note.get('pid')}, started {note.get('started')})"
     if note.get("user_code"):
         return (f"{who} ended while {note['user_code']} was {note.get('user_code_doing', 'running')}"
                 f"{_where(note)}: the user's code ended the process (os._exit, a crash or an abort in a C "
                 "extension), not the pipeline")
-    return (f"{who} ended without a word{_where(note) or ' during its run'}: it was killed (SIGKILL), most often by "
-            f"the kernel's out-of-memory killer{_memory(note)}, or a preempted machine")
+    return (f"{who} ended without a word{_where(note) or ' during its run'}: it was killed (SIGKILL), "
+            f"{_killer(note)}{_memory(note)}")
 
 
 def ended_text(note: dict[str, Any], status: int) -> str:
@@ -136,8 +173,11 @@ def ended_text(note: dict[str, Any], status: int) -> str:
         return (f"the stage ended while {note['user_code']} was {note.get('user_code_doing', 'running')} ({how})"
                 f"{_where(note)}: the user's code ended the process; fix it and rerun")
     if status == -signal.SIGKILL:
-        return (f"the stage was killed by SIGKILL{_where(note)}, most often by the kernel's out-of-memory "
-                f"killer{_memory(note)}, or a preempted machine; rerun to resume")
+        if oom_likely(note):
+            return (f"the stage was killed by SIGKILL{_where(note)}, likely by the kernel's out-of-memory "
+                    f"killer{_memory(note)}; rerun to resume")
+        return f"the stage was killed by SIGKILL (another process or the machine){_where(note)}{_memory(note)}; " \
+               "rerun to resume"
     return f"the stage ended without a word ({how}){_where(note)}; rerun to resume"
 
 

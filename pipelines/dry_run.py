@@ -6,14 +6,18 @@ outputs and the real tracking server are left untouched.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from components.config import PipelineConfig
+from components.engine.rewards.rewards import RewardResult
 
 
 def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
@@ -61,10 +65,11 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
                                               ref)
                 logp, _ = policy.logprobs(rollouts, g.temperature)
                 out = loss(logp, logp, trajectory.advantages, trajectory.loss_mask, ref_logp=ref)
-            completions = policy.generation.read(rollouts).transcripts
-            rewards = torch.tensor(batch.advantage_rewards)
+            reading = policy.generation.read(rollouts)
+            completions = reading.transcripts
+            endings = reading.endings if len(rollouts) == len(batch.rewards.total) else None
             report = {"parameters": count_parameters(policy.model), "completions": batch.sampled,
-                      "reward_mean": float(rewards.nanmean()) if len(rewards) else 0.0, "loss": float(out.loss),
+                      **reward_summary(batch.rewards, endings), "loss": float(out.loss),
                       "kl": float(out.kl), "examples": [{"prompt": records[i]["prompt"],
                                                          "completion": completions[j * rollouts.group_size]}
                                                         for j, i in enumerate(schedule.indices(0)[:3])]}
@@ -74,5 +79,26 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = previous_uri
     print(f"dry run: config, data and model valid; one rollout of {report['completions']} completions, "
-          f"reward mean {report['reward_mean']:.3f}, loss {report['loss']:+.4f}; nothing was trained or written")
+          f"{report['reward_said']}, loss {report['loss']:+.4f}; nothing was trained or written")
     return report
+
+
+def reward_summary(rewards: RewardResult, endings: Sequence[str] | None) -> dict[str, Any]:
+    """The rollout's reward mean over the completions some reward scored, and, for those none scored (their reward
+    is missing: left out of their group's comparison), why: which rewards returned None, and how those episodes
+    ended (`endings`, the generation's words: cut at a limit, an environment error, ended without a reward of the
+    environment's own)."""
+    scorable = rewards.scorable
+    scored = [total for total, ok in zip(rewards.total, scorable) if ok]
+    missing = [i for i, ok in enumerate(scorable) if not ok]
+    mean = sum(scored) / len(scored) if scored else math.nan
+    if not missing:
+        return {"reward_mean": mean, "unscored": 0, "reward_said": f"reward mean {mean:.3f}"}
+    names = ", ".join(rewards.components) or "none configured"
+    why = f"every reward ({names}) returned None for them"
+    if endings is not None:
+        ends = Counter(endings[i] for i in missing)
+        why += ": " + ", ".join(f"{count} episode{'s' if count > 1 else ''} {how}" for how, count in ends.most_common())
+    head = f"reward mean {mean:.3f} over the {len(scored)} scored" if scored else "no reward mean"
+    said = f"{head} ({len(missing)} of {len(scorable)} completions have no reward: {why})"
+    return {"reward_mean": mean, "unscored": len(missing), "unscored_why": why, "reward_said": said}

@@ -62,12 +62,22 @@ def _outputs_of(stage: str, root: str) -> list[str]:
 UNSTORED = Path(".dvc") / "tmp" / "grpo-pipeline-unstored.json"  # stages whose outputs a failed write left out
 
 
+def _unstored(path: Path) -> set[str]:
+    """The stages in the note; none when it is missing or unreadable (a kill can only leave the previous note or the
+    next whole: it is written in one rename)."""
+    try:
+        stages = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return {s for s in stages if isinstance(s, str)} if isinstance(stages, list) else set()
+
+
 def remember_unstored(root: str, stage: str) -> None:
     """Note that DVC could not store `stage`'s outputs, for the next run to store them (and only then look)."""
+    from components.data.records import write_text_atomic
+
     path = Path(root) / UNSTORED
-    stages = set(json.loads(path.read_text())) if path.exists() else set()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(sorted(stages | {stage})))
+    write_text_atomic(path, json.dumps(sorted(_unstored(path) | {stage})))
 
 
 def store_outputs_missing_from_cache(repo, stage: str, root: str) -> list[str]:
@@ -75,12 +85,14 @@ def store_outputs_missing_from_cache(repo, stage: str, root: str) -> list[str]:
     workspace while their copy is missing from the cache are stored, as `dvc commit` would; then the stage is up
     to date and is not run again. Nothing is done when anything else about the stage changed, nor for a stage no
     write failed for (collecting a stage from dvc.yaml is not free). Returns what was stored."""
+    from components.data.records import write_text_atomic
+
     path = Path(root) / UNSTORED
-    stages = set(json.loads(path.read_text())) if path.exists() else set()
+    stages = _unstored(path)
     if stage not in stages:
         return []
     stages.discard(stage)
-    path.write_text(json.dumps(sorted(stages)))
+    write_text_atomic(path, json.dumps(sorted(stages)))
     found = repo.stage.collect(stage)
     if len(found) != 1:
         return []

@@ -37,12 +37,16 @@ class StageError(RuntimeError):
 
     `keep_finished`: what the finished stages produced stays (dvc.lock, their outputs, the run's params), as
     `dvc repro` leaves it after a later stage failed: a failure that says nothing against them (registering
-    could not reach the tracking server; DVC could not store an output in its cache). `finished`: those stages."""
+    could not reach the tracking server; DVC could not store an output in its cache). `finished`: those stages.
+    `outage`: {"server", "address"} when the stage's own report says the pipeline's connection to that server
+    failed (components/stages/cli.py `report_error`): the only failure the retry rule retries."""
 
-    def __init__(self, message: str, detail: str = "", keep_finished: bool = False) -> None:
+    def __init__(self, message: str, detail: str = "", keep_finished: bool = False,
+                 outage: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.detail = detail
         self.keep_finished = keep_finished
+        self.outage = outage
         self.finished: list[str] = []
 
 
@@ -56,6 +60,8 @@ class OneLineStageErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        if str(record.msg).startswith("Task run failed with %s: %r - Retry"):
+            return False  # a retry of an outage: pipelines/retries.py says it in one line of its own
         text = record.getMessage()
         if isinstance(error, StageInterruptedError) or "StageInterruptedError" in text:
             # The flow run's Cancelled line and the CLI's last line carry the message.
@@ -110,7 +116,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX
+    from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX, read_report
     from pipelines.dvc_writes import (
         cache_write_text,
         failed_cache_writes,
@@ -142,12 +148,12 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
             raise StageError(cache_write_text(stage, refused_writes, root, cache_dir), keep_finished=True) from None
     except DvcException as err:
         tail = "\n".join(line for line in lines[-40:] if line.strip())
-        refused = Path(report).read_text(encoding="utf-8").strip()
+        refused, outage = read_report(report)
         if refused.startswith(INTERRUPT_PREFIX):
             raise StageInterruptedError(refused, detail=tail) from None
         if refused:  # the stage's own report (or its launcher's): the whole message, once
             said = refused if refused.startswith(f"{stage}: ") else f"{stage}: {refused}"
-            raise StageError(said, detail=tail) from None
+            raise StageError(said, detail=tail, outage=outage) from None
         cause = f": {err.__cause__}" if err.__cause__ else ""
         signum = killed_by(err)
         if signum:  # named by its signal (DVC's "exited with -9"; a shell's 137)
@@ -318,6 +324,9 @@ def grpo_pipeline(root: str = ".", overrides: dict[str, Any] | None = None) -> d
                 return _run_stages(root_path, overrides)
             wait_s = load_config(root_path / "params.yaml").operations.lock_wait_s
             with file_lock(root_path / PIPELINE_LOCK, "a pipeline run in this repository", wait_s=wait_s):
+                from pipelines.leftovers import recover_after_a_kill
+
+                recover_after_a_kill(root_path)
                 return _run_stages(root_path, overrides)
     except StageInterruptedError as stop:  # stopped on purpose: Cancelled, not Failed
         from prefect.states import Cancelled

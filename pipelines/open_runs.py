@@ -19,13 +19,15 @@ class OpenRuns:
 
     def ids(self) -> list[str]:
         try:
-            return list(json.loads(self.path.read_text()))
-        except (OSError, ValueError):
+            ids = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet (written in one rename, so never cut short by a kill)
             return []
+        return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
     def _write(self, ids: list[str]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(ids))
+        from components.data.records import write_text_atomic
+
+        write_text_atomic(self.path, json.dumps(ids))
 
     def add(self, run_id: str) -> None:
         self._write([*self.ids(), run_id])

@@ -1,56 +1,58 @@
-"""Which stage failures are worth retrying: a server that did not answer, never a deterministic refusal.
+"""Which stage failures are retried: an outage of the pipeline's own connection to one of its servers, nothing else.
 
-A stage runs as a subprocess, so its failure arrives as text (`StageError`) or, for failures in the
-flow process itself, as an exception. Deterministic failures (validation, bad params, bad data)
-are recognised first and never retried, whatever else their output says.
+A stage runs as a subprocess; when its connection to the MLflow tracking server fails after the client's bounded
+retries, its report says so in a field of its own (`outage`: which server, where), set where the error was raised
+(components/stages/cli.py: an error out of MLflow's client, never out of the user's code). Only that field makes a
+failure worth retrying: a reward, tool or environment that raises `ConnectionError` (or any text about connections)
+fails the stage after one attempt, with its own report. When a retry happens, one line says which server did not
+answer and when the stage runs again; Prefect's own retry line is left out (pipelines/flow.py `OneLineStageErrors`).
 """
 
 from __future__ import annotations
 
-import errno
+import sys
+import time
 from typing import Any
 
-# Output of a stage whose tracking server or Prefect API could not be reached or was overloaded.
-TRANSIENT_MARKERS = (
-    "Connection refused", "Failed to establish a new connection", "Max retries exceeded", "ConnectionError",
-    "ConnectTimeout", "ReadTimeout", "Read timed out", "Temporary failure in name resolution",
-    "RemoteDisconnected", "Connection reset by peer", "502 Bad Gateway", "503 Service Unavailable",
-    "504 Gateway Timeout", "too many 5", "did not answer",
-)
-# Failures that would fail again identically: retrying only delays the report.
-DETERMINISTIC_MARKERS = (
-    "validation failed", "rule '", "ConfigError", "DataError", "ModelLoadError", "nothing was trained",
-    "params file", "unknown key",
-)
+
+def outage_of(error: Any) -> dict[str, str] | None:
+    """{"server", "address"} of the server whose connection failed, from the failure's own field; else None."""
+    outage = getattr(error, "outage", None)
+    return outage if isinstance(outage, dict) and outage.get("server") else None
 
 
-def is_transient(error: BaseException | str | None) -> bool:
-    """True for an unreachable/overloaded MLflow server or Prefect API; False for everything else."""
-    if error is None:
-        return False
-    if isinstance(error, BaseException) and not isinstance(error, RuntimeError):
-        if isinstance(error, (ConnectionError, TimeoutError)):
-            return True
-        if isinstance(error, OSError) and error.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH):
-            return True
-        name = type(error).__name__
-        if name in ("ConnectError", "ConnectTimeout", "ReadTimeout", "RemoteProtocolError", "PoolTimeout"):
-            return True  # httpx (Prefect's client) and requests (MLflow's)
-    text = f"{error}\n{getattr(error, 'detail', '')}"  # a StageError's report and the stage's last lines
-    if any(marker in text for marker in DETERMINISTIC_MARKERS):
-        return False
-    return any(marker in text for marker in TRANSIENT_MARKERS)
+def is_transient(error: Any) -> bool:
+    """True only for a failure that carries an outage of the pipeline's own server connection."""
+    return outage_of(error) is not None
+
+
+def retry_line(stage: str, outage: dict[str, str], retry: int, retries: int, delay_s: float,
+               now: float | None = None) -> str:
+    """`grpo: the MLflow tracking server at URL did not answer; the stage runs again in 10 s (at 14:02:33; retry 1
+    of 2)`."""
+    when = time.strftime("%H:%M:%S", time.localtime((now if now is not None else time.time()) + delay_s))
+    where = f" at {outage['address']}" if outage.get("address") else ""
+    return (f"{stage}: the {outage['server']}{where} did not answer; the stage runs again in {delay_s:.0f} s (at "
+            f"{when}; retry {retry} of {retries})")
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Prefect `retry_condition_fn`: continue to the retry policy only for transient failures."""
+    """Prefect `retry_condition_fn` (called only while retries are left): retry an outage, saying so in one line."""
     try:
         error = state.result(raise_on_failure=False)
     except Exception as err:  # noqa: BLE001 - the result itself could not be read: judge that error
         error = err
-    if not isinstance(error, BaseException):
-        error = getattr(state, "message", None) or ""
-    return is_transient(error)
+    outage = outage_of(error)
+    if outage is None:
+        return False
+    retry = max(int(getattr(task_run, "run_count", 1) or 1), 1)
+    delays = getattr(task, "retry_delay_seconds", None) or [0]
+    delay = delays[min(retry - 1, len(delays) - 1)] if isinstance(delays, list) else float(delays)
+    stage = str(getattr(task, "name", "stage")).removeprefix("stage-")
+    # written, not printed: the flow logs its prints through Prefect (a log line of Prefect's, not this one)
+    sys.stderr.write(retry_line(stage, outage, retry, int(getattr(task, "retries", 0) or 0), float(delay)) + "\n")
+    sys.stderr.flush()
+    return True
 
 
 def backoff_delays(first_s: float, retries: int) -> list[float]:

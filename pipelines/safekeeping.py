@@ -85,16 +85,23 @@ class WorkingCopySnapshot:
             shutil.copy2(source, self.backup / rel)
 
     def _put_back(self, rel: str) -> None:
+        """A file in one rename (a kill while putting it back leaves the run's or the kept one, never neither: e.g.
+        params.yaml); a folder (metrics/, plots/: outputs DVC checks) removed, then copied."""
         target, kept = self.root / rel, self.backup / rel
+        if kept.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".restoring")
+            shutil.copy2(kept, tmp)
+            if target.is_dir():
+                shutil.rmtree(target)
+            tmp.replace(target)
+            return
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
         if kept.is_dir():
             shutil.copytree(kept, target)
-        elif kept.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(kept, target)
 
     def keep_reports(self, log_dir: Path) -> list[Path]:
         """Copy the failed run's reports (metrics/*.json it wrote) beside its log before they are undone."""

@@ -108,3 +108,8 @@ def is_killed(prompts, completions, **_):
     import signal
 
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def abstains(prompts, completions, **_):
+    """Scores nothing: None (not applicable) for every completion, as a reward that does not apply to a task does."""
+    return [None] * len(completions)

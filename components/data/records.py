@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,15 @@ def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Replace a file's text in one rename: a process killed while writing leaves the previous file."""
+    """Replace a file's text in one rename, its bytes on disk first: a process killed while writing (or a machine
+    lost) leaves the previous file or the new one, never part of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
     tmp.replace(path)
 
 

@@ -16,7 +16,7 @@ from components.errors import StageFailed
 from components.interruptions import StageInterrupted, progress, stop_on_signals
 from components.quiet import quiet_libraries
 from components.run_marker import NoMarker, RunMarker, killed_run_text, marker_path
-from components.tracking.outbox import is_outage
+from components.tracking.outbox import tracking_outage
 from components.user_code import UserCodeError
 
 STAGE_TIMINGS_ENV = "GRPO_STAGE_TIMINGS"
@@ -40,13 +40,32 @@ ERROR_FILE_ENV = "GRPO_STAGE_ERROR_FILE"
 INTERRUPT_PREFIX = "interrupted during "
 
 
-def report_error(message: str) -> None:
+def report_error(message: str, outage: dict[str, str] | None = None) -> None:
+    """The stage's one report: printed, or under the flow written to its report file as JSON, `outage` (which of the
+    pipeline's own servers did not answer: {"server", "address"}) beside the message, the field the flow's retry
+    rule reads (pipelines/retries.py); the words of the message are never read for it."""
     target = os.environ.get(ERROR_FILE_ENV)
     if target:
         with open(target, "w", encoding="utf-8") as fh:
-            fh.write(message)
+            fh.write(json.dumps({"message": message, "outage": outage}))
     else:
         print(f"error: {message}", file=sys.stderr)
+
+
+def read_report(path: str) -> tuple[str, dict[str, str] | None]:
+    """(the message, the outage field) of a stage's report file; a plain-text report (the stage's launcher writes
+    one: components/runtime/launch.py) has no outage field."""
+    try:
+        text = open(path, encoding="utf-8").read().strip()
+    except OSError:
+        return "", None
+    try:
+        report = json.loads(text) if text.startswith("{") else None
+    except ValueError:
+        report = None
+    if isinstance(report, dict) and isinstance(report.get("message"), str):
+        return report["message"], report.get("outage") or None
+    return text, None
 
 
 def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: list[str] | None = None) -> int:
@@ -85,14 +104,15 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
         report_error(f"{stage}: {err}; nothing of this stage was kept: fix it and rerun")
         return 1
     except Exception as err:
-        if not is_outage(err):
+        if not tracking_outage(err):  # known by where it was raised: MLflow's client, never the user's code
             raise
         from components.tracking.runs import tracking_uri
 
         needs = "registering a model needs it" if stage == "register" else "this stage cannot go on without it"
         report_error(f"the MLflow tracking server at {tracking_uri()} did not answer after bounded retries "
                      f"({type(err).__name__}) and {needs}; everything on disk is kept (checkpoints, finished stages' "
-                     "outputs, queued tracking records): rerun when it is back")
+                     "outputs, queued tracking records): rerun when it is back",
+                     outage={"server": "MLflow tracking server", "address": tracking_uri()})
         return 1
     except StageInterrupted as stop:
         where = f" {progress()}" if progress() else ""
@@ -131,7 +151,7 @@ def _warm_up(cfg: PipelineConfig, stage: str) -> None:
     try:
         experiment_id(cfg.tracking.experiment)
     except Exception as err:  # an outage is the stage's to handle (it logs offline)
-        if not is_outage(err):
+        if not tracking_outage(err):
             raise
         note_unreachable()
 

@@ -276,12 +276,13 @@ def register(cfg: PipelineConfig, paths: Paths = Paths()) -> dict[str, Any]:
 
 def _register_locked(cfg: PipelineConfig, paths: Paths, name: str, evaluation: dict[str, Any],
                      predictions: list[dict[str, Any]], candidate_md5: str, grpo: dict[str, Any]) -> dict[str, Any]:
+    from components.tracking.outbox import TrackingUnreachable
     from components.tracking.runs import client as mlflow_client
     from components.tracking.runs import send_queue, stage_run
 
     client = mlflow_client()
     if not send_queue(client):  # the runs an outage queued go first: the version's lineage names them
-        raise ConnectionError("the tracking records queued during an outage could not be sent")
+        raise TrackingUnreachable("the tracking records queued during an outage could not be sent")
     existing = []
     if client.search_registered_models(filter_string=f"name = '{name}'"):
         same = [v for v in client.search_model_versions(f"name = '{name}'")

@@ -13,12 +13,15 @@ SQLite store has no outage to wait out.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +29,65 @@ OUTBOX_DIR = ".tracking-outbox"
 OUTBOX_ENV = "GRPO_TRACKING_OUTBOX"
 RETRY_ENV = "GRPO_TRACKING_RETRY_S"
 OFFLINE_PREFIX = "offline-"
-_OUTAGE_MARKS = ("ConnectionError", "Max retries exceeded", "Connection refused", "API request to",
-                 "NewConnectionError", "RemoteDisconnected", "Connection aborted")
+
+
+class TrackingUnreachable(ConnectionError):
+    """Raised by the project's tracking code itself when the tracking server did not answer (its start-up check, an
+    outage's queue that could not be sent): an outage by its type, wherever it is caught."""
+
+
+def _connection_failures() -> tuple[type[BaseException], ...]:
+    """The exception types a failed connection is raised as: the standard library's, urllib3's and requests' (which
+    MLflow's client uses; it raises them wrapped in an MlflowException, chained)."""
+    import requests
+    import urllib3
+
+    return (ConnectionError, TimeoutError, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+            requests.exceptions.RetryError, requests.exceptions.ChunkedEncodingError,
+            urllib3.exceptions.MaxRetryError, urllib3.exceptions.NewConnectionError, urllib3.exceptions.ProtocolError)
 
 
 def is_outage(err: BaseException | None) -> bool:
-    """Connection failures to the tracking server, however MLflow or requests wrap them."""
-    seen = 0
+    """A failed connection, known by its type anywhere in the chain (however MLflow or requests wrap it): a server
+    that did not answer, refused, reset or timed out, or answered 5xx until the bounded retries were spent."""
+    kinds, seen = _connection_failures(), 0
     while err is not None and seen < 10:
-        text = f"{type(err).__name__}: {err}"
-        if any(k in text for k in _OUTAGE_MARKS):
+        if isinstance(err, kinds):
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
+
+
+_USER_CODE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "user_code.py")
+
+
+def _tracking_code() -> tuple[str, ...]:
+    """The folders of the code that talks to the tracking server: this package, and MLflow's once imported."""
+    import sys
+
+    folders = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and getattr(mlflow, "__file__", None):
+        folders.append(os.path.dirname(os.path.abspath(mlflow.__file__)) + os.sep)
+    return tuple(folders)
+
+
+def raised_by_tracking_client(err: BaseException) -> bool:
+    """Where the error was raised: inside MLflow's client or the project's tracking code (components/tracking), and
+    not inside a call of the user's code (components/user_code.py: a reward, tool or environment that talks to a
+    server of its own, or raises `ConnectionError` itself, is the user's failure, never the pipeline's outage)."""
+    import traceback
+
+    files = [os.path.abspath(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return any(f.startswith(_tracking_code()) for f in files) and _USER_CODE not in files
+
+
+def tracking_outage(err: BaseException) -> bool:
+    """The pipeline's own connection to its tracking server failed: a connection failure (by type) raised where the
+    pipeline talks to MLflow (by where), never a failure of the user's code whatever its text says."""
+    if isinstance(err, TrackingUnreachable):
+        return True
+    return is_outage(err) and raised_by_tracking_client(err)
 
 
 def is_remote(uri: str) -> bool:
@@ -105,16 +154,32 @@ class Outbox:
     def pending(self) -> int:
         if not self.queue.exists():
             return 0
-        with self.queue.open() as fh:
+        with self.queue.open("rb") as fh:
             total = sum(1 for _ in fh)
         return total - self._sent()
 
     def ids(self) -> dict[str, str]:
-        return json.loads(self.ids_file.read_text()) if self.ids_file.exists() else {}
+        try:
+            ids = json.loads(self.ids_file.read_text()) if self.ids_file.exists() else {}
+        except (OSError, ValueError):  # written in one rename since; an older version's, cut short by a kill
+            return {}
+        return ids if isinstance(ids, dict) else {}
 
     def resolve(self, some_id: str | None) -> str | None:
         """The server's id for a local one once it was sent; any other id unchanged."""
         return self.ids().get(some_id, some_id) if some_id and some_id.startswith(OFFLINE_PREFIX) else some_id
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The queue to this process alone while it appends or sends (a kernel lock: it dies with its holder), so a
+        line cut short is known to be a dead writer's, never one a live process is still writing."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "queue.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def add(self, op: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -123,31 +188,51 @@ class Outbox:
             copy.parent.mkdir(parents=True)
             (shutil.copytree if Path(op["file"]).is_dir() else shutil.copy2)(op["file"], copy)
             op = {**op, "file": str(copy)}
-        line = json.dumps(op, default=str) + "\n"
-        with self.queue.open("a") as fh:
+        line = (json.dumps(op, default=str) + "\n").encode()
+        with self._held(), self.queue.open("ab+") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell():
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":  # a line a killed writer cut short stays a line of its own (skipped)
+                    line = b"\n" + line
             fh.write(line)
             fh.flush()
             os.fsync(fh.fileno())
 
     def send(self, client) -> int:
         """Send every queued operation in order (resuming after the last one sent); clear the queue when all
-        went. Raises what the client raises (the caller decides whether it is an outage)."""
+        went. Raises what the client raises (the caller decides whether it is an outage). A line a kill cut short
+        (never complete, so never acknowledged) is skipped and said in one line."""
         if not self.queue.exists():
             return 0
-        ops = [json.loads(line) for line in self.queue.read_text().splitlines() if line.strip()]
-        done, ids = self._sent(), self.ids()
-        for i in range(done, len(ops)):
-            apply_op(client, ops[i], ids)
-            self.ids_file.write_text(json.dumps(ids))
-            self.sent_file.write_text(str(i + 1))
-        # The ids stay: a later run may still name a run created offline (a stage's parent).
-        self.queue.unlink()
-        self.sent_file.unlink(missing_ok=True)
-        shutil.rmtree(self.root / "files", ignore_errors=True)
-        return len(ops) - done
+        from components.data.records import write_text_atomic
+
+        with self._held():
+            lines = [line for line in self.queue.read_bytes().split(b"\n") if line.strip()]
+            done, ids, cut = self._sent(), self.ids(), 0
+            for i in range(done, len(lines)):
+                try:
+                    op = json.loads(lines[i])
+                except ValueError:
+                    cut += 1
+                    continue
+                apply_op(client, op, ids)
+                write_text_atomic(self.ids_file, json.dumps(ids))
+                write_text_atomic(self.sent_file, str(i + 1))
+            if cut:
+                print(f"tracking: skipped {cut} queued record{'s' if cut > 1 else ''} a kill cut short while it was "
+                      "written (never complete, so never sent)", flush=True)
+            # The ids stay: a later run may still name a run created offline (a stage's parent).
+            self.queue.unlink()
+            self.sent_file.unlink(missing_ok=True)
+            shutil.rmtree(self.root / "files", ignore_errors=True)
+        return len(lines) - done - cut
 
     def _sent(self) -> int:
-        return int(self.sent_file.read_text() or 0) if self.sent_file.exists() else 0
+        try:
+            return int(self.sent_file.read_text() or 0) if self.sent_file.exists() else 0
+        except (OSError, ValueError):  # written in one rename since; an older version's, cut short by a kill
+            return 0
 
 
 def _mapped(value: Any, ids: dict[str, str]) -> Any:

@@ -264,7 +264,7 @@ def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None) -> StageRun:
     """Create a run (a child of `parent_run_id` when given) and return its handle; while a remote tracking
     server does not answer, a run with a local id whose creation is queued (and said once)."""
-    from components.tracking.outbox import Outbox, answers, is_outage, is_remote, local_id
+    from components.tracking.outbox import Outbox, TrackingUnreachable, answers, is_outage, is_remote, local_id
 
     all_tags = dict(tags or {})
     if parent_run_id:
@@ -273,11 +273,11 @@ def start_run(experiment: str, run_name: str, parent_run_id: str | None = None,
     c = client()
     try:
         if _unreachable["since"] is not None and not answers(tracking_uri()):  # known away: no second wait
-            raise ConnectionError(f"the tracking server at {tracking_uri()} did not answer the start-up check")
+            raise TrackingUnreachable(f"the tracking server at {tracking_uri()} did not answer the start-up check")
         if send_queue(c):  # what an earlier outage left goes first, in order
             run = c.create_run(experiment_id(experiment), run_name=run_name, tags=all_tags)
             return StageRun(run.info.run_id)
-        err: BaseException = ConnectionError("an earlier outage's queue could not be sent")
+        err: BaseException = TrackingUnreachable("an earlier outage's queue could not be sent")
     except Exception as caught:  # only an outage of a remote server goes offline
         if not (is_remote(tracking_uri()) and is_outage(caught)):
             raise

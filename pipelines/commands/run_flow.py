@@ -17,7 +17,15 @@ from components.errors import StageFailed
 from components.runtime.stage_server import imports_without_collection
 from pipelines import interrupts, warmup
 from pipelines.commands.run_report import band_report, report_overhead
-from pipelines.params_io import mark_finished, merged_config, prepare_params, preset_path, user_params
+from pipelines.leftovers import recover_leftovers
+from pipelines.params_io import (
+    check_dvc_reads,
+    mark_finished,
+    merged_config,
+    prepare_params,
+    preset_path,
+    user_params,
+)
 from pipelines.safekeeping import WorkingCopySnapshot
 
 
@@ -25,7 +33,9 @@ def check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
         # the user's own settings plus this run's overrides (an earlier run's overrides are not carried over)
-        cfg = merged_config(user_params(root), overlays, args.overrides)
+        own = user_params(root)
+        cfg = merged_config(own, overlays, args.overrides)
+        check_dvc_reads(own)  # the file DVC will read: refused in one line when DVC cannot read it
         for warning in config_warnings(cfg):
             print(f"warning: {warning}", file=sys.stderr)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids
@@ -37,9 +47,13 @@ def check_and_run(args: argparse.Namespace, root: Path, api) -> int:
             os.chdir(root)
             dry_run(cfg)
             return 0
+        for line in recover_leftovers(root):  # DVC's files a killed run left, before DVC reads them
+            print(line)
         snapshot = WorkingCopySnapshot.take(root)
         described = " ".join(([f"--preset {args.preset}"] if args.preset else [])
                              + [f"--params {p}" for p in args.params] + [f"--set {o}" for o in args.overrides])
+        # the user's own params.yaml first when an earlier run's one-off overrides are still in it (killed or not);
+        # taken after the snapshot, so that a failure of this run leaves params.yaml as it found it
         for line in prepare_params(root, overlays, args.overrides, args.persist, described):
             print(line)
     except (ConfigError, ValueError, DataError, ModelLoadError, StageFailed) as err:

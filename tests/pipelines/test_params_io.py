@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from pipelines.params_io import BASE_FILE, apply_to_params, prepare_params, user_params
+from pipelines.params_io import BASE_FILE, RUN_NOTE, apply_to_params, prepare_params, user_params
 
 from conftest import ROOT
 
@@ -101,3 +103,102 @@ def test_a_refused_override_leaves_params_yaml_untouched(tmp_path):
     with pytest.raises(ConfigError, match="grpo.kl_beta: must be >= 0"):
         prepare_params(tmp_path, [], ["seed=7", "grpo.kl_beta=-1"], persist=False)
     assert params.read_bytes() == original and not (tmp_path / BASE_FILE).exists()
+
+
+class Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs."""
+
+
+@pytest.mark.parametrize("next_run", ["plain", "other overrides", "deployment"])
+@pytest.mark.parametrize("killed_after", [0, 1, 2, 3], ids=lambda k: f"killed-after-{k}-writes")
+def test_overrides_come_back_after_a_kill_at_any_moment_whatever_runs_next(tmp_path, monkeypatch, capsys,
+                                                                           killed_after, next_run):
+    """A run with one-off overrides writes the user's own (.params.base.yaml), its note, then params.yaml, each in one
+    rename, so a kill can land only between them (0, 1, 2 or all 3 written; the run then never finished). Whatever
+    runs next (a plain run, a run with other overrides, a deployment's run) starts from the user's own params.yaml,
+    saying so in one line when the killed run's overrides were in it, and leaves no bookkeeping file behind."""
+    import pipelines.params_io as params_io
+
+    params = tmp_path / "params.yaml"
+    mine = (ROOT / "params.yaml").read_text()
+    params.write_text(mine)
+    real, writes = params_io.write_text_atomic, []
+
+    def write_or_die(path, text):
+        if len(writes) == killed_after:
+            raise Killed
+        writes.append(path)
+        real(path, text)
+
+    monkeypatch.setattr(params_io, "write_text_atomic", write_or_die)
+    with pytest.raises(Killed) if killed_after < 3 else contextlib.nullcontext():
+        prepare_params(tmp_path, [], ["grpo.steps=40"], persist=False, described="--set grpo.steps=40")
+    monkeypatch.setattr(params_io, "write_text_atomic", real)
+    occupied = params.read_text() != mine
+    assert occupied == (killed_after == 3)
+
+    if next_run == "deployment":
+        from pipelines.leftovers import recover_after_a_kill
+
+        recover_after_a_kill(tmp_path)
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("params.yaml:")]
+        assert params.read_text() == mine
+    elif next_run == "plain":
+        said = prepare_params(tmp_path, [], [], persist=False)
+        assert params.read_text() == mine
+    else:
+        said = prepare_params(tmp_path, [], ["seed=7"], persist=False, described="--set seed=7")[:-1]
+        assert params.read_text() == mine.replace("seed: 1234", "seed: 7")
+        assert (tmp_path / BASE_FILE).read_text() == mine  # kept for the plain run after it
+    back = [line for line in said if line.startswith("params.yaml: back to your own settings")]
+    assert len(back) == (1 if occupied else 0), said
+    if occupied:
+        assert back[0] == ("params.yaml: back to your own settings (the previous run's one-off overrides (--set "
+                           "grpo.steps=40), whose run was stopped before it could put your settings back, were for "
+                           "that run only; --persist keeps them)")
+    if next_run != "other overrides":
+        assert not (tmp_path / BASE_FILE).exists() and not (tmp_path / RUN_NOTE).exists()
+
+
+@pytest.mark.parametrize("damaged", ["note empty", "note cut short", "params.yaml cut short"])
+def test_bookkeeping_a_kill_cut_short_is_recovered_in_one_line(tmp_path, damaged):
+    """Files an older version wrote in place, cut short by a kill: the user's own comes back from .params.base.yaml,
+    and params.yaml as the killed run left it is kept in logs/ (its edits cannot be told from its overrides)."""
+    params = tmp_path / "params.yaml"
+    mine = (ROOT / "params.yaml").read_text()
+    params.write_text(mine)
+    prepare_params(tmp_path, [], ["grpo.steps=40"], persist=False, described="--set grpo.steps=40")
+    left = params.read_text()
+    if damaged == "note empty":
+        (tmp_path / RUN_NOTE).write_text("")
+    elif damaged == "note cut short":
+        (tmp_path / RUN_NOTE).write_text((tmp_path / RUN_NOTE).read_text()[:40])
+    else:
+        params.write_text(left[: len(left) // 2] + "\n  bad: [")
+    assert user_params(tmp_path).read_text() == mine  # a dry run or the config check reads the user's own
+    said = prepare_params(tmp_path, [], [], persist=False)
+    what = "params.yaml" if damaged.startswith("params") else ".params.run.json"
+    assert said == [f"params.yaml: back to your own settings (a kill cut the previous run's {what} short, so its "
+                    "one-off overrides could not be told from your edits; params.yaml as it left it is "
+                    "logs/params-left-by-a-killed-run.yaml)"]
+    assert params.read_text() == mine and not (tmp_path / BASE_FILE).exists() and not (tmp_path / RUN_NOTE).exists()
+    kept = (tmp_path / "logs" / "params-left-by-a-killed-run.yaml").read_text()
+    assert kept == (left if damaged.startswith("note") else left[: len(left) // 2] + "\n  bad: [")
+
+
+def test_a_value_dvc_reads_otherwise_is_the_users_to_keep_and_never_one_the_run_writes(tmp_path):
+    """`enabled: yes` in the user's own params.yaml (PyYAML reads true, DVC's YAML 1.2 the word 'yes': DVC only hashes
+    it) is left as written, by the check and by a run's overrides; DVC failing to read the file is refused."""
+    from components.config import ConfigError
+    from pipelines.params_io import check_dvc_reads, dvc_reading_problem
+
+    params = tmp_path / "params.yaml"
+    mine = (ROOT / "params.yaml").read_text().replace("  enabled: true", "  enabled: yes", 1)
+    params.write_text(mine)
+    check_dvc_reads(params)
+    assert apply_to_params(params, [], ["seed=7"]) and "  enabled: yes" in params.read_text()
+    assert dvc_reading_problem(mine) == ("DVC (YAML 1.2) reads sft.enabled as 'yes', the pipeline as True: quote the "
+                                         "value, or write it as the number or word you mean")
+    params.write_text(mine.replace("seed: 1234", "seed: [1, a:b]"))
+    with pytest.raises(ConfigError, match=r"cannot read line \d+ \('seed: \[1, a:b\]'\) \(found unexpected ':'\)"):
+        check_dvc_reads(params)

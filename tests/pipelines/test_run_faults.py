@@ -48,8 +48,9 @@ def finish(proc: subprocess.Popen, lines: list[str]) -> str:
 @pytest.mark.integration
 def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothing(tmp_path):
     """The tracking server (a real `mlflow server`) dies while GRPO trains: GRPO and evaluate finish logging to the
-    on-disk queue, the outage is said once, register stops with one line; dvc.lock and the finished stages' outputs
-    stay. The server restarts; the same command again sends the queue, runs no GRPO step and registers."""
+    on-disk queue, the outage is said once, register is retried once (said in one line: the server, when) and stops
+    with one line; dvc.lock and the finished stages' outputs stay. The server restarts; the same command again sends
+    the queue, runs no GRPO step and registers."""
     from mlflow.tracking import MlflowClient
 
     repo = copy_project(tmp_path / "repo")
@@ -60,7 +61,7 @@ def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothin
            "PYTHONPATH": str(ROOT / "tests")}
     steps = [p for p in FAST_PARAMS if not p.startswith("grpo.steps")] + [
         "grpo.steps=12", "grpo.rewards=[{name: 'reward_fixtures:starts_with_one_slowly', weight: 1.0}]",
-        "operations.stage_retries=0"]  # register's retries would only wait longer for a server that is gone
+        "operations.stage_retries=1", "operations.retry_delay_s=1"]  # the outage is retried once, and said
     server = start_mlflow_server(tmp_path, port)
     try:
         proc, lines = start(repo, steps, env), []
@@ -70,6 +71,12 @@ def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothin
         assert proc.returncode == 1, out[-3000:]
         assert out.count(f"tracking: the MLflow tracking server at {uri} does not answer") == 1, out[-4000:]
         assert "grpo: step 12/12" in out and "Traceback" not in out
+        # register's connection failed: the stage is retried once, said in one line of the pipeline's own
+        retried = [line for line in out.splitlines() if "the stage runs again in" in line]
+        assert len(retried) == 1 and retried[0].startswith(f"register: the MLflow tracking server at {uri} did not "
+                                                           "answer; the stage runs again in 1 s (at "), out[-4000:]
+        assert retried[0].endswith("; retry 1 of 1)") and "Retry 1/1 will start" not in out
+        assert out.count("Running stage 'register'") == 2
         error = next(line for line in out.splitlines() if line.startswith("error: "))
         assert error.startswith(f"error: register: the MLflow tracking server at {uri} did not answer after bounded "
                                 "retries") and "rerun when it is back" in error

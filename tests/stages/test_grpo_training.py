@@ -100,9 +100,9 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     # SIGKILL (the out-of-memory killer's signal) leaves no word; the rerun says what happened, once
     said = [line for line in resumed.stdout.splitlines() if "ended without a word" in line]
     assert len(said) == 1 and said[0].startswith(f"grpo: the previous run of this stage (pid {proc.pid}, started ")
-    assert re.search(r"at step \d+ of 24: it was killed \(SIGKILL\), most often by the kernel's out-of-memory killer",
-                     said[0])
-    assert "its step was estimated at " in said[0] and "grpo.minibatch_size" in said[0]
+    # a step of this tiny model takes a sliver of the free memory: not put down to the out-of-memory killer
+    assert re.search(r"at step \d+ of 24: it was killed \(SIGKILL\), by another process or the machine", said[0])
+    assert "its step was estimated at " in said[0] and "out-of-memory" not in said[0]
     assert not (dirs["killed"] / "checkpoints" / "grpo.running.json").exists()  # a clean end leaves no note
     a = load_file(dirs["straight"] / "models" / "grpo" / "model.safetensors")
     b = load_file(dirs["killed"] / "models" / "grpo" / "model.safetensors")

@@ -4,6 +4,7 @@ test_operations_servers.py)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -72,28 +73,83 @@ def unreachable_mlflow_error() -> Exception:
     raise AssertionError("expected a connection error")
 
 
-def test_transient_failures_are_retried_deterministic_ones_never():
+def test_only_an_outage_the_stage_reported_is_retried_never_words_in_a_failure():
+    """A failure is retried only when it carries the outage field a stage sets where MLflow's client failed; a user
+    environment's `ConnectionError` (or any words about connections) fails after one attempt."""
     from pipelines.flow import StageError
 
-    down = unreachable_mlflow_error()
-    assert is_transient(down)
-    assert is_transient(StageError(f"stage 'register' failed (exit 1):\n{type(down).__name__}: {down}"))
-    assert is_transient(ConnectionRefusedError(111, "Connection refused"))
+    outage = {"server": "MLflow tracking server", "address": "http://127.0.0.1:9"}
+    assert is_transient(StageError("register: the MLflow tracking server at http://127.0.0.1:9 did not answer",
+                                   outage=outage))
+    users = StageError("grpo: shopcat.games:make: reset raised ConnectionError: game server unreachable (Connection "
+                       "refused; Max retries exceeded; 503 Service Unavailable) (record 'r1')")
+    assert not is_transient(users)
+    assert not is_transient(unreachable_mlflow_error())  # in the flow process, no stage said it: no field
     validation = StageError("stage 'validate' failed (exit 1):\nvalidation failed, 1 rule(s) broken; nothing was "
                             "trained:\n  - data/user/train.jsonl: rule 'unique ids' failed for ids [a, a]")
     assert not is_transient(validation)
-    assert not is_transient(StageError("stage 'grpo' failed (exit 1):\nRuntimeError: shapes do not match"))
     assert backoff_delays(10, 3) == [10, 30, 90]
 
 
-def test_retry_condition_reads_the_failed_prefect_state():
+def test_a_connection_failure_is_the_pipelines_outage_only_where_the_pipeline_talks_to_its_server():
+    """Known by where it was raised: inside MLflow's client (or the project's tracking code) it is an outage; the same
+    type raised by the user's code, or by MLflow called from the user's code (through the door every call of the
+    user's code takes), is the user's failure."""
+    from components.tracking.outbox import TrackingUnreachable, is_outage, tracking_outage
+    from components.user_code import UserCodeError, calling
+
+    assert tracking_outage(unreachable_mlflow_error())
+
+    def reset(record):  # a user's environment whose game server is down
+        raise ConnectionError("game server unreachable")
+
+    try:
+        reset({})
+    except ConnectionError as err:
+        raw = err
+    assert is_outage(raw) and not tracking_outage(raw)
+    with pytest.raises(UserCodeError) as wrapped, calling("environment 'shopcat.games:make'", "starting an episode"):
+        from mlflow.tracking import MlflowClient
+
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+        MlflowClient(tracking_uri="http://127.0.0.1:9").get_experiment_by_name("x")
+    os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
+    assert is_outage(wrapped.value) and not tracking_outage(wrapped.value)
+    assert tracking_outage(TrackingUnreachable("the tracking server did not answer the start-up check"))
+
+
+def test_a_retry_is_said_in_one_line_naming_the_server_and_when_the_stage_runs_again(tmp_path, monkeypatch, capsys):
+    """The stage's report (as the flow reads it back) carries the outage; Prefect's retry rule retries it and says in
+    one line which server did not answer and when the stage runs again; a report without the field is not retried
+    and says nothing."""
     pytest.importorskip("prefect")
+    from prefect.client.schemas.objects import TaskRun
     from prefect.states import Failed
 
-    from pipelines.flow import StageError
+    from components.stages.cli import ERROR_FILE_ENV, read_report, report_error
+    from pipelines.flow import StageError, run_stage
+    from pipelines.retries import retry_line
 
-    assert retry_transient(None, None, Failed(data=StageError("HTTPConnectionPool: Max retries exceeded")))
-    assert not retry_transient(None, None, Failed(data=StageError("validation failed, 2 rule(s) broken")))
+    report = tmp_path / "report.txt"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(report))
+    report_error("the MLflow tracking server at http://127.0.0.1:9 did not answer after bounded retries",
+                 outage={"server": "MLflow tracking server", "address": "http://127.0.0.1:9"})
+    message, outage = read_report(str(report))
+    task = run_stage.with_options(name="stage-register", retries=2, retry_delay_seconds=[10.0, 30.0])
+    first = TaskRun(task_key="stage", dynamic_key="0", run_count=1)
+    assert retry_transient(task, first, Failed(data=StageError(f"register: {message}", outage=outage)))
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("register: the MLflow tracking server at http://127.0.0.1:9 did not "
+                                                 "answer; the stage runs again in 10 s (at ")
+    assert said[0].endswith("; retry 1 of 2)")
+    assert retry_line("grpo", outage, 2, 2, 30.0, now=0.0).endswith("runs again in 30 s (at "
+                                                                     f"{time.strftime('%H:%M:%S', time.localtime(30))}"
+                                                                     "; retry 2 of 2)")
+    report_error("shopcat.games:make: reset raised ConnectionError: game server unreachable")
+    message, outage = read_report(str(report))
+    assert outage is None
+    assert not retry_transient(task, first, Failed(data=StageError(f"grpo: {message}", outage=outage)))
+    assert capsys.readouterr().err == ""
 
 
 def test_compare_accepts_the_short_run_ids_it_prints(mlflow_store):

@@ -29,6 +29,8 @@ from components.errors import StageFailed
 from components.user_code import UserCodeError, calling
 
 LIMITS = ("turns", "tokens")  # the cuts a limit makes (the others are environment errors)
+CUT_WORDS = {"tokens": "cut at the token budget (grpo.max_completion_length) before the environment ended them",
+             "turns": "cut at grpo.episode.max_turns before the environment ended them"}
 
 
 class EnvironmentFailed(StageFailed):
@@ -98,6 +100,10 @@ class Play(Protocol):
         """What a person reads of an episode (sample tables, evaluation outputs)."""
         ...
 
+    def ending(self, episode: Episode) -> str:
+        """How an episode ended, in words (what `--dry-run` says of an episode no reward scored)."""
+        ...
+
     def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
         ...
 
@@ -128,6 +134,9 @@ class SingleTurn:
 
     def transcript(self, episode: Episode) -> str:
         return episode.answer
+
+    def ending(self, episode: Episode) -> str:
+        return "cut at the token budget (grpo.max_completion_length)" if episode.cut else "ended with EOS"
 
     def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
         return longest_row(self.tokenizer, self.format_prompt, records, 0)
@@ -200,6 +209,13 @@ class Episodes:
     def transcript(self, episode: Episode) -> str:
         return "\n".join(f"[{m['role']}{'/' + str(m['name']) if m.get('name') else ''}] {m['content']}"
                          for m in episode.messages)
+
+    def ending(self, episode: Episode) -> str:
+        if episode.cut in CUT_WORDS:
+            return CUT_WORDS[episode.cut]
+        if episode.cut:
+            return f"ended by an {episode.cut.split(':')[0]}"
+        return "ended by the environment without a reward of its own"
 
     def longest_prompt(self, records: Sequence[dict[str, Any]]) -> int:
         return max((len(self.chat.prompt_ids(self._reset(r)[1])) for r in records), default=1)

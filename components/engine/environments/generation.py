@@ -41,6 +41,7 @@ class Reading:
     texts: list[str]  # each row's completion as rewards read it (an episode's last model turn)
     columns: dict[str, list[Any]]  # the episodes' own reward columns (none for single turns)
     transcripts: list[str]  # what a person reads (a single turn: its text; an episode: every message by role)
+    endings: list[str]  # how each ended, in words (EOS, a limit, the environment, an environment error)
 
 
 class Generation:
@@ -91,7 +92,8 @@ class Generation:
     def read(self, rollouts: Rollouts) -> Reading:
         episodes = rollouts.episodes or ()
         texts = [e.answer for e in episodes]
-        return Reading(texts, self.play.columns(episodes), [self.play.transcript(e) for e in episodes])
+        return Reading(texts, self.play.columns(episodes), [self.play.transcript(e) for e in episodes],
+                       [self.play.ending(e) for e in episodes])
 
     def _take_turns(self, rows: list[Row], sampled: Rollouts) -> None:
         eos = self.tokenizer.eos_token_id

@@ -1,0 +1,123 @@
+"""Tool and environment names written as the docs write them reach DVC as written: whatever a run writes into
+params.yaml, DVC's YAML 1.2 parser reads back exactly as the pipeline does (values that need quotes there get them),
+shown through a real `dvc repro` whose dvc.lock records the values DVC read."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+import pytest
+import yaml
+
+from pipelines.params_io import BASE_FILE, check_dvc_reads, prepare_params
+
+from conftest import BIN, ROOT, run
+
+TOOLS = ["calculator", "shopcat.catalogue:price_of"]
+ENVIRONMENT = "shopcat.games:guess_the_number"
+
+# Every way the docs write them: a --params file with flow style, one with block lists, --set.
+FORMS = {
+    "--params flow": ("grpo: {tools: [calculator, shopcat.catalogue:price_of]}\n", [], "tools"),
+    "--params block": ("grpo:\n  tools:\n    - calculator\n    - shopcat.catalogue:price_of\n", [], "tools"),
+    "--set flow list": (None, ["grpo.tools=[calculator, shopcat.catalogue:price_of]"], "tools"),
+    "--params flow environment": ("grpo: {environment: shopcat.games:guess_the_number}\n", [], "environment"),
+    "--set environment": (None, ["grpo.environment=shopcat.games:guess_the_number"], "environment"),
+}
+
+PACKAGE = {
+    "catalogue.py": '''
+        def price_of(item: str) -> str:
+            """The catalogue price of an item.
+
+            Args:
+                item: the item's name.
+            """
+            return {"apple": "0.40"}.get(item, "unknown")
+        ''',
+    "games.py": '''
+        class GuessTheNumber:
+            def reset(self, record):
+                return [{"role": "user", "content": "Guess my number (1-10)."}]
+
+            def step(self, turn):
+                return {"done": True, "reward": float(turn.strip() == "7")}
+
+
+        def guess_the_number():
+            return GuessTheNumber()
+        ''',
+}
+
+# A stage that keys on the two params: DVC records in dvc.lock the values it read from params.yaml.
+DVC_YAML = """stages:
+  reads:
+    cmd: python -c "from components.config import load_config; g = load_config().grpo; print(g.tools, g.environment)"
+    params:
+      - grpo.tools
+      - grpo.environment
+"""
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git + DVC repository holding the project's params.yaml and code, and the user's package `shopcat`."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "components", repo / "components", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
+    (repo / "dvc.yaml").write_text(DVC_YAML)
+    package = tmp_path / "site" / "shopcat"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for name, source in PACKAGE.items():
+        (package / name).write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    run(["git", "init", "-q"], repo)
+    run([str(BIN / "dvc"), "init", "-q"], repo)
+    return repo
+
+
+def dvc_read(repo) -> dict:
+    """`dvc repro`, then the grpo params DVC read from params.yaml, as dvc.lock records them."""
+    out = run([str(BIN / "dvc"), "repro"], repo, check=False)
+    assert out.returncode == 0, out.stdout[-3000:]
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return lock["stages"]["reads"]["params"]["params.yaml"]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_documented_form_of_tool_and_environment_names_reaches_dvc_as_written(repo, tmp_path, form):
+    overlay_text, overrides, key = FORMS[form]
+    overlays = []
+    if overlay_text is not None:
+        overlays = [tmp_path / "mine.yaml"]
+        overlays[0].write_text(overlay_text)
+    prepare_params(repo, overlays, overrides, persist=False, described=form)
+    written = (repo / "params.yaml").read_text()
+    assert yaml.safe_load(written)["grpo"][key] == (TOOLS if key == "tools" else ENVIRONMENT)
+    read = dvc_read(repo)
+    assert read[f"grpo.{key}"] == (TOOLS if key == "tools" else ENVIRONMENT), written
+    # and the user's own settings come back for the next plain run, DVC reading them too
+    prepare_params(repo, [], [], persist=False)
+    assert not (repo / BASE_FILE).exists() and dvc_read(repo)["grpo.tools"] == []
+
+
+def test_a_params_yaml_dvc_would_read_otherwise_is_refused_in_one_line_naming_the_line_and_the_fix(repo):
+    """Written by hand in params.yaml itself (the run does not rewrite the user's file), the flow list with a
+    `module:function` is refused before anything runs, naming the line and both ways to write it."""
+    from components.config import ConfigError
+
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("  tools: []", "  tools: [calculator, shopcat.catalogue:price_of]"))
+    line = next(i for i, text in enumerate(params.read_text().splitlines(), 1) if "shopcat.catalogue" in text)
+    with pytest.raises(ConfigError) as refused:
+        check_dvc_reads(params)
+    assert str(refused.value).startswith(f"params.yaml: DVC reads params.yaml as YAML 1.2 and cannot read line {line} "
+                                         "('tools: [calculator, shopcat.catalogue:price_of]")
+    assert str(refused.value).endswith('quote a value with a \':\' inside [...] (`[calculator, "pkg.mod:fn"]`) or '
+                                       "write the list one item a line (`- pkg.mod:fn`)")
+    params.write_text(params.read_text().replace("shopcat.catalogue:price_of]", '"shopcat.catalogue:price_of"]'))
+    check_dvc_reads(params)  # the quoted form, as the message says
+    assert dvc_read(repo)["grpo.tools"] == TOOLS
