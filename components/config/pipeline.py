@@ -76,6 +76,9 @@ def validate_config(cfg: PipelineConfig) -> None:
     _require(not (episodes and cfg.prompt.chat_template == "never"), "prompt.chat_template",
              "cannot be never with grpo.tools or grpo.environment: an episode's turns are told apart by the chat "
              "template")
+    _require(not (episodes and cfg.model.name_or_path is None), "grpo.tools" if cfg.grpo.tools else "grpo.environment",
+             "episodes need a model whose tokenizer has a chat template, and the embedded tiny default has none: set "
+             "model.name_or_path (e.g. --params configs/examples/smollm2_calculator.yaml)")
     _require(not (cfg.grpo.top_entropy_quantile < 1 and cfg.distributed.nproc > 1), "grpo.top_entropy_quantile",
              "must be 1 with several processes (distributed.nproc > 1): the entropy quantile is taken over one "
              "process's tokens only, so the masked tokens would depend on the process count")

@@ -25,7 +25,8 @@ METRIC_GROUPS = {
                 "kept_completions", "sampled_completions", "unscored_completions", "reward_failures",
                 "logprob_gap_mean", "logprob_gap_max"),
     "time": ("step_seconds", "completions_per_s"),
-    "episode": ("turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode", "episodes_cut_frac"),
+    "episode": ("turns_per_episode", "tool_calls_per_episode", "tool_errors_per_episode", "episodes_cut_frac",
+                "episode_length", "environment_tokens", "episode_model_token_frac"),
 }
 _GROUP_OF = {key: group for group, keys in METRIC_GROUPS.items() for key in keys}
 

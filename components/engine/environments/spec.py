@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from components.config import GRPOConfig, PipelineConfig, PromptConfig
+from components.config import ConfigError, GRPOConfig, PipelineConfig, PromptConfig
 from components.data.records import DataError
 from components.engine.environments.chat import ChatFormat, conversation_ids
 from components.engine.environments.environment import Environment, ToolEnvironment, load_environment_factory
@@ -28,7 +28,11 @@ class EpisodeSpec:
     limits: EpisodeLimits
 
     def play(self, tokenizer: Any, max_tokens: int) -> Episodes:
-        """The episodes through `tokenizer`'s chat template, `max_tokens` after each prompt."""
+        """The episodes through `tokenizer`'s chat template, `max_tokens` after each prompt; a tokenizer without one
+        is refused in one line."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.name}: episodes need a model whose tokenizer has a chat template (an episode's "
+                              "turns are told apart by it); this model's has none")
         chat = self.chat(tokenizer)
         limits = dataclasses.replace(self.limits, max_tokens=max_tokens)
         if self.factory is not None:
