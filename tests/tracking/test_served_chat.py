@@ -157,3 +157,23 @@ def test_the_model_ships_trainings_own_layout_and_parser_needing_only_the_standa
     assert not {"components", "torch", "transformers", "mlflow", "numpy", "pandas"} & set(loaded_modules)
     # No tools trained with: none offered unless the request lists some.
     assert loaded.unwrap_python_model().tools is None
+
+
+def test_openai_messages_read_as_an_episodes_messages():
+    from components.tracking.chat_request import RequestError, episode_messages
+
+    messages = episode_messages([
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 * 3?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c7", "type": "function",
+             "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}]},
+        {"role": "tool", "tool_call_id": "c7", "content": "6"}])
+    assert messages == [
+        {"role": "user", "content": "What is 2 * 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}]},
+        {"role": "tool", "content": "6", "name": "calculator"}]  # named after the call it answers, as in training
+    with pytest.raises(RequestError, match=r"messages\[1\].tool_calls\[0\].function.arguments: not JSON"):
+        episode_messages([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": "{2*3"}}]},
+                          {"role": "tool", "content": "6"}])
