@@ -132,8 +132,9 @@ def test_the_answer_is_openais_chat_completion_and_prompts_are_answered_as_befor
                               "the last message is the assistant's"),
                              ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "x"}]}, "tools: "),
                              ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens: ")]:
-        with pytest.raises(MlflowException, match=message):
+        with pytest.raises(MlflowException, match=message) as refused:
             loaded.predict(request)
+        assert refused.value.error_code == "INVALID_PARAMETER_VALUE"  # `mlflow models serve`: HTTP 400
     with pytest.raises(MlflowException, match="one conversation"):
         loaded.predict(pd.DataFrame({"messages": [[{"role": "user", "content": "a"}]] * 2}))
 
