@@ -21,6 +21,13 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 82"
 USER = "What is 347 * 82? Reply with just the number."
 
 
+@pytest.fixture
+def store(tmp_path, mlflow_store, monkeypatch) -> str:
+    """A SQLite MLflow store whose artifacts (./mlruns) land in the test's folder."""
+    monkeypatch.chdir(tmp_path)
+    return mlflow_store
+
+
 def _config(tools: list[str]):
     raw = read_params(ROOT / "params.yaml")
     raw["prompt"] = {**raw["prompt"], "template": "{prompt} Reply with just the number.", "chat_template": "always",
@@ -54,8 +61,7 @@ def _served(tmp_path: Path, template: str, tools: list[str]):
 
 
 @pytest.mark.parametrize("template", [CHATML, HERMES], ids=["tools-in-system-message", "native-tool-format"])
-def test_a_chat_request_is_laid_out_token_for_token_as_training_laid_out_its_episodes(tmp_path, mlflow_store,
-                                                                                        template):
+def test_a_chat_request_is_laid_out_token_for_token_as_training_laid_out_its_episodes(tmp_path, store, template):
     from components.engine.environments.chat import ChatFormat
     from components.engine.environments.spec import episode_spec
 
@@ -94,7 +100,7 @@ def test_a_chat_request_is_laid_out_token_for_token_as_training_laid_out_its_epi
                                                       {"role": "user", "content": USER}], []))
 
 
-def test_the_answer_is_openais_chat_completion_and_prompts_are_answered_as_before(tmp_path, mlflow_store):
+def test_the_answer_is_openais_chat_completion_and_prompts_are_answered_as_before(tmp_path, store):
     import pandas as pd
     from mlflow.exceptions import MlflowException
 
@@ -139,7 +145,7 @@ def test_the_answer_is_openais_chat_completion_and_prompts_are_answered_as_befor
         loaded.predict(pd.DataFrame({"messages": [[{"role": "user", "content": "a"}]] * 2}))
 
 
-def test_the_model_ships_trainings_own_layout_and_parser_needing_only_the_standard_library(tmp_path, mlflow_store):
+def test_the_model_ships_trainings_own_layout_and_parser_needing_only_the_standard_library(tmp_path, store):
     import mlflow
 
     from components.tracking.registered_model import SERVED_MODULES, SERVED_PACKAGE
