@@ -386,6 +386,7 @@ def served_tool_calls(tmp_path: Path, predictions: list[dict]) -> None:
     message = answered["choices"][0]["message"]
     assert answered["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in message, answered
     assert message["content"] == written_answer, (answered, lines)
+    del model  # the served copy below holds its own
 
     with served(tmp_path, "models:/smollm2-tools-test@champion", os.environ["MLFLOW_TRACKING_URI"]) as post:
         over_http = post({"messages": question})  # no `tools`: the ones it was trained with
