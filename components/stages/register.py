@@ -329,17 +329,13 @@ def _new_version(client, run, cfg: PipelineConfig, paths: Paths, name: str, eval
     import mlflow
 
     from components.engine.models.modeling import load_tokenizer
-    from components.engine.models.prompting import PromptFormatter
-    from components.tracking.registered_model import log_trained_model
+    from components.tracking.registered_model import log_trained_model, serving_config
 
     tags = lineage_tags(cfg, paths, evaluation, candidate_md5) | evidence_tags(cfg, evaluation, grpo)
     run.log_artifact(paths.eval_dir / "predictions.jsonl", "eval")
     run.log_artifact(paths.metrics / "eval.json")
     log_params_file(run, paths.root / "params.yaml")
-    formatting = PromptFormatter(cfg.prompt, load_tokenizer(paths.grpo_model)).settings()
-    serving = {"max_new_tokens": cfg.evaluate.max_new_tokens, **formatting}
-    if cfg.grpo.tools or cfg.grpo.environment:  # trained on episodes; served one turn at a time (the card says so)
-        serving["turns"] = "single: the served model does not call tools or an environment"
+    serving = serving_config(cfg, load_tokenizer(paths.grpo_model))
     with mlflow.start_run(run_id=run.run_id):
         info, model_tags = log_trained_model(client, name, paths.grpo_model, serving, cfg.register.merge_lora)
     tags.update(model_tags)

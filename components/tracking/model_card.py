@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from typing import Any
 
 from components.config import PipelineConfig
@@ -31,20 +32,30 @@ def _source_hash(resolve) -> str:
 
 
 def episodes_lines(cfg: PipelineConfig) -> list[str]:
-    """The card's lines on tools or an environment: which code answered the model (sources' hashes), the limits, and
-    that the served model answers single turns."""
+    """The card's lines on tools or an environment: which code answered the model (sources' hashes), the limits, each
+    tool it was trained with (name, import path, description, parameters) and how the served model answers."""
     g = cfg.grpo
     if not (g.tools or g.environment):
         return []
-    from components.engine.environments.tools import BUILTIN_TOOLS, resolve_callable
+    from components.engine.environments.tools import BUILTIN_TOOLS, load_tools, resolve_callable
 
     kind, names, known = ("tools", g.tools, BUILTIN_TOOLS) if g.tools else ("environment", [g.environment], {})
     listed = "; ".join(f"`{n}` (source sha256 `{_source_hash(lambda n=n: resolve_callable(n, known, kind))}`)"
                        for n in names)
-    return [f"- Episodes with {kind}: {listed}; at most {g.episode.max_turns} model turns and "
-            f"{g.max_completion_length} tokens after the prompt, {g.episode.timeout_s:g} s a call",
-            "- Serving: the registered model answers single turns; it does not call the tools or the environment "
-            "(evaluate episodes with the pipeline)"]
+    lines = [f"- Episodes with {kind}: {listed}; at most {g.episode.max_turns} model turns and "
+             f"{g.max_completion_length} tokens after the prompt, {g.episode.timeout_s:g} s a call"]
+    if not g.tools:
+        return lines + ["- Serving: answers OpenAI-style chat requests (`messages`) one model turn at a time; the "
+                        "environment is not served (the client sends what it would answer)"]
+    lines.append("- Tools it was trained with (offered by the served model when a chat request lists no `tools`):")
+    for tool in load_tools(g.tools):
+        function = tool.schema["function"]
+        lines.append(f"  - `{tool.name}` (`{tool.function.__module__}:{tool.function.__qualname__}`): "
+                     f"{_cell(function.get('description', ''), 200)}; parameters "
+                     f"`{json.dumps(function.get('parameters', {}), sort_keys=True)}`")
+    return lines + ["- Serving: answers OpenAI-style chat requests (`messages`, `tools`) with training's chat layout "
+                    "and call parser: a call comes back in `tool_calls` for the client to run (its result sent back "
+                    "as a `tool` message), a plain answer in `content`"]
 
 
 def _ci(imp: dict[str, float] | None) -> str:

@@ -5,6 +5,11 @@ keyed by the base directory's hash, and every adapter version names it (`base_mo
 its source and hashes as tags. Loading `models:/NAME@champion` in a fresh process loads the base version
 and applies the adapter (components/tracking/serving_model.py). `register.merge_lora: true` registers the merged
 model instead, as self-contained as a full fine-tune.
+
+Every logged model ships the package `grpo_served` beside its code (MLflow's `code_paths`): copies of the modules that
+lay out conversations (engine/environments/chat.py), read tool calls (engine/environments/calls.py) and speak
+OpenAI's chat format (tracking/chat_request.py), each standard library only, so the served model answers chat
+requests as training laid out and parsed its episodes, without this repository.
 """
 
 from __future__ import annotations
@@ -17,28 +22,72 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from components.config import PipelineConfig
 from components.data.records import dir_md5
+from components.engine.environments import calls, chat
 from components.engine.models.modeling import adapter_base, resolve_model_dir
+from components.tracking import chat_request
 
 SERVING_MODULE = Path(__file__).with_name("serving_model.py")
+SERVED_PACKAGE = "grpo_served"
+SERVED_MODULES = {"chat.py": Path(chat.__file__), "calls.py": Path(calls.__file__),
+                  "chat_request.py": Path(chat_request.__file__)}
 PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
 ADAPTER_PIP_REQUIREMENTS = PIP_REQUIREMENTS + ["peft"]
 
 
 def _signature():
+    """A prompt per row (`prompt`), or one chat conversation (`messages`, `tools`, `max_tokens`)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
+    from mlflow.types.schema import AnyType, Array
 
-    return ModelSignature(inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]))
+    inputs = Schema([ColSpec("string", "prompt", required=False),
+                     ColSpec(Array(AnyType()), "messages", required=False),
+                     ColSpec(Array(AnyType()), "tools", required=False),
+                     ColSpec("long", "max_tokens", required=False)])
+    return ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string")]))
+
+
+def serving_config(cfg: PipelineConfig, tokenizer: Any) -> dict[str, Any]:
+    """What the served model needs to answer as training did: the prompt formatting, the answer length, the
+    registered name, and the schemas of the tools it was trained with (offered when a chat request lists none)."""
+    from components.engine.models.prompting import PromptFormatter
+
+    serving = {"max_new_tokens": cfg.evaluate.max_new_tokens, **PromptFormatter(cfg.prompt, tokenizer).settings(),
+               "model_name": cfg.register.model_name}
+    if cfg.grpo.tools:
+        from components.engine.environments.tools import load_tools
+
+        # JSON text: the MLmodel file's YAML would sort the schemas' keys, and the model reads them in their order
+        serving["tools"] = json.dumps([t.schema for t in load_tools(cfg.grpo.tools)], ensure_ascii=False)
+    return serving
+
+
+@contextmanager
+def served_package() -> Iterator[Path]:
+    """A temporary `grpo_served` package: byte-for-byte copies of SERVED_MODULES."""
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-served-"))
+    package = tmp / SERVED_PACKAGE
+    try:
+        package.mkdir()
+        (package / "__init__.py").write_text('"""The pipeline\'s chat layout, call parser and chat request format, '
+                                             'shipped with the registered model."""\n')
+        for name, source in SERVED_MODULES.items():
+            shutil.copyfile(source, package / name)
+        yield package
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def log_completion_model(model_dir: Path, model_config: dict[str, Any], requirements: list[str]):
     """Log `model_dir` as the pyfunc completion model in the active run; returns MLflow's ModelInfo."""
     import mlflow
 
-    return mlflow.pyfunc.log_model(name="model", python_model=str(SERVING_MODULE),
-                                   artifacts={"model_dir": str(model_dir)}, pip_requirements=requirements,
-                                   model_config=model_config, signature=_signature())
+    with served_package() as package:
+        return mlflow.pyfunc.log_model(name="model", python_model=str(SERVING_MODULE),
+                                       artifacts={"model_dir": str(model_dir)}, pip_requirements=requirements,
+                                       model_config=model_config, signature=_signature(), code_paths=[str(package)])
 
 
 def base_provenance(base_dir: Path) -> dict[str, str]:

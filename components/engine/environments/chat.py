@@ -1,6 +1,9 @@
 """Conversations as tokens, the way the model sees them: the prompt rendered by its chat template (tools offered in
 the template's own format where it has one, else in the system message), and what a tool or environment answers
-rendered as the tokens between the end of one model turn (its EOS) and the start of the next."""
+rendered as the tokens between the end of one model turn (its EOS) and the start of the next.
+
+Standard library only: the registered model ships this module and lays out the conversations it answers with it
+(components/tracking/registered_model.py), as training did."""
 
 from __future__ import annotations
 
@@ -24,6 +27,14 @@ def supports_tools(tokenizer: Any) -> bool:
     except Exception:  # noqa: BLE001 - a template that cannot render tool messages has no tool format
         return False
     return all(part in text for part in (SENTINEL, "arg_4c1e", "value_9a7b", "content_e2d8"))
+
+
+def tools_text(schemas: Sequence[dict[str, Any]]) -> str:
+    """How tools are offered to a model whose chat template has no tool format of its own (the plain-text format
+    `calls.parse_tool_calls` reads); `schemas` as `{"type": "function", "function": {...}}`."""
+    listed = "\n".join(json.dumps(s["function"], ensure_ascii=False) for s in schemas)
+    return ("You can call these tools:\n" + listed + "\nTo call one, write <tool_call>{\"name\": NAME, \"arguments\": "
+            "{...}}</tool_call>; its result comes back in the next message. Write the answer without a tool call.")
 
 
 class ChatFormat:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from components.config import ConfigError
 from components.engine.environments import builtin
+from components.engine.environments.calls import ToolCall
+from components.engine.environments.chat import tools_text
 from components.engine.rewards.rewards import time_limit
 from components.user_code import UserCodeError, calling
 
@@ -42,14 +43,6 @@ class Tool:
     name: str
     function: Callable[..., Any]
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model wrote: a tool's name and its arguments."""
-
-    name: str
-    arguments: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -115,6 +108,4 @@ def call_tool(tools: Mapping[str, Tool], call: ToolCall, timeout_s: float) -> To
 def tools_prompt(tools: Sequence[Tool]) -> str:
     """How tools are offered to a model whose chat template has no tool format of its own (the plain-text format
     `calls.parse_tool_calls` reads)."""
-    listed = "\n".join(json.dumps(t.schema["function"], ensure_ascii=False) for t in tools)
-    return ("You can call these tools:\n" + listed + "\nTo call one, write <tool_call>{\"name\": NAME, \"arguments\": "
-            "{...}}</tool_call>; its result comes back in the next message. Write the answer without a tool call.")
+    return tools_text([t.schema for t in tools])
