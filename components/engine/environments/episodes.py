@@ -23,7 +23,6 @@ import torch
 from components.engine.environments.chat import ChatFormat
 from components.engine.environments.environment import Environment, EnvironmentStep, as_step
 from components.engine.models.rollouts import Rollouts, decode_completions, left_pad
-from components.engine.rewards.rewards import time_limit
 from components.engine.rollout.base import RolloutEngine, SamplingParams
 from components.errors import StageFailed
 from components.user_code import UserCodeError, calling
@@ -115,8 +114,7 @@ class EpisodeRunner:
             group = []
             for _ in range(n):
                 try:  # the user's code, through the one door (components/user_code.py)
-                    with calling(self.describe, "starting an episode"), \
-                            time_limit(self.limits.timeout_s, f"{self.describe} reset"):
+                    with calling(self.describe, "starting an episode", timeout_s=self.limits.timeout_s):
                         environment = self.make_environment()
                         first = environment.reset(record)
                 except UserCodeError as err:  # this record cannot be played
@@ -168,7 +166,7 @@ class EpisodeRunner:
     def _step(self, run: _Run, text: str) -> EnvironmentStep | None:
         """The environment's answer; None (the episode ended, the failure recorded) when it raises or overruns."""
         try:  # the user's code, through the one door: whatever it raises fails this episode, not the step
-            with calling(self.describe, "answering a turn"), time_limit(self.limits.timeout_s, f"{self.describe} step"):
+            with calling(self.describe, "answering a turn", timeout_s=self.limits.timeout_s):
                 return as_step(run.environment.step(text))
         except UserCodeError as err:
             cause = err.__cause__
