@@ -1,6 +1,9 @@
-"""The policy-gradient losses, one entry each in `LOSSES`: a surrogate, an aggregation, clip statistics and a
-normaliser. The config's `grpo.loss_type` takes its allowed names from this table, and its rules read the entries'
-properties, so adding a loss is one entry here and its test against TRL (tests/engine/grpo/test_against_trl.py).
+"""The policy-gradient losses, one entry each in `LOSSES`: a surrogate, an aggregation, clip statistics, a normaliser
+and the entry's own settings record. A loss with a setting of its own is one entry here (its record, surrogate and
+statistics beside it) and its test against TRL (tests/engine/grpo/test_against_trl.py), nothing else: the config's
+`grpo.loss_type` takes its allowed names from this table, `GRPOConfig` inherits every record's fields as `grpo.*` keys
+(checked by each field's rule), and `build_loss` hands the chosen entry its record, as torchtune's loss classes take
+their settings in their constructor.
 
 The maths is written with tensor methods only: this module imports no torch, so loading a config stays fast. Shapes:
 B sequences, T completion positions; `ratio` is [B, T] (token level) or [B, 1] (sequence level), `adv` [B, 1],
@@ -9,22 +12,55 @@ B sequences, T completion positions; `ratio` is [B, T] (token level) or [B, 1] (
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 
-@dataclass(frozen=True)
-class SurrogateSettings:
-    """The knobs the surrogates read (`grpo.epsilon`, `epsilon_high`, `cispo_max_ratio`, `sapo_temperature_*`)."""
+def setting(default: Any, rule: str, valid: Callable[[Any], bool]) -> Any:
+    """A field of a settings record: its default (the `grpo.*` key's) and the rule every configured value keeps."""
+    return dataclasses.field(default=default, metadata={"rule": (valid, rule)})
 
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    cispo_max_ratio: float = 5.0
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # (positive advantage, otherwise)
+
+# ---- settings records: each loss's own `grpo.*` keys. Fields only (GRPOConfig inherits them), named as their keys.
+
+@dataclass
+class ClipRange:
+    """The clipped surrogate's range [1 - epsilon, 1 + epsilon_high] (PPO; DAPO's clip-higher)."""
+
+    epsilon: float = setting(0.2, "must be in (0, 1)", lambda v: 0 < v < 1)
+    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
+    epsilon_high: float | None = setting(None, "must be > 0", lambda v: v is None or v > 0)
+    """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
+
+
+def clip_bounds(s: ClipRange) -> tuple[float, float]:
+    """(epsilon low, epsilon high): `epsilon_high` unset is `epsilon`, a symmetric range."""
+    return s.epsilon, s.epsilon if s.epsilon_high is None else s.epsilon_high
+
+
+@dataclass
+class CispoSettings:
+    """`loss_type: cispo`."""
+
+    cispo_max_ratio: float = setting(5.0, "must be > 0", lambda v: v > 0)
+    """`loss_type: cispo`: the cap on the importance weight (ScaleRL's epsilon_max, 5.0 as it recommends). TRL
+    reads this from `epsilon_high`; here `epsilon_high` keeps its one meaning (the clip range) and is refused with
+    cispo."""
+
+
+@dataclass
+class SapoSettings:
+    """`loss_type: sapo`: the soft gate's temperatures, by the sign of the advantage (TRL's defaults)."""
+
+    sapo_temperature_pos: float = setting(1.0, "must be > 0", lambda v: v > 0)
+    """`loss_type: sapo`: the gate's temperature for tokens with a positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = setting(1.05, "must be > 0", lambda v: v > 0)
+    """`loss_type: sapo`: the gate's temperature for the other tokens (TRL's default; higher fades faster)."""
 
 
 @dataclass(frozen=True)
@@ -39,22 +75,23 @@ class Normalisers:
 
 # ---- surrogates: the per-token policy-gradient term of importance ratio `ratio` and advantage `adv`
 
-def clipped(ratio: Tensor, logp: Tensor, adv: Tensor, s: SurrogateSettings) -> Tensor:
+def clipped(ratio: Tensor, logp: Tensor, adv: Tensor, s: ClipRange) -> Tensor:
     """PPO's clipped surrogate: -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)."""
-    clipped = ratio.clamp(1.0 - s.epsilon_low, 1.0 + s.epsilon_high)
+    low, high = clip_bounds(s)
+    clipped = ratio.clamp(1.0 - low, 1.0 + high)
     return -(ratio * adv).minimum(clipped * adv)
 
 
-def capped_weight(ratio: Tensor, logp: Tensor, adv: Tensor, s: SurrogateSettings) -> Tensor:
+def capped_weight(ratio: Tensor, logp: Tensor, adv: Tensor, s: CispoSettings) -> Tensor:
     """CISPO (MiniMax-M1): -sg(min(rho, max_ratio)) * A * logp: the weight is capped, not the update, so a capped
     token still has a gradient."""
     return -ratio.clamp(max=s.cispo_max_ratio).detach() * adv * logp
 
 
-def soft_gate(ratio: Tensor, logp: Tensor, adv: Tensor, s: SurrogateSettings) -> Tensor:
+def soft_gate(ratio: Tensor, logp: Tensor, adv: Tensor, s: SapoSettings) -> Tensor:
     """SAPO (2511.20347): -(4 / tau) * sigmoid(tau * (rho - 1)) * A, tau the positive-advantage temperature where
     A > 0 and the other one elsewhere: a gate whose gradient is 1 at rho = 1 and fades smoothly away from it."""
-    tau = adv.new_full(adv.shape, s.sapo_temperatures[0]).where(adv > 0, s.sapo_temperatures[1])
+    tau = adv.new_full(adv.shape, s.sapo_temperature_pos).where(adv > 0, s.sapo_temperature_neg)
     return -(tau * (ratio - 1.0)).sigmoid() * (4.0 / tau) * adv
 
 
@@ -81,28 +118,34 @@ def fixed_length_mean(per_token: Tensor, mask: Tensor, n: Normalisers) -> Tensor
 
 # ---- clip statistics: (low, high) per token, 1 where the surrogate clipped (logged as clip_low/high_frac)
 
-def ratio_outside_the_clip_range(ratio: Tensor, adv: Tensor, s: SurrogateSettings) -> tuple[Tensor, Tensor]:
+def ratio_outside_the_clip_range(ratio: Tensor, adv: Tensor, s: ClipRange) -> tuple[Tensor, Tensor]:
     """Clipped below (ratio < 1 - eps_low with A < 0) or above (ratio > 1 + eps_high with A > 0), as TRL counts."""
-    low = ((ratio < 1.0 - s.epsilon_low) & (adv < 0)).to(ratio.dtype)
-    high = ((ratio > 1.0 + s.epsilon_high) & (adv > 0)).to(ratio.dtype)
+    epsilon_low, epsilon_high = clip_bounds(s)
+    low = ((ratio < 1.0 - epsilon_low) & (adv < 0)).to(ratio.dtype)
+    high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).to(ratio.dtype)
     return low, high
 
 
-def weight_capped(ratio: Tensor, adv: Tensor, s: SurrogateSettings) -> tuple[Tensor, Tensor]:
+def weight_capped(ratio: Tensor, adv: Tensor, s: CispoSettings) -> tuple[Tensor, Tensor]:
     """CISPO: weights capped where the advantage is positive (TRL's `cispo_clip_ratio`); nothing below."""
     high = ((ratio > s.cispo_max_ratio) & (adv > 0)).to(ratio.dtype)
     return high.new_zeros(high.shape), high
 
 
-def never_clipped(ratio: Tensor, adv: Tensor, s: SurrogateSettings) -> tuple[Tensor, Tensor]:
+def never_clipped(ratio: Tensor, adv: Tensor, s: Any) -> tuple[Tensor, Tensor]:
     """SAPO has no hard clip."""
     zeros = ratio.new_zeros(ratio.shape)
     return zeros, zeros
 
 
-Surrogate = Callable[["Tensor", "Tensor", "Tensor", SurrogateSettings], "Tensor"]
+@dataclass
+class NoSettings:
+    """A loss without settings of its own."""
+
+
+Surrogate = Callable[["Tensor", "Tensor", "Tensor", Any], "Tensor"]  # (ratio, logp, adv, the entry's settings)
 Aggregation = Callable[["Tensor", "Tensor", Normalisers], "Tensor"]
-ClipStatistics = Callable[["Tensor", "Tensor", SurrogateSettings], "tuple[Tensor, Tensor]"]
+ClipStatistics = Callable[["Tensor", "Tensor", Any], "tuple[Tensor, Tensor]"]  # (ratio, adv, the entry's settings)
 
 
 @dataclass(frozen=True)
@@ -113,6 +156,9 @@ class Loss:
     surrogate: Surrogate
     aggregation: Aggregation
     clip_statistics: ClipStatistics
+    settings: type = NoSettings
+    """The record of this loss's own settings (its surrogate and clip statistics read it): a dataclass whose fields,
+    made with `setting`, are `grpo.*` keys of the same names."""
     per_minibatch: bool = False
     """Normalised by each minibatch's own token count, the step being the mean over minibatches (TRL's `bnpo`);
     otherwise by the whole accumulated step's counts (the accumulated gradient is then the one-pass gradient)."""
@@ -130,15 +176,36 @@ class Loss:
         """Each sequence weighs the same whatever its length (a sequence-level ratio is then GSPO's objective)."""
         return self.aggregation is sequence_mean
 
+    def settings_from(self, config: Any) -> Any:
+        """This loss's settings record, each field read from the attribute of the same name (`GRPOConfig`)."""
+        return self.settings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(self.settings)})
+
 
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
-    Loss("grpo", clipped, sequence_mean, ratio_outside_the_clip_range),
-    Loss("bnpo", clipped, token_mean, ratio_outside_the_clip_range, per_minibatch=True),
-    Loss("dapo", clipped, token_mean, ratio_outside_the_clip_range),
-    Loss("dr_grpo", clipped, fixed_length_mean, ratio_outside_the_clip_range),
-    Loss("cispo", capped_weight, token_mean, weight_capped, equal_on_policy_to="dapo", gradient_through_ratio=False,
-         replaces_epsilon_high="cispo_max_ratio"),
-    Loss("sapo", soft_gate, sequence_mean, never_clipped, equal_on_policy_to="grpo"),
+    Loss("grpo", clipped, sequence_mean, ratio_outside_the_clip_range, ClipRange),
+    Loss("bnpo", clipped, token_mean, ratio_outside_the_clip_range, ClipRange, per_minibatch=True),
+    Loss("dapo", clipped, token_mean, ratio_outside_the_clip_range, ClipRange),
+    Loss("dr_grpo", clipped, fixed_length_mean, ratio_outside_the_clip_range, ClipRange),
+    Loss("cispo", capped_weight, token_mean, weight_capped, CispoSettings, equal_on_policy_to="dapo",
+         gradient_through_ratio=False, replaces_epsilon_high="cispo_max_ratio"),
+    Loss("sapo", soft_gate, sequence_mean, never_clipped, SapoSettings, equal_on_policy_to="grpo"),
 )}
 
 LossName = Literal[tuple(LOSSES)]  # type: ignore[valid-type]  # the config's allowed `grpo.loss_type` values
+
+SETTINGS_RECORDS: tuple[type, ...] = tuple(dict.fromkeys(loss.settings for loss in LOSSES.values()))
+"""Every entry's settings record, once each: `GRPOConfig` inherits their fields, so each field is a `grpo.*` key."""
+
+
+def settings_keys(record: type) -> list[str]:
+    """The `grpo.*` keys (field names) of a settings record."""
+    return [f.name for f in dataclasses.fields(record)]
+
+
+def setting_rules() -> Iterator[tuple[str, Callable[[Any], bool], str]]:
+    """(key, valid, rule) for every field of every entry's settings record that keeps a rule."""
+    for record in SETTINGS_RECORDS:
+        for f in dataclasses.fields(record):
+            if "rule" in f.metadata:
+                yield f.name, *f.metadata["rule"]
+

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from components.config.rules import _require
-from components.losses import LOSSES, LossName
+from components.losses import LOSSES, SETTINGS_RECORDS, LossName, setting_rules, settings_keys
 
 
 @dataclass
@@ -101,8 +101,11 @@ class EpisodeConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071)."""
+class GRPOConfig(*SETTINGS_RECORDS):
+    """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071).
+
+    The losses' own settings (`epsilon`, `epsilon_high`, `cispo_max_ratio`, `sapo_temperature_pos`, ...) are the
+    fields of each loss's settings record in components/losses.py, inherited here as `grpo.*` keys."""
 
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     """`grpo`, or the `reinforce` baseline: one sample per prompt, absolute reward, no KL (needs group_size 1)."""
@@ -136,10 +139,6 @@ class GRPOConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (Schulman's k1/k2/k3). As a loss term k3's gradient is that of KL(ref || pi)
     (TRL's choice), k2's that of KL(pi || ref); k1's expected gradient is zero, so it is refused with kl_beta > 0."""
-    epsilon: float = 0.2
-    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
-    epsilon_high: float | None = None
-    """Upper clip range (DAPO clip-higher); unset means equal to `epsilon`."""
     loss_type: LossName = "dapo"
     """Loss aggregation: per-sequence mean (`grpo`); token mean over the whole accumulated batch (`dapo`) or over
     each minibatch, averaged over the minibatches (`bnpo`, as TRL); or sum / (N * max_len) (`dr_grpo`). Two more
@@ -147,15 +146,8 @@ class GRPOConfig:
     is capped at `cispo_max_ratio` and detached, times A * log-prob, so clipped tokens still get a gradient;
     aggregated as dapo) and `sapo` (a soft gate sigmoid(tau * (ratio - 1)) * 4 / tau in place of the hard clip;
     aggregated as grpo). Both differ from the plain surrogate only when the ratio moves off 1: with several
-    passes (`num_iterations`) or optimizer steps (`gradient_accumulation_steps`) per rollout."""
-    cispo_max_ratio: float = 5.0
-    """`loss_type: cispo`: the cap on the importance weight (ScaleRL's epsilon_max, 5.0 as it recommends). TRL
-    reads this from `epsilon_high`; here `epsilon_high` keeps its one meaning (the clip range) and is refused with
-    cispo."""
-    sapo_temperature_pos: float = 1.0
-    """`loss_type: sapo`: the gate's temperature for tokens with a positive advantage (TRL's default)."""
-    sapo_temperature_neg: float = 1.05
-    """`loss_type: sapo`: the gate's temperature for the other tokens (TRL's default; higher fades faster)."""
+    passes (`num_iterations`) or optimizer steps (`gradient_accumulation_steps`) per rollout. The allowed names
+    and each one's settings are the table in components/losses.py."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """With several rewards: sum them by weight, then form advantages (`scale_rewards`); or (GDPO, TRL's option of
     the same name) normalise each reward within its group first, sum by weight, and scale the sums by the batch's
@@ -240,6 +232,18 @@ class GRPOConfig:
     tracking store, a noticeable share of a tiny-model step (docs/performance.md)."""
 
 
+
+def _loss_keys_clash() -> list[str]:
+    """Keys two losses' settings records share, or one shares with GRPOConfig's own fields (the latter would win
+    silently, and the loss read another setting)."""
+    keys = [key for record in SETTINGS_RECORDS for key in settings_keys(record)]
+    return sorted({key for key in keys if keys.count(key) > 1 or key in GRPOConfig.__annotations__})
+
+
+if _loss_keys_clash():
+    raise TypeError(f"loss settings keys {_loss_keys_clash()} are taken: each field of a loss's settings record "
+                    "(components/losses.py) is a grpo.* key of its own")
+
 def check_grpo(g: GRPOConfig) -> None:
     """grpo: every rule that needs only the grpo section (sizes, sampling, optimiser, KL, clipping, LoRA,
     reference, rewards); rules tying it to other sections run in `validate_config`."""
@@ -287,8 +291,6 @@ def check_grpo(g: GRPOConfig) -> None:
              "k1 cannot be a loss term with grpo.kl_beta > 0: its expected gradient is exactly zero, so it "
              "would not regularise; use k3 (gradient of KL(ref || policy), TRL's choice) or k2 (gradient of "
              "KL(policy || ref))")
-    _require(0 < g.epsilon < 1, "grpo.epsilon", "must be in (0, 1)")
-    _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", "must be > 0")
     _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
     _check_variants(g)
     _require(0 < g.reference.ema_alpha <= 1, "grpo.reference.ema_alpha", "must be in (0, 1]")
@@ -308,8 +310,8 @@ def check_grpo(g: GRPOConfig) -> None:
 
 
 def _check_variants(g: GRPOConfig) -> None:
-    """CISPO, SAPO, multi-reward normalisation and entropy masking: refused where they are undefined or would
-    silently be something else."""
+    """The losses' settings; CISPO, SAPO, multi-reward normalisation and entropy masking: refused where they are
+    undefined or would silently be something else."""
     ratio_free = g.algorithm == "reinforce"
     loss = LOSSES[g.loss_type]
     _require(not (loss.equal_on_policy_to and ratio_free), "grpo.loss_type",
@@ -320,9 +322,8 @@ def _check_variants(g: GRPOConfig) -> None:
              f"has no meaning with grpo.loss_type: {g.loss_type}, which caps the weight at "
              f"grpo.{loss.replaces_epsilon_high} (TRL reads that cap from epsilon_high; set "
              f"{loss.replaces_epsilon_high} instead)")
-    _require(g.cispo_max_ratio > 0, "grpo.cispo_max_ratio", "must be > 0")
-    _require(g.sapo_temperature_pos > 0, "grpo.sapo_temperature_pos", "must be > 0")
-    _require(g.sapo_temperature_neg > 0, "grpo.sapo_temperature_neg", "must be > 0")
+    for key, valid, rule in setting_rules():  # each loss's own settings, by the rules their records keep
+        _require(valid(getattr(g, key)), f"grpo.{key}", rule)
     _require(0 <= g.top_entropy_quantile <= 1, "grpo.top_entropy_quantile", "must be in [0, 1] (1 = every token)")
     _require(not (g.top_entropy_quantile < 1 and g.importance_sampling_level == "sequence"
                   and loss.gradient_through_ratio), "grpo.top_entropy_quantile",

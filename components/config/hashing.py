@@ -8,6 +8,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from components.losses import LOSSES, SETTINGS_RECORDS, settings_keys
+
 if TYPE_CHECKING:
     from components.config.pipeline import PipelineConfig
 
@@ -79,8 +81,7 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
-NEUTRAL_AT_DEFAULT = ("grpo.cispo_max_ratio", "grpo.sapo_temperature_pos", "grpo.sapo_temperature_neg",
-                      "grpo.multi_objective_aggregation", "grpo.top_entropy_quantile",
+NEUTRAL_AT_DEFAULT = ("grpo.multi_objective_aggregation", "grpo.top_entropy_quantile",
                       "grpo.cuda_graphs",  # decoding on a GPU only: the band was measured on the CPU
                       "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode")
 
@@ -96,6 +97,8 @@ def default_fingerprint(cfg: PipelineConfig) -> str:
         section, _, field_name = dotted.partition(".")
         if isinstance(values.get(section), dict):
             values[section].pop(field_name, None)
+    for key in unused_loss_settings(cfg.grpo.loss_type):  # the settings of a loss the run does not use change nothing
+        values["grpo"].pop(key, None)
     defaults = type(cfg)()
     for dotted in NEUTRAL_AT_DEFAULT:
         *path, field_name = dotted.split(".")
@@ -106,6 +109,13 @@ def default_fingerprint(cfg: PipelineConfig) -> str:
         if holder.get(field_name) == (dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default):
             holder.pop(field_name)
     return section_hash(values)
+
+
+def unused_loss_settings(loss_type: str) -> list[str]:
+    """The `grpo.*` keys of the other losses' settings records (components/losses.py), which `loss_type` never
+    reads."""
+    used = LOSSES[loss_type].settings
+    return [key for record in SETTINGS_RECORDS if record is not used for key in settings_keys(record)]
 
 
 def section_hash(*sections: Any) -> str:

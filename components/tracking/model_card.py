@@ -37,10 +37,11 @@ def episodes_lines(cfg: PipelineConfig) -> list[str]:
     g = cfg.grpo
     if not (g.tools or g.environment):
         return []
-    from components.engine.environments.tools import BUILTIN_TOOLS, load_tools, resolve_callable
+    from components.engine.environments.tools import BUILTIN_TOOLS, load_tools
+    from components.user_code import load_callable
 
     kind, names, known = ("tools", g.tools, BUILTIN_TOOLS) if g.tools else ("environment", [g.environment], {})
-    listed = "; ".join(f"`{n}` (source sha256 `{_source_hash(lambda n=n: resolve_callable(n, known, kind))}`)"
+    listed = "; ".join(f"`{n}` (source sha256 `{_source_hash(lambda n=n: load_callable(n, known, kind))}`)"
                        for n in names)
     lines = [f"- Episodes with {kind}: {listed}; at most {g.episode.max_turns} model turns and "
              f"{g.max_completion_length} tokens after the prompt, {g.episode.timeout_s:g} s a call"]

@@ -94,7 +94,9 @@ def test_every_documented_form_of_tool_and_environment_names_reaches_dvc_as_writ
     if overlay_text is not None:
         overlays = [tmp_path / "mine.yaml"]
         overlays[0].write_text(overlay_text)
-    prepare_params(repo, overlays, overrides, persist=False, described=form)
+    # episodes need a chat-templated model (the tiny default has none); what is checked here is only what DVC reads
+    prepare_params(repo, overlays, [*overrides, "model.name_or_path=models/a-chat-model"], persist=False,
+                   described=form)
     written = (repo / "params.yaml").read_text()
     assert yaml.safe_load(written)["grpo"][key] == (TOOLS if key == "tools" else ENVIRONMENT)
     read = dvc_read(repo)
@@ -110,7 +112,8 @@ def test_a_params_yaml_dvc_would_read_otherwise_is_refused_in_one_line_naming_th
     from components.config import ConfigError
 
     params = repo / "params.yaml"
-    params.write_text(params.read_text().replace("  tools: []", "  tools: [calculator, shopcat.catalogue:price_of]"))
+    params.write_text(params.read_text().replace("  tools: []", "  tools: [calculator, shopcat.catalogue:price_of]")
+                      .replace("  name_or_path: null", "  name_or_path: models/a-chat-model"))
     line = next(i for i, text in enumerate(params.read_text().splitlines(), 1) if "shopcat.catalogue" in text)
     with pytest.raises(ConfigError) as refused:
         check_dvc_reads(params)

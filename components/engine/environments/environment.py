@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from components.config import ConfigError
 from components.engine.environments.calls import MALFORMED, parse_tool_calls
-from components.engine.environments.tools import Tool, ToolResult, call_tool, resolve_callable
+from components.engine.environments.tools import Tool, ToolResult, call_tool
+from components.user_code import load_callable
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def load_environment_factory(name: str) -> Callable[[], Environment]:
     """`grpo.environment` -> its factory; one that cannot be imported, or whose instances lack `reset` and `step`,
     is refused before training with one line naming it."""
     try:
-        factory = resolve_callable(name, {}, "environment")
+        factory = load_callable(name, {}, "environment")
     except (KeyError, ImportError, AttributeError) as err:
         raise ConfigError(f"grpo.environment: {err.args[0] if err.args else err}") from err
     try:

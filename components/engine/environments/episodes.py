@@ -24,7 +24,6 @@ from components.engine.environments.chat import ChatFormat
 from components.engine.environments.environment import Environment, EnvironmentStep, as_step
 from components.engine.models.prompting import longest_row
 from components.engine.models.rollouts import Episode, Message, encode_prompts
-from components.engine.rewards.rewards import time_limit
 from components.errors import StageFailed
 from components.user_code import UserCodeError, calling
 
@@ -167,8 +166,7 @@ class Episodes:
 
     def _reset(self, record: dict[str, Any]) -> tuple[Any, list[Message]]:
         try:  # the user's code, through the one door (components/user_code.py)
-            with calling(self.describe, "starting an episode"), \
-                    time_limit(self.limits.timeout_s, f"{self.describe} reset"):
+            with calling(self.describe, "starting an episode", timeout_s=self.limits.timeout_s):
                 environment = self.make_environment()
                 return environment, environment.reset(record)
         except UserCodeError as err:  # this record cannot be played
@@ -178,7 +176,7 @@ class Episodes:
 
     def step(self, row: Row, text: str) -> EnvironmentStep | None:
         try:  # the user's code, through the one door: whatever it raises fails this episode, not the step
-            with calling(self.describe, "answering a turn"), time_limit(self.limits.timeout_s, f"{self.describe} step"):
+            with calling(self.describe, "answering a turn", timeout_s=self.limits.timeout_s):
                 return as_step(row.environment.step(text))
         except UserCodeError as err:
             cause = err.__cause__
@@ -193,8 +191,7 @@ class Episodes:
         if not callable(ask):
             return None
         try:
-            with calling(self.describe, "scoring a cut episode"), \
-                    time_limit(self.limits.timeout_s, f"{self.describe} on_cut"):
+            with calling(self.describe, "scoring a cut episode", timeout_s=self.limits.timeout_s):
                 reward = ask(row.cut)
         except UserCodeError as err:  # its failure leaves the episode unscored, as a failing step does
             row.cut = f"environment error: {type(err.__cause__).__name__}: {err.__cause__}"

@@ -3,7 +3,6 @@ builds them) and one guarded call each, whose result or failure becomes the text
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -13,27 +12,9 @@ from components.config import ConfigError
 from components.engine.environments import builtin
 from components.engine.environments.calls import ToolCall
 from components.engine.environments.chat import tools_text
-from components.engine.rewards.rewards import time_limit
-from components.user_code import UserCodeError, calling
+from components.user_code import UserCodeError, calling, load_callable
 
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": builtin.calculator}
-
-
-def resolve_callable(name: str, builtins: Mapping[str, Callable[..., Any]], what: str) -> Callable[..., Any]:
-    """A built-in by name, or `package.module:function` imported from the user's code."""
-    if name in builtins:
-        return builtins[name]
-    if ":" not in name:
-        raise KeyError(f"unknown {what} {name!r}; built-ins are {sorted(builtins)}, or give package.module:function")
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"cannot import module {module_name!r} for {what} {name!r}: {err}") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise AttributeError(f"{module_name!r} has no callable {attr!r} for {what} {name!r}")
-    return fn
 
 
 @dataclass(frozen=True)
@@ -72,7 +53,7 @@ def load_tools(names: Sequence[str]) -> list[Tool]:
     tools = []
     for i, name in enumerate(names):
         try:
-            function = resolve_callable(name, BUILTIN_TOOLS, "tool")
+            function = load_callable(name, BUILTIN_TOOLS, "tool")
         except (KeyError, ImportError, AttributeError) as err:
             raise ConfigError(f"grpo.tools[{i}]: {err.args[0] if err.args else err}") from err
         tools.append(tool_of(name, function))
@@ -95,7 +76,7 @@ def call_tool(tools: Mapping[str, Tool], call: ToolCall, timeout_s: float) -> To
     except TypeError as err:
         return ToolResult(call.name, f"error: wrong arguments for {call.name}: {err}", True)
     try:  # the one door for user code: SystemExit and KeyboardInterrupt included; a stop signal goes on
-        with calling(f"tool {call.name!r}", "answering a call"), time_limit(timeout_s, f"tool {call.name!r}"):
+        with calling(f"tool {call.name!r}", "answering a call", timeout_s=timeout_s):
             result = tool.function(**call.arguments)
     except UserCodeError as err:  # the user's tool: its failure is the model's to read
         cause = err.__cause__

@@ -20,7 +20,7 @@ import torch
 
 from components.config import GRPOConfig, RewardSpec
 from components.data.records import reward_columns
-from components.engine.grpo.objectives import normalize_then_sum
+from components.engine.grpo.objectives import build_loss
 from components.engine.grpo.policy import Policy
 from components.engine.models.rollouts import Rollouts, concat_rollouts
 from components.engine.parallel.distributed import DistContext, all_gather_objects, group_seed, shard
@@ -205,14 +205,9 @@ def score_groups(policy: Policy, parts: list[Rollouts], records: list[dict[str, 
 
 
 def advantage_rewards(scores: RewardResult, g: GRPOConfig, group_size: int) -> list[float]:
-    """What a step's advantages are formed from, per completion (NaN: no reward scored it): the weighted sum of
-    the rewards, or (`multi_objective_aggregation: normalize_then_sum`) each reward normalised within its group
-    first, then summed by weight (GDPO). Groups are whole in every scored round, so this is per round."""
-    if g.multi_objective_aggregation == "sum_then_normalize":
-        return scores.advantage_rewards()
-    table = torch.tensor([[math.nan if s is None else s for s in column] for column in scores.scores],
-                         dtype=torch.float32).T
-    return normalize_then_sum(table, torch.tensor(scores.weights), group_size).tolist()
+    """What a round's advantages are formed from, per completion (NaN: no reward scored it): the loss object's
+    `advantage_rewards`, where GDPO's per-group normalisation lives."""
+    return build_loss(g).advantage_rewards(scores, group_size)
 
 
 def informative_groups(totals: Sequence[float], group_size: int) -> list[int]:

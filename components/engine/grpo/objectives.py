@@ -8,15 +8,17 @@ real completion tokens and 0 on padding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from components.losses import LOSSES, LossName, Normalisers, SurrogateSettings
+from components.losses import LOSSES, Loss, LossName, Normalisers
 
 if TYPE_CHECKING:
     from components.config import GRPOConfig
+    from components.engine.rewards.rewards import RewardResult
 
 MultiObjective = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -131,40 +133,35 @@ class LossOutput:
     ratio_mean: torch.Tensor
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                loss_type: LossName = "dapo", epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-                importance_sampling_level: Literal["token", "sequence"] = "token",
-                ref_logp: torch.Tensor | None = None, beta: float = 0.0, kl_estimator: KLEstimator = "k3",
-                max_completion_length: int | None = None, num_sequences: float | None = None,
-                num_tokens: float | None = None, cispo_max_ratio: float = 5.0,
-                sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                objective: GRPOLoss, ref_logp: torch.Tensor | None = None, counts: Normalisers | None = None,
                 token_mask: torch.Tensor | None = None) -> LossOutput:
-    """The loss `loss_type`'s surrogate (components/losses.py) plus beta * KL, aggregated as that loss does.
+    """The surrogate of `objective`'s loss entry (components/losses.py), with that entry's own settings, plus
+    beta * KL, aggregated as that loss does over `counts` (default: the given rows, T as the maximum length).
 
     rho is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence. `token_mask` (entropy
     masking) keeps the policy-gradient term on those tokens only; the KL term and every normaliser still count all
     of `mask`'s tokens, as in TRL.
     """
-    loss = LOSSES[loss_type]
-    settings = SurrogateSettings(epsilon_low, epsilon_high, cispo_max_ratio, sapo_temperatures)
+    loss, settings = objective.entry, objective.settings
     maskf = mask.to(logp.dtype)
     log_ratio = logp - old_logp
-    if importance_sampling_level == "sequence":
+    if objective.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    elif importance_sampling_level != "token":
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+    elif objective.importance_sampling_level != "token":
+        raise ValueError(f"unknown importance_sampling_level {objective.importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)
     pg_per_token = loss.surrogate(ratio, logp, adv, settings).expand_as(logp)
     if token_mask is not None:
         pg_per_token = pg_per_token * token_mask.to(logp.dtype)
-    counts = Normalisers(max_completion_length if max_completion_length is not None else logp.shape[-1],
-                         num_sequences, num_tokens)
+    counts = counts if counts is not None else Normalisers(logp.shape[-1])
     pg_loss = loss.aggregation(pg_per_token, maskf, counts)
+    beta = objective.beta
     if beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs")
-        kl = loss.aggregation(kl_estimate(logp, ref_logp, kl_estimator), maskf, counts)
+        kl = loss.aggregation(kl_estimate(logp, ref_logp, objective.kl_estimator), maskf, counts)
         total = pg_loss + beta * kl
     else:
         kl = torch.zeros((), dtype=logp.dtype)
@@ -186,25 +183,33 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GRPOLoss:
-    """The GRPO objective with its settings bound once from config (`build_loss`).
+    """The GRPO objective with its settings bound once from config (`build_loss`): the loss entry and its own
+    settings record, the importance-sampling level, the KL term, and how rewards become advantages.
 
     The trainer and `--dry-run` call the same object, and `uses_reference` is the one place that
     decides whether there is a KL term (and so a reference model and reference log-probs at all).
     """
 
     loss_type: LossName
-    epsilon_low: float
-    epsilon_high: float
-    importance_sampling_level: Literal["token", "sequence"]
-    beta: float
-    kl_estimator: KLEstimator
-    max_completion_length: int
-    scale_rewards: ScaleRewards
-    baseline: bool  # False for REINFORCE: the advantage is the reward itself
-    cispo_max_ratio: float = 5.0
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # (positive advantage, otherwise)
+    settings: Any  # the entry's own settings record (components/losses.py), e.g. `ClipRange`
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    max_completion_length: int | None = None  # the dr_grpo normaliser (None: each call's T)
+    scale_rewards: ScaleRewards = "group"
+    baseline: bool = True  # False for REINFORCE: the advantage is the reward itself
     multi_objective: MultiObjective = "sum_then_normalize"
     top_entropy_quantile: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.settings, self.entry.settings):
+            raise TypeError(f"loss {self.loss_type!r} reads a {self.entry.settings.__name__}, "
+                            f"not a {type(self.settings).__name__}")
+
+    @property
+    def entry(self) -> Loss:
+        """The loss's entry in the table (components/losses.py)."""
+        return LOSSES[self.loss_type]
 
     @property
     def uses_reference(self) -> bool:
@@ -225,10 +230,21 @@ class GRPOLoss:
         process's counted): 1, or for a per-minibatch loss 1 / minibatches (the step is their mean, as TRL)."""
         return 1.0 / minibatches if LOSSES[self.loss_type].per_minibatch else 1.0
 
+    def advantage_rewards(self, scores: RewardResult, group_size: int) -> list[float]:
+        """What a scored round's advantages are formed from, per completion (NaN: no reward scored it): the
+        weighted sum of the rewards, or (GDPO, `normalize_then_sum`) each reward normalised within its group first,
+        then summed by weight. The one place GDPO's per-group step runs; `advantages` scales its sums over the
+        batch. Groups are whole in every round, so this is per round (dynamic sampling judges groups on it)."""
+        if self.multi_objective == "sum_then_normalize":
+            return scores.advantage_rewards()
+        table = torch.tensor([[math.nan if s is None else s for s in column] for column in scores.scores],
+                             dtype=torch.float32).T
+        return normalize_then_sum(table, torch.tensor(scores.weights), group_size).tolist()
+
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-        """Advantages of rewards [N] laid out in groups of `group_size` adjacent rows: group-relative (NaN: unscored,
-        advantage 0), the raw reward without a baseline, or (normalize_then_sum: rewards already normalised per
-        group and summed) the sums scaled over the batch."""
+        """Advantages of rewards [N] (`advantage_rewards`, laid out in groups of `group_size` adjacent rows):
+        group-relative (NaN: unscored, advantage 0), the raw reward without a baseline, or (normalize_then_sum:
+        rewards already normalised per group and summed) the sums scaled over the batch."""
         if not self.baseline:
             return torch.nan_to_num(rewards, nan=0.0)
         if not len(rewards):
@@ -240,21 +256,18 @@ class GRPOLoss:
     def __call__(self, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                  ref_logp: torch.Tensor | None = None, num_sequences: float | None = None,
                  num_tokens: float | None = None, token_mask: torch.Tensor | None = None) -> LossOutput:
-        return policy_loss(logp, old_logp, advantages, mask, loss_type=self.loss_type, epsilon_low=self.epsilon_low,
-                           epsilon_high=self.epsilon_high, importance_sampling_level=self.importance_sampling_level,
-                           ref_logp=ref_logp if self.uses_reference else None, beta=self.beta,
-                           kl_estimator=self.kl_estimator, max_completion_length=self.max_completion_length,
-                           num_sequences=num_sequences, num_tokens=num_tokens, cispo_max_ratio=self.cispo_max_ratio,
-                           sapo_temperatures=self.sapo_temperatures, token_mask=token_mask)
+        """`policy_loss` of these rows, normalised by the accumulated step's `num_sequences` and `num_tokens`."""
+        counts = Normalisers(self.max_completion_length if self.max_completion_length is not None
+                             else logp.shape[-1], num_sequences, num_tokens)
+        return policy_loss(logp, old_logp, advantages, mask, self, ref_logp if self.uses_reference else None,
+                           counts, token_mask)
 
 
 def build_loss(g: GRPOConfig) -> GRPOLoss:
-    """`grpo.*` settings -> the loss object (epsilon_high defaults to epsilon: symmetric clipping)."""
-    return GRPOLoss(loss_type=g.loss_type, epsilon_low=g.epsilon,
-                    epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+    """`grpo.*` settings -> the loss object: the chosen entry gets its own settings record, read from the keys of
+    the same names."""
+    return GRPOLoss(loss_type=g.loss_type, settings=LOSSES[g.loss_type].settings_from(g),
                     importance_sampling_level=g.importance_sampling_level, beta=g.kl_beta,
                     kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
                     scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce",
-                    cispo_max_ratio=g.cispo_max_ratio,
-                    sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
                     multi_objective=g.multi_objective_aggregation, top_entropy_quantile=g.top_entropy_quantile)

@@ -7,15 +7,11 @@ mean and counts 0 in the weighted sum.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import importlib.util
 import logging
 import math
 import re
-import signal
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +19,7 @@ from typing import Any
 
 from components.config import ConfigError, RewardSpec
 from components.engine.rewards.extract import extract_answer
-from components.user_code import UserCodeError, calling
+from components.user_code import UserCodeError, calling, load_callable
 
 LOG = logging.getLogger(__name__)
 
@@ -279,18 +275,7 @@ def resolve_reward(name: str) -> RewardFn:
             if importlib.util.find_spec(module) is None:
                 raise ImportError(f"reward {name!r} needs the {module} package: {hint}")
         return BUILTIN_REWARDS[name]
-    if ":" not in name:
-        raise KeyError(f"unknown reward {name!r}; built-ins are {sorted(BUILTIN_REWARDS)}, "
-                       "or give package.module:function")
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"cannot import module {module_name!r} for reward {name!r}: {err}") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise AttributeError(f"{module_name!r} has no callable {attr!r} for reward {name!r}")
-    return fn
+    return load_callable(name, BUILTIN_REWARDS, "reward")
 
 
 def check_rewards(specs: Sequence[RewardSpec]) -> None:
@@ -338,25 +323,6 @@ class RewardResult:
         return means
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float, what: str):
-    """Raise TimeoutError in the main thread after `seconds` (a reward that hangs must not stall training)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise TimeoutError(f"{what} took longer than {seconds:g}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 class RewardModel:
     """The weighted sum of named reward components, each call under a time limit."""
 
@@ -372,7 +338,7 @@ class RewardModel:
         ordered: list[list[float | None]] = []
         for name, fn, weight, options in self.components:
             # One door for the user's code (components/user_code.py): named failures, a note while it runs.
-            with calling(f"reward {name!r}", "scoring", RewardError), time_limit(self.timeout_s, f"reward {name!r}"):
+            with calling(f"reward {name!r}", "scoring", RewardError, self.timeout_s):
                 scores = list(fn(prompts, completions, **{**columns, **options}))
             if len(scores) != len(completions):
                 raise RewardError(f"reward {name!r} returned {len(scores)} values for {len(completions)} completions")

@@ -14,7 +14,7 @@ from components.config import ConfigError, GRPOConfig, config_warnings, load_con
 from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.rows import full_attention
 from components.engine.grpo.batch import informative_groups
-from components.engine.grpo.objectives import group_advantages, kl_estimate, policy_loss
+from components.engine.grpo.objectives import GRPOLoss, group_advantages, kl_estimate, policy_loss
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory, loss_mask
 from components.engine.grpo.update import UpdatePlan, old_logprobs, policy_updates
@@ -23,6 +23,7 @@ from components.engine.models.rollouts import Rollouts
 from components.engine.rewards.rewards import RewardModel
 from components.engine.rollout.base import SamplingParams, SpecialTokens
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
+from components.losses import ClipRange
 from tests.engine.sampling import sample_texts
 
 from conftest import ROOT
@@ -203,7 +204,7 @@ def test_unscored_rows_count_in_no_normaliser(tiny_model):
     keep = [0, 1, 3, 4, 5, 6, 7]
     with torch.no_grad():
         logp = completion_logprobs(model, rollout.select(keep))[0]
-        expected = policy_loss(logp, logp, adv[keep], rollout.completion_mask[keep], loss_type="grpo").loss
+        expected = policy_loss(logp, logp, adv[keep], rollout.completion_mask[keep], GRPOLoss("grpo", ClipRange())).loss
     assert stats.loss == pytest.approx(float(expected), rel=1e-5)
 
 

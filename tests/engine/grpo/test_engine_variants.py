@@ -9,12 +9,13 @@ import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
 from components.engine.grpo.batch import informative_groups
-from components.engine.grpo.objectives import group_advantages, policy_loss
+from components.engine.grpo.objectives import GRPOLoss, group_advantages, policy_loss
 from components.engine.grpo.policy import Policy, attach_lora, update_reference
 from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.hf import HFEngine
+from components.losses import ClipRange, Normalisers
 from tests.engine.grpo.trajectories import trajectory
 from tests.engine.sampling import sample_texts
 
@@ -72,8 +73,8 @@ def test_every_variant_matches_the_naive_reference(loss_type, scale, level):
     old = torch.tensor(OLD)
     logp = old + torch.log(torch.tensor(RATIOS))
     adv = group_advantages(torch.tensor(REWARDS), 2, scale)
-    out = policy_loss(logp, old, adv, torch.tensor(MASK), loss_type=loss_type, epsilon_low=EPS_LOW,
-                      epsilon_high=EPS_HIGH, importance_sampling_level=level, max_completion_length=3)
+    out = policy_loss(logp, old, adv, torch.tensor(MASK), GRPOLoss(loss_type, ClipRange(EPS_LOW, EPS_HIGH), level),
+                      counts=Normalisers(3))
     assert out.loss.item() == pytest.approx(naive_loss(loss_type, scale, level), rel=1e-5, abs=1e-7)
 
 
@@ -81,7 +82,7 @@ def test_token_level_case_clips_on_both_sides():
     old = torch.tensor(OLD)
     logp = old + torch.log(torch.tensor(RATIOS))
     adv = group_advantages(torch.tensor(REWARDS), 2, "none")  # [0.5, -0.5, 0.25, -0.25]
-    out = policy_loss(logp, old, adv, torch.tensor(MASK), epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
+    out = policy_loss(logp, old, adv, torch.tensor(MASK), GRPOLoss("dapo", ClipRange(EPS_LOW, EPS_HIGH)))
     # high: row 0 rho 1.5 (A>0), row 2 rho 1.3 (A>0, 1.3 > 1.28); low: row 1 rho 0.6 (A<0). 9 real tokens.
     assert out.clip_high_frac.item() == pytest.approx(2 / 9)
     assert out.clip_low_frac.item() == pytest.approx(1 / 9)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from components.engine.grpo.objectives import group_advantages, kl_estimate, masked_mean, policy_loss
-from components.losses import Normalisers, sequence_mean
+from components.engine.grpo.objectives import GRPOLoss, group_advantages, kl_estimate, masked_mean, policy_loss
+from components.losses import CispoSettings, ClipRange, Normalisers, SapoSettings, sequence_mean
 
 # Two sequences, three completion positions; the second position of row 0 is padding after EOS.
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -68,8 +68,7 @@ SEQ_EXPECTED = {
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
 def test_token_level_loss_by_hand(loss_type):
-    out = policy_loss(LOGP, OLD, ADV, MASK, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2,
-                      max_completion_length=3)
+    out = policy_loss(LOGP, OLD, ADV, MASK, GRPOLoss(loss_type, ClipRange(0.2, 0.2)), counts=Normalisers(3))
     assert out.loss.item() == pytest.approx(TOKEN_EXPECTED[loss_type], rel=1e-5)
     # One of five real tokens clipped on each side: rho 1.3 with A>0 (high), rho 0.7 with A<0 (low).
     assert out.clip_high_frac.item() == pytest.approx(1 / 5)
@@ -78,20 +77,19 @@ def test_token_level_loss_by_hand(loss_type):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
 def test_sequence_level_loss_by_hand(loss_type):
-    out = policy_loss(LOGP, OLD, ADV, MASK, loss_type=loss_type, importance_sampling_level="sequence",
-                      max_completion_length=3)
+    out = policy_loss(LOGP, OLD, ADV, MASK, GRPOLoss(loss_type, ClipRange(), "sequence"), counts=Normalisers(3))
     assert out.loss.item() == pytest.approx(SEQ_EXPECTED[loss_type], rel=1e-5)
 
 
 def test_clip_higher_widens_only_the_upper_side():
     # epsilon_high 0.4: rho 1.3 is no longer clipped -> row 0 token 0 contributes -1.3 instead of -1.2.
-    out = policy_loss(LOGP, OLD, ADV, MASK, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.4)
+    out = policy_loss(LOGP, OLD, ADV, MASK, GRPOLoss("dapo", ClipRange(0.2, 0.4)))
     assert out.loss.item() == pytest.approx((-1.3 - 0.9 + 1.6 + 2.2 + 2.0) / 5, rel=1e-5)
     assert out.clip_high_frac.item() == 0.0
 
 
 def test_ratio_is_one_when_old_equals_current():
-    out = policy_loss(LOGP, LOGP.detach(), ADV, MASK, loss_type="dapo")
+    out = policy_loss(LOGP, LOGP.detach(), ADV, MASK, GRPOLoss("dapo", ClipRange()))
     # rho = 1: loss = -(A) averaged over tokens = (-1*2 + 2*3) / 5
     assert out.ratio_mean.item() == pytest.approx(1.0)
     assert out.loss.item() == pytest.approx((-2 + 6) / 5)
@@ -101,15 +99,15 @@ def test_padding_never_changes_the_loss():
     garbage = LOGP.clone()
     garbage[0, 2] = 123.0  # a padded position
     for loss_type in ("grpo", "dapo", "dr_grpo"):
-        a = policy_loss(LOGP, OLD, ADV, MASK, loss_type=loss_type).loss
-        b = policy_loss(garbage, OLD, ADV, MASK, loss_type=loss_type).loss
+        a = policy_loss(LOGP, OLD, ADV, MASK, GRPOLoss(loss_type, ClipRange())).loss
+        b = policy_loss(garbage, OLD, ADV, MASK, GRPOLoss(loss_type, ClipRange())).loss
         assert a.item() == pytest.approx(b.item())
 
 
 def test_kl_term_added_with_beta():
     ref = OLD - 0.1  # log r = ref - logp
     beta = 0.5
-    out = policy_loss(LOGP, OLD, ADV, MASK, loss_type="dapo", ref_logp=ref, beta=beta, kl_estimator="k3")
+    out = policy_loss(LOGP, OLD, ADV, MASK, GRPOLoss("dapo", ClipRange(), beta=beta, kl_estimator="k3"), ref)
     log_r = (ref - LOGP)[MASK.bool()]
     k3 = (torch.exp(log_r) - 1 - log_r).sum().item() / 5
     assert out.kl.item() == pytest.approx(k3, rel=1e-5)
@@ -148,7 +146,7 @@ def test_autograd_gradient_matches_analytic():
     logp = LOGP.clone().requires_grad_(True)
     ref = OLD - 0.2
     beta = 0.1
-    policy_loss(logp, OLD, ADV, MASK, loss_type="dapo", ref_logp=ref, beta=beta).loss.backward()
+    policy_loss(logp, OLD, ADV, MASK, GRPOLoss("dapo", ClipRange(), beta=beta), ref).loss.backward()
     n = 5.0
     expected = torch.zeros_like(LOGP)
     for i in range(2):
@@ -164,9 +162,10 @@ def test_autograd_gradient_matches_analytic():
 
 
 def test_minibatch_normalisers_reassemble_the_full_batch_loss():
-    full = policy_loss(LOGP, OLD, ADV, MASK, loss_type="dapo").loss
-    parts = [policy_loss(LOGP[i:i + 1], OLD[i:i + 1], ADV[i:i + 1], MASK[i:i + 1], loss_type="dapo",
-                         num_tokens=5.0).loss for i in range(2)]
+    dapo = GRPOLoss("dapo", ClipRange())
+    full = policy_loss(LOGP, OLD, ADV, MASK, dapo).loss
+    parts = [policy_loss(LOGP[i:i + 1], OLD[i:i + 1], ADV[i:i + 1], MASK[i:i + 1], dapo,
+                         counts=Normalisers(3, num_tokens=5.0)).loss for i in range(2)]
     assert (parts[0] + parts[1]).item() == pytest.approx(full.item())
     seq = sequence_mean(torch.ones(2, 3), MASK.float(), Normalisers(3, num_sequences=4.0))
     assert seq.item() == pytest.approx(0.5)
@@ -182,7 +181,7 @@ def test_cispo_counts_a_capped_weight_only_where_the_advantage_is_positive():
     token of four is capped (the 7 has a negative advantage: its weight is capped, but TRL does not count it)."""
     old = torch.zeros(2, 2)
     logp = torch.tensor([[6.0, 2.0], [7.0, 0.5]]).log()
-    out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), loss_type="cispo", cispo_max_ratio=5.0)
+    out = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), GRPOLoss("cispo", CispoSettings(5.0)))
     assert out.clip_high_frac.item() == pytest.approx(0.25) and out.clip_low_frac.item() == 0.0
-    sapo = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), loss_type="sapo")
+    sapo = policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2), GRPOLoss("sapo", SapoSettings()))
     assert sapo.clip_high_frac.item() == 0.0 and sapo.clip_low_frac.item() == 0.0  # a soft gate clips nothing
