@@ -227,7 +227,7 @@ def start_gpu_tests(args) -> subprocess.Popen | None:
     """`pytest -m gpu` in the background (it has its own CUDA context); None where it is not run."""
     if not args.tests:
         return None
-    log = open(Path(args.work) / "gpu-tests.txt", "w")  # noqa: SIM115 - closed by finish_gpu_tests
+    log = open(Path(args.work) / "gpu-tests.txt", "w")
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                              "tests/engine/rollout/test_cuda_graphs.py", "tests/engine/rollout/test_half_precision.py"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)

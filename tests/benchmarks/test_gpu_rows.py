@@ -4,7 +4,6 @@ the bookkeeping on reports written by hand (each issue-55 target against its row
 earlier call's, how far a row is from the card)."""
 
 import json
-from argparse import Namespace
 
 import pytest
 
