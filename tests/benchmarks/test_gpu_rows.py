@@ -4,6 +4,10 @@ the bookkeeping on reports written by hand (each issue-55 target against its row
 earlier call's, how far a row is from the card)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,8 @@ from benchmarks.gpu_rows import Phase, arguments, merge_reports, phases, run_pha
 from benchmarks.gpu_rows_ours import limits
 from benchmarks.gpu_rows_report import markdown, targets
 from benchmarks.shapes import SHAPES
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _long(mode: str, length: int, step: float, trl: float, generation: float) -> dict:
@@ -94,10 +100,18 @@ def _smoke(tmp_path, *extra):
 
 @pytest.mark.timeout(600)
 def test_the_plan_rehearsed_on_the_cpu_end_to_end(tmp_path):
-    """One of each kind of row, tiny shapes, on the CPU (`--smoke`: the CUDA-graph engine's fused loop uncaptured):
-    the gate passes, every row records its on-policy gap and peak memory, TRL's tokens are counted from its mask, TRL's
+    """One of each kind of row, tiny shapes, on the CPU (`--smoke`: the CUDA-graph engine's fused loop uncaptured),
+    in a fresh interpreter that sees only what the GPU machine's image has (no MLflow, Prefect, DVC, GX): the gate
+    passes, every row records its on-policy gap and peak memory, TRL's tokens are counted from its mask, TRL's
     baseline is named, the 4-bit base is still NF4 after its steps."""
-    status, report = _smoke(tmp_path, "--lengths", "8", "--modes", "lora", "--scale-modes", "lora-nf4", "--no-wide")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--lengths", "8", "--modes", "lora",
+                           "--scale-modes", "lora-nf4", "--no-wide"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not on the GPU image" not in proc.stdout + proc.stderr
+    status, report = proc.returncode, json.loads((out / "gpu_rows.json").read_text())
     assert status == 0, report
     gate = report["gate"]
     assert gate["passed"] and gate["mode"] == "eager" and gate["greedy_agree"] and gate["gap_mean"] < 0.05
@@ -125,3 +139,12 @@ def test_a_gate_that_fails_stops_the_plan_before_any_row(tmp_path):
     assert "prefix_shared" in report["gate"]["why"] and "stopped" in report
     assert "gate_without_determinism" in report  # whether the determinism setting is the cause, said
     assert "Gate failed" in (tmp_path / "out" / "gpu_rows.md").read_text()
+
+
+def test_every_call_carries_the_wheels_the_plan_imports():
+    """The image lacks TRL, datasets, torchao and gguf: `make gpu-carry` must download each (a call whose wheels
+    lack one fails at its first import, the GPU minute spent)."""
+    makefile = (ROOT / "Makefile").read_text()
+    wheels = next(line for line in makefile.splitlines() if line.startswith("GPU_WHEELS :=")).split()[2:]
+    for needed in ("trl==", "datasets==", "torchao==", "gguf==", "dill==", "multiprocess==", "fsspec=="):
+        assert any(w.startswith(needed) for w in wheels), needed
