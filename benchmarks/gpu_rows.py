@@ -404,7 +404,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     add("--tests-timeout", type=int, default=150)
     add("--no-gate", action="store_true", help="skip the gate (the second call: the first call's gate stands)")
     add("--gate-only", action="store_true")
-    add("--budget-s", type=float, default=330.0, help="start no phase whose estimate would end after this")
+    add("--budget-s", type=float, default=300.0, help="start no phase whose estimate would end after this")
     add("--estimate-scale", type=float, default=1.0, help=argparse.SUPPRESS)
     add("--engine-mode", default=None, help=argparse.SUPPRESS)
     add("--expect-mode", default=None, help=argparse.SUPPRESS)  # what the gate requires: graphs (eager in --smoke)
@@ -417,11 +417,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.torchao_import_s = None
     args.expect_mode = args.expect_mode or ("eager" if args.smoke else "graphs")
-    if args.smoke:
-        args.device, args.dtype, args.scale_length, args.prompt_tokens = "cpu", "float32", 8, 6
-        args.lengths = "8,12" if args.lengths == parser.get_default("lengths") else args.lengths
-        args.long_shape, args.scale, args.engine_mode = "tiny", "tiny-qwen2", "eager"
-        args.wide_length, args.tests, args.estimate_scale = 6, False, 0.0
+    if args.smoke:  # the CPU rehearsal's sizes, where the command line kept the default
+        smoke = dict(device="cpu", dtype="float32", scale_length=8, prompt_tokens=6, lengths="8,12", long_shape="tiny",
+                     scale="tiny-qwen2", wide_length=6, tests=False)
+        for key, value in smoke.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+        args.engine_mode, args.estimate_scale = "eager", 0.0
     return args
 
 
