@@ -156,10 +156,10 @@ def phases(args) -> list[Phase]:
         for mode in args.modes.split(","):
             todo.append(Phase(f"long {mode} {length}", 15 + 0.06 * length,
                               lambda say, m=mode, n=length: trl_row(args, "long", m, n, say=say)))
-    if args.wide:
+    if args.wide and not args.gguf:
         todo.append(Phase(f"wide lora 256 x {args.wide_length}", 25,
                           lambda say: trl_row(args, "wide", "lora", args.wide_length, prompts=32, say=say)))
-    if args.eos_row:
+    if args.eos_row and not args.gguf:  # with the real model (the second call) its own rows of both kinds
         todo.append(Phase(f"eos lora {args.scale_length}", 15,
                           lambda say: ours_row(args, "eos", args.long_shape, "lora", args.scale_length, False,
                                                ignore_eos=False, say=say)))
@@ -390,8 +390,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     add("--prompt-tokens", type=int, default=96, help="tokens of each (random) prompt")
     add("--rounds", type=int, default=2, help="turns of TRL and ours a TRL row (the first a warm-up)")
     add("--wide-length", type=int, default=128, help="completion tokens of the 256-row row")
-    add("--no-wide", dest="wide", action="store_false")
-    add("--no-eos-row", dest="eos_row", action="store_false")
+    add("--no-wide", dest="wide", action="store_false", help="no 256-row row (random weights, or real with --gguf)")
+    add("--no-eos-row", dest="eos_row", action="store_false", help="no EOS-on row (random, or real with --gguf)")
     add("--trl-generation", default="auto", choices=["auto", "continuous", "generate"],
         help="TRL's generation: auto = transformers' continuous batching where it has it (5.8+), on a GPU")
     add("--compile-option", action="store_true", help="also measure compile_step (compiles: slow)")

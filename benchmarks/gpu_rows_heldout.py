@@ -117,9 +117,12 @@ def real_row(args: argparse.Namespace, kind: str, prompts: int, length: int, say
 
 def heldout_phases(args: argparse.Namespace) -> list[tuple]:
     """(name, estimate seconds, measure(say)) of the real-model phases, most important first."""
-    todo: list[tuple] = [
-        ("real 256 rows, EOS on", 60, lambda say: real_row(args, "real-wide", 32, args.wide_length, say)),
-        (f"real eos, 64 x {args.scale_length}", 45, lambda say: real_row(args, "real-eos", 8, args.scale_length, say))]
+    todo: list[tuple] = []
+    if args.wide:
+        todo.append(("real 256 rows, EOS on", 60, lambda say: real_row(args, "real-wide", 32, args.wide_length, say)))
+    if args.eos_row:
+        todo.append((f"real eos, 64 x {args.scale_length}", 45,
+                     lambda say: real_row(args, "real-eos", 8, args.scale_length, say)))
     for mode in args.heldout_modes.split(","):
         extra = ["grpo.lora.quantize_base=nf4"] if mode == "lora-nf4" else []
         todo.append((f"heldout after equal completions, {mode}", 120,
