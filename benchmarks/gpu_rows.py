@@ -10,11 +10,11 @@ In order (each result saved as soon as it exists; no phase starts whose estimate
      log-prob gap is under 0.05 nats on average; prints the attention kernel, graphs captured and capture time.
      Failing, it exits 3 (after trying once more without the determinism setting, to say whether that is the cause):
      timing the fallback and calling it the captured engine is worse than no figure;
-  2. the scale rows: random Qwen2.5-0.5B and -1.5B shapes (benchmarks/shapes.py), LoRA, full and LoRA over a 4-bit
-     base, 64 x 512 tokens, KL term on; ours alone;
-  3. the long rows at 128 tokens (SmolLM2's shape, LoRA and full, 64 completions a step, ours and TRL taking turns:
-     gpu_rows_trl.py); a 256-row row (32 prompts x 8) against TRL; an EOS-on row (ours, rows stop at EOS: random
-     weights never choose it, so this times the host's checks for finished rows);
+  2. the long rows at 128 tokens (SmolLM2's shape, LoRA and full, 64 completions a step, ours and TRL taking turns:
+     gpu_rows_trl.py), the rows the targets read;
+  3. the scale rows: random Qwen2.5-1.5B and -0.5B shapes (benchmarks/shapes.py), full, LoRA and LoRA over a 4-bit
+     base, 64 x 512 tokens, KL term on; ours alone; then a 256-row row (32 prompts x 8) against TRL and an EOS-on row
+     (ours, rows stop at EOS: random weights never choose it, so this times the host's checks for finished rows);
   4. the long rows at 512 tokens against TRL; with `--compile-option`, the Inductor-compiled step.
 With `--gguf` (the second call): rows on the real SmolLM2-135M-Instruct from its SFT warm start (256 rows, and EOS on
 at 512 tokens, ours against TRL), then held-out reward after equal completions (gpu_rows_heldout.py).
@@ -142,31 +142,38 @@ def compile_option(args, say) -> dict[str, Any]:
     return out
 
 
+def scale_order(args) -> list[tuple[str, str]]:
+    """(shape, mode) of the scale rows, the 1.5B full row first (a target), then by what a team asks first."""
+    shapes, modes = [s for s in args.scale.split(",") if s], args.scale_modes.split(",")
+    wanted = [(shape, mode) for shape in shapes for mode in modes]
+    first = [("qwen2.5-1.5b", "full"), ("qwen2.5-0.5b", "lora"), ("qwen2.5-0.5b", "full"), ("qwen2.5-1.5b", "lora")]
+    return [p for p in first if p in wanted] + [p for p in wanted if p not in first]
+
+
 def phases(args) -> list[Phase]:
-    """The plan, most important first; estimates are seconds on an H100/H200 (imports and warm-ups included)."""
+    """The plan, most important first: the 128-token long rows (the targets), the scale rows, the 256-row and
+    EOS-on rows, then the 512-token long rows. Estimates are seconds on an H100/H200 (set-up and warm-ups included)."""
     todo: list[Phase] = []
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    for shape in [s for s in args.scale.split(",") if s]:
-        for mode in args.scale_modes.split(","):
-            big = 2.5 if "1.5b" in shape else 1.0
-            todo.append(Phase(f"scale {shape} {mode}", (25 if mode != "lora-nf4" else 35) * big,
-                              lambda say, s=shape, m=mode: ours_row(args, "scale", s, m, args.scale_length, True,
-                                                                    say=say)))
-    for length in lengths[:1]:
-        for mode in args.modes.split(","):
-            todo.append(Phase(f"long {mode} {length}", 15 + 0.06 * length,
-                              lambda say, m=mode, n=length: trl_row(args, "long", m, n, say=say)))
+
+    def long_rows(chosen: list[int]) -> list[Phase]:
+        return [Phase(f"long {mode} {length}", 15 + 0.05 * length,
+                      lambda say, m=mode, n=length: trl_row(args, "long", m, n, say=say))
+                for length in chosen for mode in args.modes.split(",")]
+
+    todo += long_rows(lengths[:1])
+    for shape, mode in scale_order(args):
+        estimate = (15 if mode != "lora-nf4" else 20) * (2 if "1.5b" in shape else 1)
+        todo.append(Phase(f"scale {shape} {mode}", estimate,
+                          lambda say, s=shape, m=mode: ours_row(args, "scale", s, m, args.scale_length, True, say=say)))
     if args.wide and not args.gguf:
         todo.append(Phase(f"wide lora 256 x {args.wide_length}", 25,
                           lambda say: trl_row(args, "wide", "lora", args.wide_length, prompts=32, say=say)))
     if args.eos_row and not args.gguf:  # with the real model (the second call) its own rows of both kinds
-        todo.append(Phase(f"eos lora {args.scale_length}", 15,
+        todo.append(Phase(f"eos lora {args.scale_length}", 12,
                           lambda say: ours_row(args, "eos", args.long_shape, "lora", args.scale_length, False,
                                                ignore_eos=False, say=say)))
-    for length in lengths[1:]:
-        for mode in args.modes.split(","):
-            todo.append(Phase(f"long {mode} {length}", 15 + 0.06 * length,
-                              lambda say, m=mode, n=length: trl_row(args, "long", m, n, say=say)))
+    todo += long_rows(lengths[1:])
     if args.compile_option:
         todo.append(Phase("compile_step option", 120, lambda say: compile_option(args, say)))
     if args.gguf:
@@ -401,7 +408,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     add("--heldout-modes", default="lora,lora-nf4", help="held-out rows: lora (against TRL), lora-nf4 (ours alone)")
     add("--heldout-overrides", default="", help="config overrides of the held-out phase (CPU checks)")
     add("--no-tests", dest="tests", action="store_false")
-    add("--tests-timeout", type=int, default=150)
+    add("--tests-timeout", type=int, default=100, help="seconds the GPU tests may take (they run beside the gate)")
     add("--no-gate", action="store_true", help="skip the gate (the second call: the first call's gate stands)")
     add("--gate-only", action="store_true")
     add("--budget-s", type=float, default=300.0, help="start no phase whose estimate would end after this")

@@ -72,7 +72,9 @@ def test_the_plan_runs_scale_rows_before_the_long_trl_rows_and_real_rows_only_wi
     names = [p.name for p in phases(arguments([]))]
     scale = [i for i, n in enumerate(names) if n.startswith("scale")]
     late_long = [i for i, n in enumerate(names) if n.startswith("long") and n.endswith(" 512")]
+    assert names[:2] == ["long lora 128", "long full 128"], names  # the rows the targets read
     assert len(scale) == 6 and late_long and max(scale) < min(late_long), names
+    assert names[scale[0]] == "scale qwen2.5-1.5b full"
     assert names.index("wide lora 256 x 128") < min(late_long) and names.index("eos lora 512") < min(late_long)
     assert not any("real" in n or "heldout" in n for n in names)
     with_gguf = [p.name for p in phases(arguments(["--gguf", "x.gguf"]))]
@@ -118,8 +120,8 @@ def test_the_plan_rehearsed_on_the_cpu_end_to_end(tmp_path):
     assert gate["attention"]["kernel"] and gate["deterministic"]
     assert report["deterministic"] and report["torchao_import_s"] is not None
     kinds = [r["row"] for r in report["rows"]]
-    assert kinds == ["scale", "long", "eos"], report["rows"]
-    scale, long, eos = report["rows"]
+    assert kinds == ["long", "scale", "eos"], report["rows"]
+    long, scale, eos = report["rows"]
     assert scale["mode"] == "lora-nf4" and scale["ours"]["nf4_weights"] == 14  # 7 projections x 2 layers
     assert long["engines"]["trl"]["tokens"] == 64 * 8, "TRL's completion tokens were not counted from its mask"
     assert long["trl_baseline"].startswith("TRL 1.16.0 GRPOTrainer; generation: Hugging Face generate")
