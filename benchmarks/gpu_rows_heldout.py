@@ -22,8 +22,8 @@ def heldout_config(args: argparse.Namespace, extra: list[str] = ()):
 
     return merged_config(ROOT / "params.yaml", [ROOT / REASONING],
                          [f"model.name_or_path={args.gguf}", f"device={args.device}", f"model.dtype={args.dtype}",
-                          "seed=1", "threads=8", "grpo.prompts_per_step=8", "grpo.group_size=8",
-                          *args.heldout_overrides.split(), *extra])
+                          "seed=1", "threads=8", "grpo.prompts_per_step=8", "grpo.group_size=8", *extra,
+                          *args.heldout_overrides.split()])  # overrides last: a CPU check shrinks what it must
 
 
 def build_start(cfg, root: Path) -> None:
@@ -95,12 +95,13 @@ def real_row(args: argparse.Namespace, kind: str, prompts: int, length: int, say
 
     root = Path(args.work) / "heldout"
     cfg = heldout_config(args, [*OFF_THE_CLOCK, f"grpo.max_completion_length={length}",
-                                f"grpo.prompts_per_step={prompts}", "grpo.group_size=8"])
+                                f"grpo.prompts_per_step={prompts}"])  # 8 completions a prompt (heldout_config)
     with no_tracking():
         build_start(cfg, root)
     sft, device = root / "models" / "sft", torch.device(args.device)
     tokenizer = load_tokenizer(sft)
     formatter = PromptFormatter(cfg.prompt, tokenizer)
+    prompts = cfg.grpo.prompts_per_step  # as TRL's batch has it (a CPU check's overrides may shrink it)
     texts = [formatter(r) for r in read_jsonl(split_path(root / "data" / "prepared", "train"))[:prompts]]
     ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -109,7 +110,7 @@ def real_row(args: argparse.Namespace, kind: str, prompts: int, length: int, say
                               tokens=SpecialTokens.of(tokenizer))
     ours, trl = engines["ours"], engines["trl"]
     return {"row": kind, "shape": "smollm2-135m (real, SFT warm start)", "mode": "lora", "length": length,
-            "rows": prompts * 8, "prompt_tokens": max(len(i) for i in ids), "eos": True,
+            "rows": prompts * cfg.grpo.group_size, "prompt_tokens": max(len(i) for i in ids), "eos": True,
             "trl_baseline": engines["trl_baseline"], "engines": {"ours": ours, "trl": trl},
             "speedup_vs_trl": round(ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2),
             "generation_speedup_vs_trl": round(ours["generation_tokens_per_s"] / trl["generation_tokens_per_s"], 2)}
