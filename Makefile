@@ -125,10 +125,10 @@ clean-outputs:
 	rm -rf data/prepared models checkpoints eval metrics plots mlflow.db mlruns
 
 # What benchmarks/gpu_rows.py needs on the GPU machine beyond its image (git-ignored, carried by the device tool):
-# .whl/ holds TRL 1.16 and the pure-Python packages it needs that the image lacks, and torchao for the 4-bit rows;
-# .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (the whole file is over one call's `64 MiB`), for the
-# held-out phase.
-GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0 torchao==0.18.0
+# .whl/ holds TRL 1.16 and the pure-Python packages it needs that the image lacks, torchao for the 4-bit rows and gguf
+# (transformers reads the GGUF through it); .gguf/a and .gguf/b are the SmolLM2 GGUF's two halves (the whole file is
+# over one call's `64 MiB`), for the real-model call. The exact device calls: docs/performance.md, "The device plan".
+GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0 torchao==0.18.0 gguf==0.19.0
 gpu-carry: setup
 	rm -rf .whl .gguf && mkdir -p .whl .gguf
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

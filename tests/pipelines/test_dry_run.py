@@ -31,9 +31,10 @@ def test_dry_run_says_why_a_reward_is_missing_instead_of_nan(tmp_path):
                 "--set", "grpo.rewards=[{name: 'reward_fixtures:abstains', weight: 1.0}]"], repo,
                env={"PYTHONPATH": str(ROOT / "tests")})
     assert "nan" not in proc.stdout, proc.stdout[-2000:]
+    ending = r"\d+ episodes? (ended with EOS|cut at the token budget \(grpo.max_completion_length\))"
     assert re.search(r"one rollout of 32 completions, no reward mean \(32 of 32 completions have no reward: every "
-                     r"reward \(reward_fixtures:abstains\) returned None for them: (\d+ episodes? (ended with EOS|cut at "
-                     r"the token budget \(grpo.max_completion_length\))(, )?)+\), loss", proc.stdout), proc.stdout[-2000:]
+                     rf"reward \(reward_fixtures:abstains\) returned None for them: {ending}(, {ending})*\), loss",
+                     proc.stdout), proc.stdout[-2000:]
 
 
 def test_the_missing_rewards_of_cut_episodes_are_explained_by_how_each_ended():

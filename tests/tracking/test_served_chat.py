@@ -33,7 +33,7 @@ def _config(tools: list[str]):
     raw["prompt"] = {**raw["prompt"], "template": "{prompt} Reply with just the number.", "chat_template": "always",
                      "system": "Answer briefly."}
     raw["grpo"] = {**raw["grpo"], "tools": tools}
-    raw["model"] = {**raw["model"], "name_or_path": "a-chat-model"}  # episodes need one (here a tiny chat-templated one)
+    raw["model"] = {**raw["model"], "name_or_path": "a-chat-model"}  # episodes need one (a tiny chat-templated one)
     raw["register"] = {**raw["register"], "model_name": "tiny-chat"}
     return config_from_dict(raw)
 

@@ -1,6 +1,9 @@
 """A 4-bit frozen base for LoRA (`grpo.lora.quantize_base: nf4`): the decoder layers' projection weights stored as
 torchao's NF4 tensors, as torchtune's QLoRA stores them; embeddings, norms and the vocabulary head stay as they are.
 
+Quantize on the device the model runs on, after every move: a move with a dtype (`model.to("cuda", dtype=...)`)
+may hand back dense weights for NF4 ones without a word (torchao's conversion); `nf4_count` says how many are NF4 now.
+
 Each forward dequantizes a weight to its original dtype as it multiplies (`F.linear` on an NF4 tensor), so values
 are those of the dequantized weight: NF4 keeps 4 bits a value plus a scale per block of `BLOCK` values (and an
 8-bit scale of those scales), against bfloat16's 16 bits a value. Weights whose size does not
@@ -51,4 +54,15 @@ def quantize_base(model: Any, method: str) -> tuple[int, int]:
                 continue
             module.weight = torch.nn.Parameter(to_nf4(weight, BLOCK, scaler), requires_grad=False)
             done += 1
+    if nf4_count(model) != done:
+        raise RuntimeError(f"grpo.lora.quantize_base: {done} weights were quantized but {nf4_count(model)} are NF4")
     return done, dense
+
+
+def nf4_count(model: Any) -> int:
+    """How many of `model`'s parameters are NF4 tensors now (0 without torchao)."""
+    try:
+        from torchao.quantization import NF4Tensor
+    except ImportError:
+        return 0
+    return sum(isinstance(p, NF4Tensor) for p in model.parameters())

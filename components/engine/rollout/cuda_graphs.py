@@ -20,6 +20,11 @@ Modes: `graphs` (CUDA), `eager` (the same fused loop, uncaptured: how its logic 
 step, so the same seed gives the plain engine's tokens; the CPU mode and the fallback). Graph mode draws for every
 row of a bucket, so it consumes its generator otherwise than the plain path: the same seed gives other (equally
 distributed) tokens. If a capture fails, one line says so and decoding goes on uncaptured.
+
+The fused loop draws from one generator the engine owns (a graph reads the generator registered with it at capture,
+whatever the caller passes later): the caller's generator state (or the device's default generator's) is copied in
+before a run and back after it, so a new generator per call (pass@k) replays the same graphs, its seed is honoured and
+it moves on as if it had drawn itself.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class CudaGraphEngine:
         self.pieces = ModelPieces(lm.model, dataclasses.replace(lm.options, complex_rotary=False))
         self.state: StaticState | None = None
         self.graphs: dict[tuple, Any] = {}
+        self.generator: torch.Generator | None = None  # what the fused loop draws from (`_own_generator`)
         self.pool: Any = None
         self.stream: Any = None
         self._step = self._fused_step
@@ -108,22 +114,37 @@ class CudaGraphEngine:
                       params: SamplingParams, generator: torch.Generator | None) -> Rollouts:
         """Every step fused (draw, record, feed); in `graphs` mode each (rows, keys) shape is captured first."""
         eos = -1 if params.ignore_eos else self.tokens.eos_id
-        step = lambda rows, keys: self._step(state, rows, keys, params, generator, eos)  # noqa: E731
+        own = self._own_generator(prompt_ids.device)
+        step = lambda rows, keys: self._step(state, rows, keys, params, own, eos)  # noqa: E731
         width = prompt_ids.shape[1]  # the cache columns a prompt takes, at most (a shared prefix takes fewer)
         if self.mode == "graphs":
             try:
-                self._capture_all(state, row_bucket(prompt_ids.shape[0] * params.n), width, params, generator, step)
+                self._capture_all(state, row_bucket(prompt_ids.shape[0] * params.n), width, params, step)
             except Exception as err:  # noqa: BLE001 - a capture that fails costs speed, never the run
                 self.say(f"grpo: CUDA graphs off: capturing the decode step failed ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); decoding uncaptured", flush=True)
                 self.mode, self.graphs = "token_loop", {}
                 n = state.start(prompt_ids, prompt_mask, params.n)
                 return decode(_TokenLoopDecoder(state, n), prompt_ids, prompt_mask, params, self.tokens, generator)
+        caller = generator if generator is not None else _default_generator(prompt_ids.device)
+        own.set_state(caller.get_state())  # after the warm-ups: they drew from `own`, never from the caller's
         n = state.start(prompt_ids, prompt_mask, params.n)
+        steps = self._run(state, n, params, step)
+        caller.set_state(own.get_state())
+        return _rollouts(state, n, steps, prompt_ids, prompt_mask, params, eos)
+
+    def _own_generator(self, device: torch.device) -> torch.Generator:
+        """The generator every captured step draws from, made once per engine (and device)."""
+        if self.generator is None or self.generator.device != device:
+            self.generator, self.graphs = torch.Generator(device=device), {}
+        return self.generator
+
+    def _run(self, state: StaticState, n: int, params: SamplingParams, step: Callable[[int, int], None]) -> int:
+        """The steps of a started run (replays where a graph was captured); returns how many ran."""
         rows, start, steps = row_bucket(n), int(state.column), 0
         while steps < params.max_new_tokens:
             keys = key_bucket(start + steps + 1, state.length)
-            graph = self.graphs.get(_key(rows, keys, params, generator))
+            graph = self.graphs.get(_key(rows, keys, params))
             if graph is not None:
                 graph.replay()
             else:
@@ -139,7 +160,7 @@ class CudaGraphEngine:
             if len(still) <= rows // 2:
                 state.compact(still)
                 rows = row_bucket(len(still))
-        return _rollouts(state, n, steps, prompt_ids, prompt_mask, params, eos)
+        return steps
 
     def _fused_step(self, state: StaticState, rows: int, keys: int, params: SamplingParams,
                     generator: torch.Generator | None, eos: int) -> None:
@@ -161,18 +182,18 @@ class CudaGraphEngine:
         state.logits[:rows].copy_(state.forward(rows, keys))
 
     def _capture_all(self, state: StaticState, top_rows: int, width: int, params: SamplingParams,
-                     generator: torch.Generator | None, step: Callable[[int, int], None]) -> None:
-        """Capture every (row bucket, key block) this run may meet that is not captured yet. Warm-up steps run
-        first on the capture stream; the generator's state is put back after them (the run state is laid anew by
+                     step: Callable[[int, int], None]) -> None:
+        """Capture every (row bucket, key block) this run may meet that is not captured yet, each with the engine's
+        own generator registered. Warm-up steps run first on the capture stream (their draws move the engine's
+        generator, whose state the caller's replaces before the run; the run state is laid anew by
         `StaticState.start`)."""
         keys_needed = sorted({key_bucket(width + t + 1, state.length) for t in range(params.max_new_tokens)})
         shapes = [(rows, keys) for rows in _buckets(top_rows) for keys in keys_needed
-                  if _key(rows, keys, params, generator) not in self.graphs]
+                  if _key(rows, keys, params) not in self.graphs]
         if not shapes:
             return
         if self.compile_step and self._step == self._fused_step:
             self._step = torch.compile(self._fused_step, dynamic=True)  # Inductor's kernels; the graphs stay ours
-        saved = generator.get_state() if generator is not None else torch.cuda.get_rng_state()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         # warm-ups and captures on one stream (cuBLAS keeps a workspace per stream), the same for every capture
         self.stream = stream = self.stream or torch.cuda.Stream()
@@ -185,14 +206,12 @@ class CudaGraphEngine:
                 _in_range(state, keys)  # what the capture records reads these at each replay, not now
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                if generator is not None:
-                    graph.register_generator_state(generator)
+                graph.register_generator_state(self.generator)
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     step(rows, keys)
-                self.graphs[_key(rows, keys, params, generator)] = graph
+                self.graphs[_key(rows, keys, params)] = graph
         finally:
             torch.cuda.synchronize()
-            generator.set_state(saved) if generator is not None else torch.cuda.set_rng_state(saved)
 
 
 def _in_range(state: StaticState, keys: int) -> None:
@@ -228,10 +247,18 @@ def _buckets(top: int) -> list[int]:
     return [top >> i for i in range(top.bit_length()) if top >> i]
 
 
-def _key(rows: int, keys: int, params: SamplingParams, generator: torch.Generator | None) -> tuple:
-    """What a captured graph is valid for: its shape, the sampling settings baked into it and its generator."""
+def _key(rows: int, keys: int, params: SamplingParams) -> tuple:
+    """What a captured graph is valid for: its shape and the sampling settings baked into it (its generator is the
+    engine's own, the same for every graph)."""
     return (rows, keys, params.greedy, params.temperature, params.top_k, params.top_p, params.ignore_eos,
-            params.max_new_tokens, id(generator))
+            params.max_new_tokens)
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator `torch.rand` would use on `device` without one."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def _rollouts(state: StaticState, n: int, steps: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

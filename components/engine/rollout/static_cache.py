@@ -184,6 +184,9 @@ def attend(pieces: ModelPieces, q: torch.Tensor, keys: torch.Tensor, values: tor
     In half precision the H / Hkv query heads that share a key/value head become the query rows of one fused
     attention call over that head ([B, Hkv, H / Hkv, d]): no copy of the cache per query head (what grouped-query
     attention through `enable_gqa` costs on kernels without it), sums in float32. Otherwise `pieces.attend`.
+
+    The fused call's output is read by `reshape`, never `view`: CUDA's memory-efficient and cuDNN kernels return it
+    in a transposed layout ([B, H / Hkv, Hkv, d] in memory), which no view can merge into [B, H, 1, d].
     """
     if q.dtype in (torch.float32, torch.float64):
         return pieces.attend(q, keys, values, bias)
@@ -191,4 +194,4 @@ def attend(pieces: ModelPieces, q: torch.Tensor, keys: torch.Tensor, values: tor
     kv = keys.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, kv, heads // kv, d), keys, values,
                                                            attn_mask=bias[:, :, 0], scale=pieces.scaling)
-    return out.view(b, heads, 1, d)
+    return out.reshape(b, heads, 1, d)

@@ -176,16 +176,43 @@ def _on_cuda(model, dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_captured_greedy_decoding_gives_the_uncaptured_tokens(dtype, quantize_base):
     """Against the same fused loop run eagerly (the same shapes, so the same kernels: a capture must change nothing;
-    the CPU tests hold the eager loop to the plain path's tokens); also over a 4-bit frozen base."""
+    the CPU tests hold the eager loop to the plain path's tokens); also over a 4-bit frozen base, quantized on the
+    card as the pipeline quantizes it, and still NF4 after the engines are built and have decoded."""
     if quantize_base == "nf4":
         pytest.importorskip("torchao.quantization")
-    model = _on_cuda(_lora(quantize_base), dtype)
+    from components.engine.models.quantize import nf4_count
+
+    model = _lora(quantize_base, "cuda", dtype)
+    quantized = nf4_count(model)
+    assert quantized == (14 if quantize_base == "nf4" else 0)  # 7 projections x 2 layers
     params = SamplingParams(n=4, max_new_tokens=10, greedy=True)
     captured, uncaptured = _engine(model, "graphs", check_every=2), _engine(model, "eager", check_every=2)
     a = captured.sample(PROMPTS, params, torch.Generator("cuda").manual_seed(1))
     b = uncaptured.sample(PROMPTS, params, torch.Generator("cuda").manual_seed(1))
     assert captured.mode == "graphs" and captured.graphs, "nothing was captured"
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert nf4_count(model) == quantized, "the 4-bit base was dequantized on the way"
+
+
+@pytest.mark.gpu
+def test_captured_sampling_honours_each_new_generator_with_the_same_graphs():
+    """pass@k on the card: a new generator per call; the graphs of the first call serve every later one, the same
+    seed gives the same tokens and the eager loop's, another seed others."""
+    model = _on_cuda(_llama(0.4))
+    params = SamplingParams(n=4, max_new_tokens=9, temperature=0.8, top_k=6, ignore_eos=True)
+    captured, eager = _engine(model, "graphs"), _engine(model, "eager")
+
+    def run(engine, seed):
+        return engine.sample(PROMPTS[:2], params, torch.Generator("cuda").manual_seed(seed)).completion_ids
+
+    first = run(captured, 4)
+    graphs = len(captured.graphs)
+    assert captured.mode == "graphs" and graphs
+    for _ in range(3):
+        assert torch.equal(run(captured, 4), first)
+    assert torch.equal(first, run(eager, 4))
+    assert not torch.equal(run(captured, 5), first)
+    assert len(captured.graphs) == graphs, "a later call captured again"
 
 
 @pytest.mark.gpu
@@ -215,24 +242,28 @@ def test_the_door_chooses_captured_decoding_on_a_gpu():
 
 
 class _Recorder:
-    """Stands in for CUDA's capture on the CPU: a "graph" keeps the step it was captured from and runs it on replay.
-    The claim under test is the engine's bookkeeping around capture (which shapes, when, the generator put back
-    after warm-ups, every step a replay), not CUDA's capture itself (the `gpu` tests above)."""
+    """Stands in for CUDA's capture on the CPU: a "graph" keeps the step it was captured from and runs it on replay,
+    with the generator it was captured with (as a CUDA graph reads the generator registered with it, whatever a later
+    caller passes). The claim under test is the engine's bookkeeping around capture (which shapes, when, whose
+    generator, every step a replay), not CUDA's capture itself (the `gpu` tests above)."""
 
     capturing = None
 
     def __init__(self):
-        self.step, self.replays = None, 0
+        self.step, self.replays, self.generators = None, 0, []
 
-    def register_generator_state(self, _generator):
-        pass
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
 
     def replay(self):
         self.replays += 1
         self.step()
 
 
-def test_graph_mode_bookkeeping_captures_each_shape_once_and_replays_every_step(monkeypatch):
+@pytest.fixture
+def recorded_capture(monkeypatch):
+    """`torch.cuda`'s capture replaced by `_Recorder`; returns (the graphs captured, a function that makes an engine
+    whose steps the recorder can replay)."""
     import contextlib
 
     graphs: list[_Recorder] = []
@@ -252,26 +283,58 @@ def test_graph_mode_bookkeeping_captures_each_shape_once_and_replays_every_step(
                         "stream": lambda _s: contextlib.nullcontext(), "graph_pool_handle": lambda: (0, 0),
                         "synchronize": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+
+    def graphed_engine(model):
+        engine = _engine(model, "graphs")
+        step = engine._step
+
+        def recorded(*args):
+            if _Recorder.capturing is not None:
+                _Recorder.capturing.step = lambda: step(*args)
+            return step(*args)
+
+        engine._step = recorded
+        return engine
+
+    return graphs, graphed_engine
+
+
+SAMPLED = SamplingParams(n=4, max_new_tokens=9, temperature=0.8, top_k=6, ignore_eos=True)
+
+
+def _run(engine, seed):
+    generator = torch.Generator().manual_seed(seed)  # a new generator per call, as pass@k makes them
+    return engine.sample(PROMPTS[:2], SAMPLED, generator), generator.get_state()
+
+
+def test_graph_mode_bookkeeping_captures_each_shape_once_and_replays_every_step(recorded_capture):
+    graphs, graphed_engine = recorded_capture
     model = _llama(0.4)
-    params = SamplingParams(n=4, max_new_tokens=9, temperature=0.8, top_k=6, ignore_eos=True)
-    eager = _engine(model, "eager")
-    graphed = _engine(model, "graphs")
-    step = graphed._step
-
-    def recorded(*args):
-        if _Recorder.capturing is not None:
-            _Recorder.capturing.step = lambda: step(*args)
-        return step(*args)
-
-    graphed._step = recorded
-    results, generators = [], {id(eager): torch.Generator(), id(graphed): torch.Generator()}
-    for engine in (eager, graphed, graphed):  # a run's graphs hold its generator: training passes the same one
-        generator = generators[id(engine)].manual_seed(4)
-        results.append((engine.sample(PROMPTS[:2], params, generator), generator.get_state()))
-    (a, state_a), (b, state_b), (c, state_c) = results
+    eager, graphed = _engine(model, "eager"), graphed_engine(model)
+    (a, state_a), (b, state_b), (c, state_c) = _run(eager, 4), _run(graphed, 4), _run(graphed, 4)
     for ours, state in ((b, state_b), (c, state_c)):  # the second run: no capture, its warm-ups or draws
         assert torch.equal(a.completion_ids, ours.completion_ids) and torch.equal(state_a, state), \
-            "the warm-ups' draws were not put back, or a replay differs from the step"
+            "the warm-ups' draws reached the caller's generator, or a replay differs from the step"
         torch.testing.assert_close(a.sampling_logp, ours.sampling_logp)
     assert graphed.mode == "graphs" and len(graphs) == len(graphed.graphs) == 4  # row buckets 8, 4, 2, 1 x one block
-    assert sum(g.replays for g in graphs) == 2 * params.max_new_tokens, "a step ran uncaptured"
+    assert sum(g.replays for g in graphs) == 2 * SAMPLED.max_new_tokens, "a step ran uncaptured"
+
+
+def test_one_generator_owned_by_the_engine_over_pass_at_k_calls(recorded_capture):
+    """Every call with a new generator (pass@k): the graphs of the first call serve them all (each registered with
+    the engine's one generator); the caller's seed decides the tokens (the same seed the same tokens, another seed
+    others) and the caller's generator moves on exactly as the plain path moves it (every row open, 8 rows: the
+    fused loop draws as the token loop does)."""
+    graphs, graphed_engine = recorded_capture
+    model = _llama(0.4)
+    plain, graphed = HFEngine(model, TOKENS), graphed_engine(model)
+    expected = {seed: _run(plain, seed) for seed in (4, 5)}
+    for call, seed in enumerate((4, 4, 5, 4, 5)):
+        rollouts, state = _run(graphed, seed)
+        want, want_state = expected[seed]
+        assert torch.equal(rollouts.completion_ids, want.completion_ids), f"call {call}: the seed was not honoured"
+        assert torch.equal(state, want_state), f"call {call}: the caller's generator did not move on"
+        assert len(graphs) == len(graphed.graphs) == 4, f"call {call} captured again"
+    assert not torch.equal(expected[4][0].completion_ids, expected[5][0].completion_ids)
+    assert all(g.generators == [graphed.generator] for g in graphs), "a graph holds another generator"
+    assert sum(g.replays for g in graphs) == 5 * SAMPLED.max_new_tokens, "a step ran uncaptured"

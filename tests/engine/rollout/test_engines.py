@@ -54,12 +54,15 @@ def _llama(eos_bias: float = 0.0, **extra):
     return model
 
 
-def _lora(quantize_base: str = "none"):
+def _lora(quantize_base: str = "none", device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """LoRA over `_llama(0.4)`, the base moved to `device` and `dtype` first: a 4-bit base is quantized where it runs,
+    as the pipeline quantizes it (a later move with a dtype could dequantize it)."""
     from components.config import LoRAConfig
     from components.engine.grpo.policy import attach_lora
 
-    model = attach_lora(_llama(0.4), LoRAConfig(enabled=True, rank=4, quantize_base=quantize_base, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = attach_lora(_llama(0.4).to(device, dtype),
+                        LoRAConfig(enabled=True, rank=4, quantize_base=quantize_base, target_modules=projections))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

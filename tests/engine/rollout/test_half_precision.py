@@ -1,0 +1,202 @@
+"""Every engine behind the door in bfloat16, the dtype a CUDA run trains and decodes in, checked on the CPU.
+
+Two models shaped like the ones a GPU run meets: grouped-query attention with three query heads per key/value head
+(SmolLM2's 9 over 3, the shape whose attention output no view can merge when a kernel returns it transposed) and the
+same with tied embeddings. Against Hugging Face's own `generate` in bfloat16: greedy tokens identical over 16 steps;
+sampler log-probs no further from the float32 values than the fast path's self-check allows
+(`fast.check._rounds_like_hugging_face`). The CUDA kernels' transposed attention layout is forced here under every
+SDPA backend this build offers on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from components.engine.fast.check import _rounds_like_hugging_face, float32_weights
+from components.engine.models.logprobs import completion_logprobs
+from components.engine.models.rollouts import left_pad
+from components.engine.rollout import cuda_graphs, prefix_shared
+from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.hf import HFEngine
+
+VOCAB, STEPS = 32, 16
+TOKENS = SpecialTokens(eos_id=3, pad_id=0)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [4, 9, 6, 5]]
+GREEDY = SamplingParams(n=1, max_new_tokens=STEPS, greedy=True, ignore_eos=True)
+MARGIN_ULPS = 4  # the reference's top-1 - top-2 logit gap, at least, in units of bfloat16's spacing at the top logit
+
+
+def _model(tied: bool) -> Any:
+    """A random Llama in bfloat16, 6 query heads over 2 key/value heads. Its seed is one whose greedy choices over
+    these prompts are no near-ties that bfloat16's rounding decides (`MARGIN_ULPS`, checked against the reference):
+    where two logits are a rounding apart, any two correct forwards may choose differently."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7 if tied else 35)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                         initializer_range=0.1, tie_word_embeddings=tied)).eval()
+    return model.to(torch.bfloat16)
+
+
+MODELS = {"grouped-query": lambda: _model(tied=False), "grouped-query-tied": lambda: _model(tied=True)}
+
+
+def _prefix_shared(model: Any) -> prefix_shared.PrefixSharedEngine:
+    engine = prefix_shared.build(model, TOKENS, VOCAB, max_length=40, completion_length=STEPS)
+    assert engine is not None, "the prompt-once engine's self-check refused a bfloat16 model"
+    return engine
+
+
+ENGINES: dict[str, Callable[[Any], RolloutEngine]] = {
+    "hf": lambda model: HFEngine(model, TOKENS),
+    "prefix_shared": _prefix_shared,
+    "cuda_graphs-token_loop": lambda model: cuda_graphs.CudaGraphEngine(_prefix_shared(model), "token_loop", 40),
+    "cuda_graphs-eager": lambda model: cuda_graphs.CudaGraphEngine(_prefix_shared(model), "eager", 40),
+}
+
+
+def _generate(model: Any) -> torch.Tensor:
+    """Hugging Face's greedy `generate` in the model's dtype: the reference tokens [B, STEPS]; asserts its choices
+    are no near-ties."""
+    ids, mask = left_pad(PROMPTS, TOKENS.pad_id, next(model.parameters()).device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                         do_sample=False, eos_token_id=None, pad_token_id=TOKENS.pad_id)[:, ids.shape[1]:]
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids, out], 1),
+                       attention_mask=torch.cat([mask, torch.ones_like(out)], 1)).logits[:, ids.shape[1] - 1:-1]
+    top = logits.float().topk(2, -1).values
+    spacing = 2.0 ** (torch.floor(torch.log2(top[..., 0].abs())) - 7)  # bfloat16 keeps 8 significant bits
+    assert float(((top[..., 0] - top[..., 1]) / spacing).min()) >= MARGIN_ULPS, "the reference's choices include ties"
+    assert len(set(out.flatten().tolist())) >= 4, "the reference repeats too few tokens to test much"
+    return out
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_bfloat16_greedy_tokens_are_hugging_faces_generate(engine, model_name):
+    model = MODELS[model_name]()
+    reference = _generate(model)
+    ours = ENGINES[engine](model).sample(PROMPTS, GREEDY)
+    assert ours.completion_ids.shape == (len(PROMPTS), STEPS)
+    assert torch.equal(ours.completion_ids, reference)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_bfloat16_sampler_logprobs_round_like_hugging_faces(engine, model_name):
+    """The sampler's log-probs of what it drew (bfloat16 decoding) against Hugging Face's bfloat16 forward of the same
+    tokens, both measured from the float32 forward's values: ours may stray at most the self-check's margin times as
+    far as Hugging Face's own."""
+    model = MODELS[model_name]()
+    params = SamplingParams(n=4, max_new_tokens=STEPS, temperature=0.8, ignore_eos=True)
+    rollouts = ENGINES[engine](model).sample(PROMPTS, params, torch.Generator().manual_seed(3))
+    mask = rollouts.completion_mask.bool()
+    with torch.no_grad():
+        theirs = completion_logprobs(model, rollouts, 0.8)[0][mask]
+        with float32_weights(model):
+            exact = completion_logprobs(model, rollouts, 0.8)[0][mask]
+    ours = rollouts.sampling_logp[mask]
+    assert float((ours - exact).abs().max()) > 0, "bfloat16 decoding matched float32 exactly: nothing was rounded"
+    assert _rounds_like_hugging_face([ours], [theirs], [exact])
+
+
+def _offered_backends() -> list[SDPBackend]:
+    """The SDPA backends this build runs a masked bfloat16 call with on the CPU (math and flash on x86 builds)."""
+    q = torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 5, 16, dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, 1, 5, dtype=torch.bfloat16)
+    offered = []
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        except RuntimeError:
+            continue
+        offered.append(backend)
+    return offered
+
+
+BACKENDS = _offered_backends()
+
+
+def test_the_cpu_build_offers_more_than_one_attention_backend():
+    assert SDPBackend.MATH in BACKENDS and len(BACKENDS) >= 2, BACKENDS
+
+
+def _transposed_layout(monkeypatch) -> list[int]:
+    """Make every SDPA call return its output as CUDA's memory-efficient and cuDNN kernels do: the same values,
+    laid out [B, L, H, d] in memory behind the [B, H, L, d] shape. Returns a list that counts the calls."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls: list[int] = []
+
+    def transposed(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed)
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "hf"])
+def test_decoding_reads_a_transposed_attention_output(monkeypatch, engine, backend):
+    """The layout CUDA's masked half-precision kernels return, under each backend: the same tokens as Hugging Face's
+    `generate` (run before the layout is forced), for SmolLM2's 3 query heads per key/value head."""
+    model = MODELS["grouped-query-tied"]()
+    reference = _generate(model)
+    built = ENGINES[engine](model)
+    calls = _transposed_layout(monkeypatch)
+    with sdpa_kernel(backend):
+        ours = built.sample(PROMPTS, GREEDY)
+    assert calls, "no attention call went through SDPA: the half-precision path was not taken"
+    assert torch.equal(ours.completion_ids, reference)
+
+
+def test_a_4bit_base_in_bfloat16_stays_nf4_through_every_engine():
+    """A bfloat16 model quantized where it runs (`grpo.lora.quantize_base: nf4`), LoRA over it: every engine's
+    build (the prompt-once self-check runs the weights in float32 and back) and decoding leave the base weights NF4,
+    and every engine decodes the plain engine's greedy tokens."""
+    pytest.importorskip("torchao.quantization")
+    from components.config import LoRAConfig
+    from components.engine.grpo.policy import attach_lora
+    from components.engine.models.quantize import nf4_count
+
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = attach_lora(MODELS["grouped-query-tied"](),
+                        LoRAConfig(enabled=True, rank=4, quantize_base="nf4", target_modules=projections))
+    adapters = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=adapters) * 0.05)
+    assert nf4_count(model) == 14  # 7 projections x 2 layers
+    reference = _generate(model)
+    for name, make in ENGINES.items():
+        assert torch.equal(make(model).sample(PROMPTS, GREEDY).completion_ids, reference), name
+        assert nf4_count(model) == 14, f"{name}: the 4-bit base was dequantized"
+
+
+@pytest.mark.gpu
+def test_the_door_captures_bfloat16_grouped_query_decoding_on_a_gpu():
+    """On the card, the shape and dtype of the bug this file guards against: the door must choose captured decoding
+    (no fallback) and decode `generate`'s greedy tokens, as the same fused loop does uncaptured."""
+    from components.engine.rollout.choose import EngineSettings, build_engine
+
+    model = MODELS["grouped-query"]().to("cuda")
+    reference = _generate(model)
+    lines: list[str] = []
+    engine = build_engine(model, TOKENS, EngineSettings(vocab_size=VOCAB, max_length=40, completion_length=STEPS),
+                          say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
+    assert engine.name == "cuda_graphs" and engine.mode == "graphs", lines
+    captured = engine.sample(PROMPTS, GREEDY).completion_ids
+    assert engine.graphs, "nothing was captured"
+    uncaptured = cuda_graphs.CudaGraphEngine(engine.base, "eager", 40).sample(PROMPTS, GREEDY).completion_ids
+    assert torch.equal(captured, uncaptured) and torch.equal(captured, reference)
