@@ -21,6 +21,21 @@ DECODE_CACHE_BLOCK = 32  # decoding caches start with room for this many complet
 COMPACT_AT = 0.75  # finished rows leave the caches once at most this share of the rows held is open
 
 
+def packed_columns(real: torch.Tensor) -> torch.Tensor:
+    """A gather index [R, W] over cache columns that packs each row's real tokens (`real` [R, C]: True where a column
+    holds one) to the right, in order, W the most any row holds. Attention finds cached keys by mask and their rotary
+    positions were applied when they were written, so a packed cache attends as the unpacked one did; rows that fed
+    padding while others decoded stop costing columns in every later turn."""
+    width = int(real.sum(-1).max()) if len(real) else 0
+    order = torch.sort(real.to(torch.int8), dim=-1, stable=True).indices  # padding columns first, real ones in order
+    return order[:, real.shape[1] - width:]
+
+
+def gather_columns(cache: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """`cache` [R, H, C, d] at `columns` [R, W] -> [R, H, W, d]."""
+    return cache.gather(2, columns[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3]))
+
+
 def start_decoding(pieces: ModelPieces, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                    max_new_tokens: int, continuing: bool = False) -> Decoder:
     """Encode prompts once; the decoder holds G copies of each prompt's cache plus room for the completion.
@@ -85,16 +100,18 @@ class Decoder:
         """Keep `rows` (of a continuing decoder, after a turn), feed each its chunk (left-padded to the longest) over
         its cache in one forward, and start the next turn with room for `room` tokens: the state `start_decoding`
         leaves, with the whole conversation so far as the prompt."""
-        pieces, end = self.pieces, self.prompt_len + self.offset
+        pieces = self.pieces
         real = torch.cat(self.real, 1).index_select(0, rows)
+        columns = packed_columns(real)
+        real, end = real.gather(1, columns), columns.shape[1]
         ids, mask = left_pad(chunks, 0, rows.device)
         width = ids.shape[1]
         capacity = end + width + min(room, DECODE_CACHE_BLOCK)
         buffers = []
         for k, v in self.buffers:
             kbuf, vbuf = (t.new_empty(len(rows), t.shape[1], capacity, t.shape[3]) for t in (k, v))
-            kbuf[:, :, :end] = k.index_select(0, rows)[:, :, :end]
-            vbuf[:, :, :end] = v.index_select(0, rows)[:, :, :end]
+            kbuf[:, :, :end] = gather_columns(k.index_select(0, rows), columns)
+            vbuf[:, :, :end] = gather_columns(v.index_select(0, rows), columns)
             buffers.append((kbuf, vbuf))
         x = pieces.embed(ids)
         rotary = pieces.positions(x, real.sum(-1, keepdim=True) + positions_from_mask(mask))

@@ -42,7 +42,6 @@ from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, key_bucket, row_bucket
 from components.engine.rollout.token_loop import decode
-from components.engine.rollout.turns import Reencoding
 
 Mode = Literal["graphs", "eager", "token_loop"]
 CHECK_EVERY = 8  # decode steps between the host's looks at which rows are open (each look waits for the GPU)
@@ -68,26 +67,12 @@ class CudaGraphEngine:
         self.stream: Any = None
         self._step = self._fused_step
 
-    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> Reencoding:
-        """Each turn one `sample` (later turns re-encode each row's context)."""
-        return Reencoding(self, prompts)
+    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> StaticDecoding:
+        return StaticDecoding(self, prompts, continuing)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Rollouts:
-        device = next(self.base.lm.model.parameters()).device
-        prompt_ids, prompt_mask = left_pad(prompts, self.tokens.pad_id, device)
-        with torch.inference_mode():
-            state = self._state_for(prompt_ids.shape[0] * params.n, prompt_ids.shape[1], params.max_new_tokens,
-                                    device)
-            if not state.refresh_weights():
-                self.graphs.clear()
-            if self.mode == "token_loop":
-                n = state.start(prompt_ids, prompt_mask, params.n)
-                rollouts = decode(_TokenLoopDecoder(state, n), prompt_ids, prompt_mask, params, self.tokens,
-                                  generator)
-            else:
-                rollouts = self._fused_decode(state, prompt_ids, prompt_mask, params, generator)
-        return rollouts.clone()
+        return self.start(prompts).turn(params, generator)
 
     def logprobs(self, rollouts: Rollouts, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,10 +83,12 @@ class CudaGraphEngine:
                                self.say)
 
     # ----------------------------------------------------------------------------------------- state
-    def _state_for(self, rows: int, prompt_width: int, max_new_tokens: int, device: torch.device) -> StaticState:
-        """The fixed-shape state, reallocated (and every graph dropped) only when this run does not fit it."""
+    def _state_for(self, rows: int, prompt_width: int, max_new_tokens: int, device: torch.device,
+                   continuing: bool = False) -> StaticState:
+        """The fixed-shape state, reallocated (and every graph dropped) only when this run does not fit it. A
+        continuing run's rows reach `max_length`, with a turn's worth more: its rows' answers are fed in lockstep."""
         s = self.state
-        needed = prompt_width + max_new_tokens
+        needed = max(prompt_width, (self.max_length or 0) if continuing else 0) + max_new_tokens
         if s is None or rows > s.capacity or needed > s.length or max_new_tokens != s.max_new_tokens:
             length = -(-max(needed, self.max_length or 0) // KEY_BLOCK) * KEY_BLOCK
             self.state, self.graphs = None, {}
@@ -111,25 +98,32 @@ class CudaGraphEngine:
 
     # ---------------------------------------------------------------------------- the fused (captured) loop
     def _fused_decode(self, state: StaticState, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      params: SamplingParams, generator: torch.Generator | None) -> Rollouts:
-        """Every step fused (draw, record, feed); in `graphs` mode each (rows, keys) shape is captured first."""
+                      params: SamplingParams, generator: torch.Generator | None, continuing: bool,
+                      first: bool) -> Rollouts:
+        """Every step fused (draw, record, feed); in `graphs` mode each (rows, keys) shape is captured first (for a
+        continuing run every key block up to the state's length, with the first turn: a capture between turns would
+        overwrite the live state)."""
         eos = -1 if params.ignore_eos else self.tokens.eos_id
         own = self._own_generator(prompt_ids.device)
         step = lambda rows, keys: self._step(state, rows, keys, params, own, eos)  # noqa: E731
         width = prompt_ids.shape[1]  # the cache columns a prompt takes, at most (a shared prefix takes fewer)
-        if self.mode == "graphs":
+        n = len(prompt_ids) * params.n if first else len(prompt_ids)
+        if self.mode == "graphs" and first:
             try:
-                self._capture_all(state, row_bucket(prompt_ids.shape[0] * params.n), width, params, step)
+                self._capture_all(state, row_bucket(n), width, params, step,
+                                  state.length - width - 1 if continuing else params.max_new_tokens)
             except Exception as err:  # noqa: BLE001 - a capture that fails costs speed, never the run
                 self.say(f"grpo: CUDA graphs off: capturing the decode step failed ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); decoding uncaptured", flush=True)
                 self.mode, self.graphs = "token_loop", {}
                 n = state.start(prompt_ids, prompt_mask, params.n)
-                return decode(_TokenLoopDecoder(state, n), prompt_ids, prompt_mask, params, self.tokens, generator)
+                return decode(_TokenLoopDecoder(state, n, not continuing), prompt_ids, prompt_mask, params,
+                              self.tokens, generator)
         caller = generator if generator is not None else _default_generator(prompt_ids.device)
         own.set_state(caller.get_state())  # after the warm-ups: they drew from `own`, never from the caller's
-        n = state.start(prompt_ids, prompt_mask, params.n)
-        steps = self._run(state, n, params, step)
+        if first:
+            n = state.start(prompt_ids, prompt_mask, params.n)
+        steps = self._run(state, n, params, step, compact=not continuing)
         caller.set_state(own.get_state())
         return _rollouts(state, n, steps, prompt_ids, prompt_mask, params, eos)
 
@@ -139,8 +133,10 @@ class CudaGraphEngine:
             self.generator, self.graphs = torch.Generator(device=device), {}
         return self.generator
 
-    def _run(self, state: StaticState, n: int, params: SamplingParams, step: Callable[[int, int], None]) -> int:
-        """The steps of a started run (replays where a graph was captured); returns how many ran."""
+    def _run(self, state: StaticState, n: int, params: SamplingParams, step: Callable[[int, int], None],
+             compact: bool = True) -> int:
+        """The steps of a started turn (replays where a graph was captured, an eager step elsewhere); returns how
+        many ran. `compact`: finished rows leave once the open ones fit the next smaller bucket."""
         rows, start, steps = row_bucket(n), int(state.column), 0
         while steps < params.max_new_tokens:
             keys = key_bucket(start + steps + 1, state.length)
@@ -157,7 +153,7 @@ class CudaGraphEngine:
             still = state.open[:rows].nonzero().squeeze(1)  # waits for the GPU
             if len(still) == 0:
                 break
-            if len(still) <= rows // 2:
+            if compact and len(still) <= rows // 2:
                 state.compact(still)
                 rows = row_bucket(len(still))
         return steps
@@ -182,12 +178,12 @@ class CudaGraphEngine:
         state.logits[:rows].copy_(state.forward(rows, keys))
 
     def _capture_all(self, state: StaticState, top_rows: int, width: int, params: SamplingParams,
-                     step: Callable[[int, int], None]) -> None:
+                     step: Callable[[int, int], None], steps: int) -> None:
         """Capture every (row bucket, key block) this run may meet that is not captured yet, each with the engine's
         own generator registered. Warm-up steps run first on the capture stream (their draws move the engine's
         generator, whose state the caller's replaces before the run; the run state is laid anew by
         `StaticState.start`)."""
-        keys_needed = sorted({key_bucket(width + t + 1, state.length) for t in range(params.max_new_tokens)})
+        keys_needed = sorted({key_bucket(width + t + 1, state.length) for t in range(steps)})
         shapes = [(rows, keys) for rows in _buckets(top_rows) for keys in keys_needed
                   if _key(rows, keys, params) not in self.graphs]
         if not shapes:
@@ -214,6 +210,58 @@ class CudaGraphEngine:
             torch.cuda.synchronize()
 
 
+class StaticDecoding:
+    """`base.Decoding` over the engine's fixed-shape state: each turn decodes in place (captured steps in `graphs`
+    mode, the token loop in `token_loop` mode); the rows that go on have their answers fed over their caches
+    (`StaticState.extend`). A continuing run never compacts rows within a turn, and sizes the state for the engine's
+    `max_length` (the longest row an episode can make) with the first turn's token budget."""
+
+    def __init__(self, engine: CudaGraphEngine, prompts: Sequence[Sequence[int]], continuing: bool):
+        self.engine, self.continuing = engine, continuing
+        device = next(engine.base.lm.model.parameters()).device
+        self.prompt_ids, self.prompt_mask = left_pad(prompts, engine.tokens.pad_id, device)
+        self.n: int | None = None  # rows of the turn to come (None: the first has not run)
+        self.last: Rollouts | None = None
+        self.fed_all = True  # whether the last turn fed every token it drew (the token loop leaves its last step's)
+
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+        engine, first = self.engine, self.n is None
+        with torch.inference_mode():
+            if first:
+                state = engine._state_for(len(self.prompt_ids) * params.n, self.prompt_ids.shape[1],
+                                          params.max_new_tokens, self.prompt_ids.device, self.continuing)
+                if not state.refresh_weights():
+                    engine.graphs.clear()
+                prompt_ids, prompt_mask = self.prompt_ids, self.prompt_mask
+            else:
+                state, params = engine.state, dataclasses.replace(params, n=1)
+                prompt_ids = prompt_mask = self.prompt_ids.new_zeros((self.n, 0))
+            self.fed_all = engine.mode != "token_loop"
+            if engine.mode == "token_loop":
+                n = state.start(prompt_ids, prompt_mask, params.n) if first else self.n
+                rollouts = decode(_TokenLoopDecoder(state, n, not self.continuing), prompt_ids, prompt_mask, params,
+                                  engine.tokens, generator)
+            else:
+                rollouts = engine._fused_decode(state, prompt_ids, prompt_mask, params, generator, self.continuing,
+                                                first)
+                self.fed_all = engine.mode != "token_loop"  # a failed capture decoded with the token loop
+        self.n, self.last = len(rollouts), rollouts
+        return rollouts.clone()
+
+    def extend(self, rows: Sequence[int], answers: Sequence[Sequence[int]], room: int) -> None:
+        if self.last is None or not self.continuing:
+            raise RuntimeError("extend follows a turn of a decoding run started with continuing=True")
+        last, state = self.last, self.engine.state
+        if room > state.max_new_tokens:
+            raise ValueError(f"a turn of {room} tokens does not fit the state's {state.max_new_tokens}")
+        lengths = last.completion_mask.sum(-1)
+        fed = lengths if self.fed_all else lengths.clamp(max=last.completion_ids.shape[1] - 1)
+        keep = torch.tensor(list(rows), dtype=torch.long, device=state.tokens.device)
+        chunks = [last.completion_ids[r, int(fed[r]):int(lengths[r])].tolist() + list(a) for r, a in zip(rows, answers)]
+        with torch.inference_mode():
+            self.n = state.extend(keep, fed.to(keep.device).index_select(0, keep), chunks, room)
+
+
 def _in_range(state: StaticState, keys: int) -> None:
     """Counters a step over `keys` columns may run with outside a run (warm-ups before `StaticState.start`)."""
     state.step.zero_()
@@ -224,8 +272,8 @@ class _TokenLoopDecoder:
     """`token_loop.StepDecoder` over the fixed-shape state: rows that finished are fed padding until the open rows
     fit the next smaller bucket, then compacted; `advance` returns the open rows' logits in their order."""
 
-    def __init__(self, state: StaticState, n: int):
-        self.state, self.rows = state, row_bucket(n)
+    def __init__(self, state: StaticState, n: int, compact: bool = True):
+        self.state, self.rows, self.compact = state, row_bucket(n), compact
         self.open = torch.arange(n, device=state.tokens.device)  # the open rows' slots
         self.column = int(state.column)
         self.logits = state.logits[:n]
@@ -234,7 +282,7 @@ class _TokenLoopDecoder:
         state = self.state
         state.tokens[:self.rows].fill_(pad_id).index_copy_(0, self.open, drawn)
         self.open = self.open[still_open]
-        if len(self.open) <= self.rows // 2:
+        if self.compact and len(self.open) <= self.rows // 2:
             state.compact(self.open)
             self.rows, self.open = row_bucket(len(self.open)), torch.arange(len(self.open), device=self.open.device)
         logits = state.forward(self.rows, key_bucket(self.column + 1, state.length))
@@ -250,8 +298,7 @@ def _buckets(top: int) -> list[int]:
 def _key(rows: int, keys: int, params: SamplingParams) -> tuple:
     """What a captured graph is valid for: its shape and the sampling settings baked into it (its generator is the
     engine's own, the same for every graph)."""
-    return (rows, keys, params.greedy, params.temperature, params.top_k, params.top_p, params.ignore_eos,
-            params.max_new_tokens)
+    return rows, keys, params.greedy, params.temperature, params.top_k, params.top_p, params.ignore_eos
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

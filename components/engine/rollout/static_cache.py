@@ -16,11 +16,15 @@ length` positions of keys and values for every layer, zero-filled so that masked
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from components.engine.fast.decoder import gather_columns, packed_columns
 from components.engine.fast.layers import LayerWeights, Rotary
 from components.engine.fast.pieces import ModelPieces
 from components.engine.fast.prompts import encode_prompts
+from components.engine.models.rollouts import left_pad, positions_from_mask
 
 KEY_BLOCK = 128  # a step attends to its keys rounded up to a multiple of this (one graph per row bucket and block)
 
@@ -74,6 +78,8 @@ class StaticState:
         self.row_of = torch.zeros(capacity, dtype=torch.long, device=device)  # each slot's row in the outputs
         self.out_tokens = torch.zeros((capacity + 1) * max_new_tokens, dtype=torch.long, device=device)
         self.out_logp = torch.zeros((capacity + 1) * max_new_tokens, dtype=torch.float32, device=device)
+        self.context = torch.zeros(capacity, length, dtype=torch.bool, device=device)  # real columns before a turn
+        self.turn_start = 0  # the column a turn's first token is written to
 
     # ------------------------------------------------------------------------------------------- weights
     def _fresh_weights(self, own: bool = False) -> list[LayerWeights]:
@@ -123,22 +129,70 @@ class StaticState:
         low = torch.finfo(self.bias.dtype).min
         self.bias.fill_(low)
         self.bias[:n, ..., :width].masked_fill_(cache_mask.bool()[rows][:, None, None, None, :], 0.0)
-        positions = prompt_mask.sum(-1)[rows][:, None] + torch.arange(self.max_new_tokens, device=prompt_ids.device)
-        rotary = pieces.positions(last[:1, None, :], positions)
+        self.context.zero_()
+        self.context[:n, :width] = cache_mask.bool()[rows]
+        self._begin_turn(n, width, pieces.head(last).index_select(0, rows), last)
+        return n
+
+    def _begin_turn(self, n: int, column: int, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Rows 0..n-1 open, their next tokens drawn from `logits`, the first written to `column`; each row's positions
+        follow its real tokens (`context`). `hidden` only gives the rotary embedding its dtype and device."""
+        device = logits.device
+        positions = self.context[:n].sum(-1)[:, None] + torch.arange(self.max_new_tokens, device=device)
+        rotary = self.pieces.positions(hidden[:1, None, :], positions)
         self.cos[:n].copy_(rotary.cos)
         self.sin[:n].copy_(rotary.sin)
         self.logits.zero_()
-        self.logits[:n].copy_(pieces.head(last).index_select(0, rows))
+        self.logits[:n].copy_(logits)
         self.step.zero_()
-        self.column.fill_(width)
+        self.column.fill_(column)
+        self.turn_start = column
         self.open.zero_()
         self.open[:n] = True
         self.row_of.fill_(self.capacity)  # slots past n write to the spare row of the outputs
-        self.row_of[:n] = torch.arange(n, device=prompt_ids.device)
+        self.row_of[:n] = torch.arange(n, device=device)
         self.tokens.zero_()
         self.out_tokens.zero_()
         self.out_logp.zero_()
-        return n
+
+    def extend(self, keep: torch.Tensor, fed: torch.Tensor, chunks: Sequence[Sequence[int]], room: int) -> int:
+        """After a turn without compaction (slot i holds row i): keep the slots `keep` (ascending; moved to the
+        front), each of which fed `fed[i]` real tokens since the turn began (the rest of its turn's columns are
+        padding; the kept rows' real columns are packed to the right: `fast.decoder.packed_columns`); feed `chunks[i]`
+        to kept row i over its cache in one forward and begin the next turn, of `room` tokens at most. Returns the
+        rows kept."""
+        pieces, m, column = self.pieces, len(keep), int(self.column)
+        turn = torch.arange(column - self.turn_start, device=keep.device)
+        real = self.context.index_select(0, keep)[:, :column]
+        real[:, self.turn_start:] = turn[None, :] < fed[:, None]
+        packed = packed_columns(real)  # each kept row's real columns, packed to the right
+        real, column = real.gather(1, packed), packed.shape[1]
+        for kbuf, vbuf in self.caches:
+            kbuf[:m, :, :column] = gather_columns(kbuf.index_select(0, keep), packed)
+            vbuf[:m, :, :column] = gather_columns(vbuf.index_select(0, keep), packed)
+        ids, mask = left_pad(chunks, 0, keep.device)
+        width = ids.shape[1]
+        if column + width + room > self.length or room > self.max_new_tokens:
+            raise ValueError(f"{column + width} columns and a turn of {room} tokens do not fit {self.length} columns "
+                             f"and turns of {self.max_new_tokens}")
+        x = pieces.embed(ids)
+        rotary = pieces.positions(x, real.sum(-1, keepdim=True) + positions_from_mask(mask))
+        causal = torch.ones(width, width, dtype=torch.bool, device=keep.device).tril()
+        visible = torch.cat([real[:, None, :].expand(-1, width, -1), causal[None] & mask.bool()[:, None, :]], -1)
+        bias = pieces.bias(visible, x.dtype)[:, None, None]  # [m, 1, 1, W, column + W]
+        for layer, fused, (kbuf, vbuf) in zip(pieces.layers, self.weights, self.caches):
+            q, k, v = pieces.qkv(layer, fused, pieces.norm(layer.input_layernorm, x), rotary)
+            kbuf[:m, :, column:column + width] = k
+            vbuf[:m, :, column:column + width] = v
+            x = pieces.finish_layer(layer, fused, x, pieces.merge_heads(
+                pieces.attend(q, kbuf[:m, :, :column + width], vbuf[:m, :, :column + width], bias)))
+        self.context.zero_()
+        self.context[:m, :column + width] = torch.cat([real, mask.bool()], 1)
+        self.bias.fill_(torch.finfo(self.bias.dtype).min)
+        self.bias[:m, 0, 0, 0, :column + width].masked_fill_(self.context[:m, :column + width], 0.0)
+        hidden = pieces.final_norm(x[:, -1, :])
+        self._begin_turn(m, column + width, pieces.head(hidden), hidden)
+        return m
 
     def forward(self, rows: int, keys: int) -> torch.Tensor:
         """Feed `tokens[:rows]` at completion step `step` (cache column `column`), attending to the first `keys`

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engines import PROMPTS, TOKENS, VOCAB, _llama, _lora
+from test_engines import PROMPTS, TOKENS, VOCAB, _llama, _lora, _three_turns
 
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.rollout import cuda_graphs, prefix_shared
@@ -164,6 +164,27 @@ def test_build_refuses_in_one_line_where_no_graph_can_be_captured():
     base = prefix_shared.build(_llama(0.4), TOKENS, VOCAB, max_length=30, completion_length=12)
     assert cuda_graphs.build(base, 30, say=lambda *a, **_k: lines.append(" ".join(map(str, a)))) is None
     assert len(lines) == 1 and "CUDA graphs off" in lines[0]
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_the_fused_loop_continues_a_conversation_as_reencoding_it_would(greedy):
+    """The loop a graph captures, run eagerly: three turns on one state (rows kept to each turn's end, answers fed
+    over their caches, each row's real columns packed) draw what three separate runs over whole contexts draw. (The
+    fused loop draws for every row of its bucket, so compaction changes which uniforms a row gets: with no look at
+    the rows within a turn, `check_every` past the turn, neither run compacts.)"""
+    from components.engine.rollout.turns import Reencoding
+
+    model = _llama(1.2)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, greedy=greedy)
+    engine = _engine(model, "eager", check_every=8)
+    gen, ref_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    continued = _three_turns(engine.start(PROMPTS, continuing=True), params, gen)
+    reencoded = _three_turns(Reencoding(_engine(model, "eager", check_every=8), PROMPTS), params, ref_gen)
+    for ours, theirs in zip(continued, reencoded):
+        assert torch.equal(ours.completion_ids, theirs.completion_ids)
+        if not greedy:
+            torch.testing.assert_close(ours.sampling_logp, theirs.sampling_logp, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen.get_state(), ref_gen.get_state())
 
 
 # ------------------------------------------------------------------------------------------ on a GPU
@@ -338,3 +359,18 @@ def test_one_generator_owned_by_the_engine_over_pass_at_k_calls(recorded_capture
     assert not torch.equal(expected[4][0].completion_ids, expected[5][0].completion_ids)
     assert all(g.generators == [graphed.generator] for g in graphs), "a graph holds another generator"
     assert sum(g.replays for g in graphs) == 5 * SAMPLED.max_new_tokens, "a step ran uncaptured"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_captured_turns_continue_a_conversation_as_the_eager_loop(dtype):
+    """On the card: three turns with every step replayed from graphs captured with the first turn give the eager
+    loop's tokens (a capture between turns would overwrite the conversation's state)."""
+    model = _llama(1.2).to("cuda", dtype)
+    params = SamplingParams(n=2, max_new_tokens=6, greedy=True)
+    captured, eager = _engine(model, "graphs", check_every=2), _engine(model, "eager", check_every=2)
+    a = _three_turns(captured.start(PROMPTS, continuing=True), params, torch.Generator("cuda").manual_seed(1))
+    b = _three_turns(eager.start(PROMPTS, continuing=True), params, torch.Generator("cuda").manual_seed(1))
+    assert captured.mode == "graphs" and captured.graphs
+    for x, y in zip(a, b):
+        assert torch.equal(x.completion_ids, y.completion_ids)
