@@ -32,7 +32,8 @@ TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_
 # other mutations do not pay for it unless everything else passed).
 VARIANT_TESTS = ["tests/engine/grpo/test_against_trl.py", "tests/engine/grpo/test_variants_in_the_update.py",
                  "tests/engine/rewards/test_rewards_builtin.py", "tests/engine/evaluation/test_monitors.py",
-                 "tests/engine/rollout/test_draw.py", "tests/engine/environments/test_episodes.py"]
+                 "tests/engine/rollout/test_draw.py", "tests/engine/environments/test_episodes.py",
+                 "tests/engine/environments/test_generation.py"]
 VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:", "episode:")
 
 # (name, file, original text, mutated text): the original must occur exactly once.
@@ -316,7 +317,26 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
     ("episode: tool tokens counted as the model's", "components/engine/models/rollouts.py",
      "return real if self.model_mask is None else real & self.model_mask.bool()", "return real"),
     ("episode: the environment's answer marked as written by the model", "components/engine/environments/episodes.py",
-     "run.model + [0] * len(answer)", "run.model + [1] * len(answer)"),
+     "row.model + [0] * len(answer)", "row.model + [1] * len(answer)"),
+    ("episode: the rollouts' model-token mask from every token", "components/engine/environments/generation.py",
+     "grid(lambda e: e.model_mask, 0, torch.long)", "grid(lambda e: [1] * len(e.ids), 0, torch.long)"),
+    ("episode: completion_length counts the answers too", "components/engine/models/rollouts.py",
+     "return sum(self.model_mask)", "return len(self.ids)"),
+    ("episode: a cut episode left unscored", "components/engine/environments/episodes.py",
+     "row.reward = play.limits.cut_reward if asked is None else asked", "row.reward = asked"),
+    # the appended cache: a later turn continues each row's context, never re-reads it
+    ("episode: the turn's last drawn token not appended", "components/engine/rollout/turns.py",
+     "fed = last.completion_ids.shape[1] - 1", "fed = last.completion_ids.shape[1]"),
+    ("episode: an answer's positions restart at 0 (prompt-once)", "components/engine/fast/decoder.py",
+     "rotary = pieces.positions(x, real.sum(-1, keepdim=True) + positions_from_mask(mask))",
+     "rotary = pieces.positions(x, positions_from_mask(mask))"),
+    ("episode: a finished row's padding visible in later turns (prompt-once)", "components/engine/fast/decoder.py",
+     ".index_fill_(0, self.open, True))", ".fill_(True))"),
+    ("episode: a finished row's padding visible in later turns (plain)", "components/engine/rollout/hf.py",
+     "torch.zeros(n, 1, dtype=torch.bool, device=drawn.device).index_fill_(0, self.open, True)",
+     "torch.ones(n, 1, dtype=torch.bool, device=drawn.device)"),
+    ("episode: a finished row's padding visible in later turns (fixed-shape)", "components/engine/rollout/static_cache.py",
+     "real[:, self.turn_start:] = turn[None, :] < fed[:, None]", "real[:, self.turn_start:] = True"),
     ("episode: the loss mask from every completion token", "components/engine/grpo/trajectory.py",
      "return rollouts.written.to(dtype) * keep.unsqueeze(-1).to(dtype)",
      "return rollouts.completion_mask.to(dtype) * keep.unsqueeze(-1).to(dtype)"),
