@@ -62,7 +62,7 @@ FIGURE = re.compile(rf"(?<![\w.\-/@#=:^~])({NUMBER})((?:\s*{RANGE_SEP}\s*{NUMBER
 CITED = re.compile(r"benchmarks/results/(\w+)\.(?:md|json)|benchmarks/(\w+)\.py")
 ARXIV = re.compile(r"^\d{4}\.\d{4,5}$")
 # A number right after one of these words is a version, a setting's default or a seed, not a measurement.
-VERSION_OF = re.compile(r"(?:TRL|torch|PyTorch|Python|CUDA|MLflow|Prefect|DVC|transformers|version|[(,] ?default"
+VERSION_OF = re.compile(r"(?:TRL|torch|PyTorch|Python|CUDA|MLflow|Prefect|DVC|YAML|transformers|version|[(,] ?default"
                         r"|by default|defaults to|seeds?|seed \d+,|seeds \d+ and|Qwen2\.5-|Llama-)\s?$", re.I)
 SETTING_AFTER = re.compile(r"^\s*(?:by default|\(default\)|is the default)")
 APPROX = re.compile(r"\b(?:about|some|nearly|roughly|around|almost|approximately)\s+$|~\s?$")

@@ -5,9 +5,9 @@ In order (each result saved as soon as it exists; no phase starts whose estimate
   0. torchao imported first thing (the 4-bit rows need it: a broken install shows in the first second, exit 2);
      the grpo stage's determinism setting (`seed_everything`), so rows take the kernels the stage takes; the GPU-only
      tests (`pytest -m gpu`) start in the background;
-  1. the gate (gpu_rows_gate.py, under a minute): the door gives the CUDA-graph engine in graph mode for SmolLM2's
+  1. the gate (gpu_rows_gate.py): the door gives the CUDA-graph engine in graph mode for SmolLM2's
      shape in bfloat16, captured and eager greedy tokens agree over 32 steps, a sampled run's sampler-vs-trainer
-     log-prob gap is under 0.05 nats on average; prints the attention kernel, graphs captured and capture time.
+     log-prob gap is under `MAX_GAP` nats on average; prints the attention kernel, graphs captured and capture time.
      Failing, it exits 3 (after trying once more without the determinism setting, to say whether that is the cause):
      timing the fallback and calling it the captured engine is worse than no figure;
   2. the long rows at 128 tokens (SmolLM2's shape, LoRA and full, 64 completions a step, ours and TRL taking turns:

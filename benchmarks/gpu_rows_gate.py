@@ -5,7 +5,7 @@ At SmolLM2-135M's shape in bfloat16 (random weights), under the grpo stage's det
 after a failed capture); captured and eager greedy decoding must give the same tokens over `GREEDY_STEPS` steps; a
 sampled run's sampler log-probs must sit within `MAX_GAP` nats, on average, of the trainer's log-probs of the same
 tokens. It also says which attention kernel a masked bfloat16 call takes on this card and in what memory layout its
-output comes back, how many graphs were captured and how long capturing took. Meant to finish in under a minute;
+output comes back, how many graphs were captured and how long capturing took. Meant to be short;
 `passed` False stops the plan (gpu_rows.py exits non-zero) unless told to keep going.
 """
 

@@ -15,7 +15,7 @@ run printed) and what the rerun said about it (its recovery lines). Results hold
 lock file recorded with them (bit-identical is promised for the same CPU kind and threads: README "What reproduced
 means").
 
-    python benchmarks/kill_anywhere.py                      # 40 moments: about an hour on 2 cores, alone
+    python benchmarks/kill_anywhere.py                      # 40 moments (run it alone: kills at random times)
     python benchmarks/kill_anywhere.py --moments 3 --out /tmp/kills   # a quick look (results beside /tmp/kills)
 
 Writes benchmarks/results/kill_anywhere.{json,md} (or OUT.json and OUT.md); exits 1 when any moment was not exact.

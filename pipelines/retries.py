@@ -28,8 +28,8 @@ def is_transient(error: Any) -> bool:
 
 def retry_line(stage: str, outage: dict[str, str], retry: int, retries: int, delay_s: float,
                now: float | None = None) -> str:
-    """`grpo: the MLflow tracking server at URL did not answer; the stage runs again in 10 s (at 14:02:33; retry 1
-    of 2)`."""
+    """The line a retry prints: `grpo: the MLflow tracking server at URL did not answer; the stage runs again in
+    DELAY s (at HH:MM:SS; retry R of RETRIES)`."""
     when = time.strftime("%H:%M:%S", time.localtime((now if now is not None else time.time()) + delay_s))
     where = f" at {outage['address']}" if outage.get("address") else ""
     return (f"{stage}: the {outage['server']}{where} did not answer; the stage runs again in {delay_s:.0f} s (at "

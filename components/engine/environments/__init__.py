@@ -1,3 +1,2 @@
-"""Tools and environments: GRPO over episodes in which the model acts, a tool or an environment answers, and the
-episode is scored. The episode loop (`episodes.py`) runs the rollout door's `sample` turn by turn; engines never know
-about tools."""
+"""Tools and environments, and the one generation service every caller uses (`generation.py`): every row is an
+episode, played through the rollout door's decoding runs turn by turn; engines never know about tools."""
