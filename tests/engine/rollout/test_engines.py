@@ -165,16 +165,20 @@ ANSWERS = [[7, 8], [9], [10, 11], [12]]  # what an environment writes between tu
 
 
 def _three_turns(decoding, params: SamplingParams, generator: torch.Generator, after_first=lambda: None) -> list:
-    """Three turns; after each, the rows that ended with EOS but the first go on with an answer each."""
+    """Three turns; after each, the rows that ended with EOS but the first go on with an answer each. At least one row
+    that goes on ended at its turn's last step (the token loop draws that token but never feeds it)."""
     turns = [decoding.turn(params, generator)]
     after_first()
+    ended_last = 0
     for _ in range(2):
         last = turns[-1]
         ended = [r for r in range(len(last)) if not last.truncated[r]]
         going = ended[1:] or ended
         assert going, "no row ended its turn: nothing to continue"
+        ended_last += sum(int(last.completion_mask[r].sum()) == last.completion_ids.shape[1] for r in going)
         decoding.extend(going, [ANSWERS[k % len(ANSWERS)] for k in going], params.max_new_tokens)
         turns.append(decoding.turn(dataclasses.replace(params, n=1), generator))
+    assert ended_last, "no row that went on ended at its turn's last step: its unfed token is never tested"
     return turns
 
 
@@ -188,7 +192,7 @@ def test_a_continued_conversation_draws_what_reencoding_it_draws(engine, greedy)
 
     model = _llama(1.2)
     built = ENGINES[engine](model, TOKENS)
-    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.9, greedy=greedy)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.9, greedy=greedy)
     widths: list[int] = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: widths.append(args[0].shape[-1]))
     try:
