@@ -561,6 +561,7 @@ def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], 
 def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
+    from benchmarks.trl_tools import episode_figures, tool_row_report
     from components.engine.evaluation.heldout import paired_bootstrap
 
     root = prepare_start(row, work, args.threads, getattr(args, "setup_set", []))
@@ -676,7 +677,8 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                          "memory": {"ours": f"grpo.gradient_checkpointing={g.gradient_checkpointing}, "
                                             f"grpo.minibatch_size={g.minibatch_size or 'whole batch'}",
                                     "trl": ", ".join(f"{k}={v}" for k, v in trl_memory.items())},
-                         "prompt_tokens_mean": round(prompt_tokens, 1)},
+                         "prompt_tokens_mean": round(prompt_tokens, 1),
+                         **({"overrides": spec["overrides"]} if spec["overrides"] else {})},
             "heldout_warm_start": warm_start,
             "speedup_vs_trl": round(statistics.median(ratios), 3),
             "per_round_ratios": [round(x, 3) for x in ratios],
@@ -690,49 +692,7 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                                   if g.tools else {})}
 
 
-def episode_figures(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Per episode, over the measured steps: every token after the prompt, the model's turns, the tool calls; and
-    where the engine counted them from its mask (TRL), the tools' answers and the share of episodes in which the
-    model wrote after a tool answered."""
-    episodes = sum(s["completions"] for s in steps) or 1.0
-    figures = {"episode_tokens_mean": round(sum(s.get("episode_tokens", s["tokens"]) for s in steps) / episodes, 1),
-               "turns_per_episode": round(sum(s.get("turns", s["completions"]) for s in steps) / episodes, 3),
-               "tool_calls_per_episode": round(sum(s.get("tool_calls", 0.0) for s in steps) / episodes, 3)}
-    if all("tool_answers" in s for s in steps):
-        figures["tool_answers_per_episode"] = round(sum(s["tool_answers"] for s in steps) / episodes, 3)
-        figures["answered_after_tool_frac"] = round(sum(s["answered_after_tool"] for s in steps) / episodes, 3)
-    return figures
 
-
-TOOL_ROW_DIFFERENCES = (
-    "TRL renders prompts with the model's chat template plus one macro that writes an assistant turn's tool calls "
-    "as the model writes them (TRL refuses a template that renders no tool exchange); prompts and tool answers were "
-    "checked token for token against ours before training (`layout`).",
-    "TRL reads calls with a transformers response template for the same format; it needs the closing </tool_call>, "
-    "where ours also reads a call left open at the end of a turn, and a call it cannot read ends TRL's episode as "
-    "an answer, where ours answers it with the call format and lets the model try again.",
-    "A failing tool call reads \"{'error': '...'}\" in TRL and \"error: ValueError: ...\" in ours; TRL has no time "
-    "limit on a call (ours: grpo.episode.timeout_s).",
-    "TRL drops a tool answer that would take the episode past max_completion_length; ours also when the answer "
-    "leaves no token for another turn (one token apart).",
-    "Tool calls per episode: ours counts every call it answered (its episode records), TRL its tools/call_frequency "
-    "metric; TRL's model tokens, tool answers and turns are counted from its tool_mask (1 on the model's tokens).",
-)
-
-
-def tool_row_report(g, engines: dict[str, dict[str, Any]], token_ratio: float, heldout: dict[str, float],
-                    notes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A tool row's extras: the tools, what TRL's layout was checked against, one TRL episode as TRL laid it out, the
-    issue's targets met or not, and the differences between the two tool loops that the benchmark could not
-    remove."""
-    ours, trl = engines["ours"], engines["trl"]
-    return {"tools": list(g.tools), "max_turns": g.episode.max_turns, "layout": notes["trl"].get("layout"),
-            "trl_sample_episode": notes["trl"].get("sample", ""),
-            "targets": {"model_tokens_per_s_ratio_at_least_3": token_ratio >= 3,
-                        "peak_rss_at_most_half_of_trl": ours["peak_rss_mb"] <= 0.5 * trl["peak_rss_mb"],
-                        "peak_rss_at_most_4_gb": ours["peak_rss_mb"] * 2**20 <= 4e9,
-                        "heldout_ci95_low_at_least_minus_0.05": heldout["ci95_low"] >= -0.05},
-            "differences": list(TOOL_ROW_DIFFERENCES)}
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -810,6 +770,8 @@ def markdown(report: dict[str, Any]) -> str:
             if key in o.get("utilisation", {}) or key in t.get("utilisation", {}):
                 lines.append(f"| {label} | {o['utilisation'].get(key, 0):.0%} | {t['utilisation'].get(key, 0):.0%} |")
         if "tools" in r:
+            from benchmarks.trl_tools import tool_row_lines
+
             lines += tool_row_lines(r)
         if s.get("memory"):
             lines += ["", f"Memory settings: ours {s['memory']['ours']}; TRL {s['memory']['trl']}."]
@@ -844,35 +806,6 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{gpu['update_tflops']} TFLOP/s, MFU {gpu['mfu']}" if gpu else
                              "Skipped: no CUDA device on this machine."), ""]
     return "\n".join(lines) + "\n"
-
-
-def tool_row_lines(r: dict[str, Any]) -> list[str]:
-    """A tool row's episode figures (table lines), its targets, TRL's layout check, the differences left and one
-    episode of TRL's."""
-    o, t = r["engines"]["ours"], r["engines"]["trl"]
-    lines = [f"| {label} | {fmt.format(o[key]) if key in o else '-'} | {fmt.format(t[key]) if key in t else '-'} |"
-             for label, key, fmt in (("tokens per episode after the prompt (mean)", "episode_tokens_mean", "{:.1f}"),
-                                     ("model turns per episode", "turns_per_episode", "{:.2f}"),
-                                     ("tool calls per episode", "tool_calls_per_episode", "{:.2f}"),
-                                     ("tool answers per episode (TRL's mask)", "tool_answers_per_episode", "{:.2f}"),
-                                     ("episodes the model wrote on after a tool answered", "answered_after_tool_frac",
-                                      "{:.0%}"))]
-    x = r["per_round_model_token_ratios"]
-    lines += ["", f"**Model tokens/s, ours / TRL: {r['model_tokens_per_s_ratio']:.2f}x** (median of per-round ratios; "
-              f"rounds: {', '.join(f'{v:.2f}' for v in x)}); episodes/s: {r['speedup_vs_trl']:.2f}x. Tools: "
-              f"{', '.join(r['tools'])}, up to {r['max_turns']} model turns (TRL: max_tool_calling_iterations "
-              f"{r['max_turns'] - 1}).", "",
-              "Targets (issue 63): " + "; ".join(f"{name} {'met' if met else 'NOT met'}"
-                                                 for name, met in r["targets"].items()) + ".", ""]
-    if r.get("layout"):
-        lines += [f"TRL's layout checked against ours before training: {r['layout']['prompts_compared']} prompts and "
-                  f"{r['layout']['answers_compared']} tool answers, token for token.", ""]
-    lines += ["Differences between the two tool loops that the benchmark does not remove:", "",
-              *[f"- {d}" for d in r["differences"]], ""]
-    if r.get("trl_sample_episode"):
-        lines += ["One of TRL's episodes (its last measured step), as TRL laid it out:", "", "```text",
-                  r["trl_sample_episode"], "```"]
-    return lines
 
 
 def log_to_mlflow(report: dict[str, Any], json_path: Path, md_path: Path) -> str:

@@ -160,7 +160,7 @@ def test_trl_rewards_read_the_last_model_turn_as_ours_do():
 
 
 def test_the_report_states_the_tool_rows_figures_targets_and_differences():
-    from benchmarks.grpo_vs_trl import TOOL_ROW_DIFFERENCES, episode_figures
+    from benchmarks.trl_tools import TOOL_ROW_DIFFERENCES, episode_figures
 
     report = json.loads((ROOT / "benchmarks" / "results" / "grpo_vs_trl.json").read_text())
     row = dict(next(r for r in report["rows"] if r["row"] == "smollm2-long"), row="calculator")
