@@ -173,10 +173,24 @@ def test_the_report_states_the_tool_rows_figures_targets_and_differences():
     row.update(tools=["calculator"], max_turns=3, model_tokens_per_s_ratio=3.21,
                per_round_model_token_ratios=[3.0, 3.3],
                layout={"prompts_compared": 16, "answers_compared": 2}, trl_sample_episode="<|im_start|>tool\n28454",
-               targets={"model_tokens_per_s_ratio_at_least_3": True, "peak_rss_at_most_4_gb": False},
+               targets={"model_tokens_per_s_ratio_at_least_3": True, "peak_rss_at_most_4000_mb": False},
                differences=list(TOOL_ROW_DIFFERENCES))
     text = markdown({**report, "rows": [row]})
     assert "**Model tokens/s, ours / TRL: 3.21x**" in text and "rounds: 3.00, 3.30" in text
-    assert "model_tokens_per_s_ratio_at_least_3 met; peak_rss_at_most_4_gb NOT met" in text
+    assert "model_tokens_per_s_ratio_at_least_3 met; peak_rss_at_most_4000_mb NOT met" in text
     assert "| tool answers per episode (TRL's mask) | 0.94 | 0.94 |" in text
     assert "16 prompts and 2 tool answers, token for token" in text and TOOL_ROW_DIFFERENCES[1] in text
+
+
+def test_the_issues_targets_are_read_from_the_measured_figures():
+    from benchmarks.trl_tools import tool_row_report
+
+    cfg = row_config(ROWS["calculator"])
+    engines = {"ours": {"peak_rss_mb": 3900.0}, "trl": {"peak_rss_mb": 7800.0}}
+    notes = {"trl": {"layout": {"prompts_compared": 16}, "sample": "x"}}
+    met = tool_row_report(cfg.grpo, engines, 3.0, {"ci95_low": -0.05}, notes)["targets"]
+    assert all(met.values()) and len(met) == 4
+    engines = {"ours": {"peak_rss_mb": 4001.0}, "trl": {"peak_rss_mb": 8002.0}}
+    missed = tool_row_report(cfg.grpo, engines, 2.99, {"ci95_low": -0.051}, notes)["targets"]
+    assert missed == {"model_tokens_per_s_ratio_at_least_3": False, "peak_rss_at_most_half_of_trl": True,
+                      "peak_rss_at_most_4000_mb": False, "heldout_ci95_low_at_least_minus_0.05": False}
