@@ -18,11 +18,16 @@ Rows (`--rows`):
   smollm2-full  the same, full fine-tuning at lr 1e-5
   smollm2-long  answers that rarely repeat: configs/examples/smollm2_reasoning.yaml (word problems, up to 128
                 tokens at temperature 1.0, LoRA) from its SFT warm start; both engines recompute layers in backward
+  calculator    tool episodes: configs/examples/smollm2_calculator.yaml (a calculator tool, up to 3 model turns in
+                96 tokens, LoRA) from its SFT warm start on worked tool conversations, against TRL's tool loop
+                (`GRPOTrainer(tools=[calculator])`, benchmarks/trl_tools.py: the same prompts, chat template and
+                call format, checked token for token before training); speed in the model's own tokens a second
 
     pip install -c constraints.txt -e ".[bench]"              # TRL: a benchmark extra, never a runtime dependency
     python benchmarks/grpo_vs_trl.py                            # all rows, about 70 minutes on 2 cores
     python benchmarks/grpo_vs_trl.py --rows tiny --rounds 4     # a quick look
     python benchmarks/grpo_vs_trl.py --pipeline-runs 3          # also the default pipeline's orchestration overhead
+    python benchmarks/grpo_vs_trl.py --rows calculator --update  # the tool row alone, the other rows kept
 
 Writes benchmarks/results/grpo_vs_trl.{json,md} and logs them to MLflow (experiment grpo-benchmarks).
 Not a test: it reports figures, it does not assert them.
@@ -49,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 SMOLLM2 = "configs/examples/smollm2_addition.yaml"
 REASONING = "configs/examples/smollm2_reasoning.yaml"
+CALCULATOR = "configs/examples/smollm2_calculator.yaml"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Row:
     round_steps: int  # GRPO steps per engine per round
     summary: str
     trl_memory: tuple[tuple[str, Any], ...] = ()  # GRPOConfig settings TRL needs to fit memory (stated in the report)
+    setup_overrides: tuple[str, ...] = ()  # `key=value` for the shared start too (its data) and both engines
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -75,6 +82,14 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("smollm2-long", "smollm2-reasoning", REASONING, ("grpo.gradient_checkpointing=always",), 4, 2,
         "SmolLM2-135M-Instruct from its SFT warm start, word problems in up to 128 tokens, LoRA rank 16",
         (("gradient_checkpointing", True),)),
+    # Tool episodes (the calculator example's model, data, tool, LoRA and budget: 20 steps of 4 prompts x 8 episodes
+    # of up to 3 model turns in 96 tokens). Both engines recompute layers in backward: TRL keeps every layer's
+    # activations of 32 rows of about 250 tokens otherwise, more than these machines hold. The held-out split is
+    # 500 prompts, not the example's 100, so a paired CI can tell "not worse" (it is drawn after the others: the
+    # SFT and training prompts stay the example's).
+    Row("calculator", "smollm2-calculator", CALCULATOR, ("grpo.gradient_checkpointing=always",), 4, 5,
+        "SmolLM2-135M-Instruct with a calculator tool, episodes of up to 3 turns in 96 tokens, LoRA rank 16, from its "
+        "SFT warm start", (("gradient_checkpointing", True),), ("task.n_heldout=500",)),
 )}
 ENGINES = ("ours", "trl")
 # Off the clock or not comparable: held-out evaluation happens between rounds (the controller asks for it),
@@ -83,16 +98,19 @@ BENCH_OVERRIDES = ["grpo.checkpoint_every=0", "evaluate.every=0"]
 
 
 def row_config(row: Row, extra: list[str] = (), setup_only: bool = False):
-    """The pipeline config a row trains with: params.yaml + its overlay + its overrides + `extra`."""
+    """The pipeline config a row trains with: params.yaml + its overlay + its set-up overrides + its overrides (not
+    for the shared start: `setup_only`) + `extra`."""
     from pipelines.params_io import merged_config
 
     overlays = [ROOT / row.overlay] if row.overlay else []
-    return merged_config(ROOT / "params.yaml", overlays, ([] if setup_only else list(row.overrides)) + list(extra))
+    own = list(row.setup_overrides) + ([] if setup_only else list(row.overrides))
+    return merged_config(ROOT / "params.yaml", overlays, own + list(extra))
 
 
 # ---------------------------------------------------------------------------------------------- set-up
-def prepare_start(row: Row, work: Path, threads: int) -> Path:
-    """Data, model (a GGUF converted once) and SFT warm start for a row's setup, built once and reused."""
+def prepare_start(row: Row, work: Path, threads: int, setup_set: list[str] = ()) -> Path:
+    """Data, model (a GGUF converted once) and SFT warm start for a row's setup, built once and reused (`setup_set`:
+    `key=value` for this start only, e.g. a shorter SFT for a quick look; a start built with others is rebuilt)."""
     from components.data.paths import Paths
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
@@ -101,9 +119,11 @@ def prepare_start(row: Row, work: Path, threads: int) -> Path:
     root = work / row.setup
     stamp = root / "setup.json"
     key = {"overlay": row.overlay, "threads": threads}
+    if row.setup_overrides or setup_set:  # older stamps (no such settings) keep their key
+        key["set"] = list(row.setup_overrides) + list(setup_set)
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         return root
-    cfg = row_config(row, [f"threads={threads}"], setup_only=True)
+    cfg = row_config(row, [f"threads={threads}", *setup_set], setup_only=True)
     paths = Paths(root=root)
     t0 = time.perf_counter()
     prepare(cfg, paths)
@@ -176,6 +196,7 @@ class Gate:
         self.channel, self.round_steps, self.evaluate = channel, round_steps, evaluate
         self.send = channel.send
         self.steps: list[dict[str, float]] = []
+        self.notes: dict[str, Any] = {}  # sent with the next round's report (what a worker checked, a sample)
         self.resumed = time.perf_counter()
 
     def wait(self, model) -> None:
@@ -192,8 +213,8 @@ class Gate:
         self.steps.append({"seconds": time.perf_counter() - self.resumed, **parts})
         if step % self.round_steps == 0:
             self.send({"event": "round", "step": step, "steps": self.steps,
-                       "peak_rss_mb": peak_rss_mb()})
-            self.steps = []
+                       "peak_rss_mb": peak_rss_mb(), **self.notes})
+            self.steps, self.notes = [], {}
             self.wait(model)
         self.resumed = time.perf_counter()
 
@@ -223,15 +244,15 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
 
 
 def mean_prompt_tokens(cfg, root: Path, limit: int = 256) -> float:
-    """Tokens of a formatted training prompt (chat template included), the mean over the first `limit` prompts."""
+    """Tokens of a training prompt as the engine encodes it (chat template, and a tool row's system message,
+    included), the mean over the first `limit` prompts."""
     from components.data.records import read_jsonl, split_path
+    from components.engine.environments.generation import play_of
     from components.engine.models.modeling import load_tokenizer
-    from components.engine.models.prompting import PromptFormatter
 
-    tokenizer = load_tokenizer(root / "models" / "sft")
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
-    records = read_jsonl(split_path(root / "data" / "prepared", "train"))[:limit]
-    return statistics.mean(len(tokenizer(formatter(r), add_special_tokens=False).input_ids) for r in records)
+    play = play_of(cfg, load_tokenizer(root / "models" / "sft"), cfg.grpo.max_completion_length)
+    prompts, _ = play.start(read_jsonl(split_path(root / "data" / "prepared", "train"))[:limit], 1)
+    return statistics.mean(len(ids) for ids in prompts)
 
 
 def worker_config(spec: dict[str, Any]):
@@ -239,7 +260,7 @@ def worker_config(spec: dict[str, Any]):
     steps = spec["steps"]
     return row_config(ROWS[spec["row"]], BENCH_OVERRIDES + [
         f"threads={spec['threads']}", f"seed={spec['seed']}", f"grpo.steps={steps}", f"grpo.log_every={steps}",
-        *spec.get("ours_overrides", [])])
+        *spec.get("overrides", []), *spec.get("ours_overrides", [])])
 
 
 def run_ours(spec: dict[str, Any], channel: Channel) -> None:
@@ -254,9 +275,13 @@ def run_ours(spec: dict[str, Any], channel: Channel) -> None:
                                                                  spec["heldout"]))
 
     def on_step(step: int, model, metrics: dict[str, float]) -> None:
+        kept = metrics["kept_completions"]
         gate.on_step(step, model, {
             "completions": metrics["sampled_completions"],
-            "tokens": metrics["completion_length"] * metrics["kept_completions"],
+            # completion_length counts the model's tokens (Rollouts.written); the episode metrics every token after
+            # the prompt, the tools' answers included
+            "tokens": metrics["completion_length"] * kept, "episode_tokens": metrics["episode_length"] * kept,
+            "tool_calls": metrics["tool_calls_per_episode"] * kept, "turns": metrics["turns_per_episode"] * kept,
             "generation": metrics["time/generation"], "reward": metrics["time/reward"],
             "reference": metrics["time/reference"], "policy": metrics["time/policy"],
             "reward_mean": metrics["reward_mean"], "distinct": metrics["distinct_completion_frac"],
@@ -272,11 +297,14 @@ def trl_settings(cfg, steps: int, output_dir: Path, memory: tuple[tuple[str, Any
     different = {"kl_estimator": (g.kl_estimator, "k3"), "algorithm": (g.algorithm, "grpo"),
                  "reference.mode": (g.reference.mode, "static"),
                  "dynamic_sampling": (g.dynamic_sampling.enabled, False), "overlong": (g.overlong.enabled, False),
-                 "minibatch_size": (g.minibatch_size, 0)}
+                 "minibatch_size": (g.minibatch_size, 0), "environment": (g.environment, None)}
     for key, (value, supported) in different.items():
         if value != supported:
             raise SystemExit(f"grpo.{key} = {value!r}: the TRL side of the benchmark is written for {supported!r}")
-    return dict(
+    # Tool episodes: TRL's max_completion_length already bounds the whole episode after the prompt (the model's turns
+    # and the tools' answers), as ours; its tool-calling iterations are the model turns after the first.
+    tools = {"max_tool_calling_iterations": g.episode.max_turns - 1} if g.tools else {}
+    return tools | dict(
         output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=g.prompts_per_step * g.group_size, num_generations=g.group_size,
         max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p, top_k=0,
@@ -291,17 +319,49 @@ def trl_settings(cfg, steps: int, output_dir: Path, memory: tuple[tuple[str, Any
         disable_tqdm=True, dataloader_num_workers=0) | dict(memory)
 
 
+def trl_inputs(cfg, root: Path, tokenizer, records: list[dict[str, Any]], rewards, distinct: list[float]
+               ) -> tuple[list[dict[str, Any]], Any, dict[str, Any], Any]:
+    """The dataset rows, reward function, extra GRPOTrainer arguments and tokenizer TRL trains with, and (a tool row)
+    the layout TRL must reproduce. Single turns: the prompt text our engine feeds the model (template, chat
+    template) as plain strings, which TRL tokenizes as they are. Tool rows: benchmarks/trl_tools.py."""
+    if cfg.grpo.tools:
+        from benchmarks.trl_tools import answer_text, tool_row_inputs
+        from components.engine.models.modeling import load_tokenizer
+
+        inputs = tool_row_inputs(cfg, records, tokenizer, load_tokenizer(root / "models" / "sft"))
+
+        def episode_reward(prompts, completions, raw_prompt, **columns):  # the last model turn, as ours reads it
+            texts = [answer_text(c) for c in completions]
+            distinct.append(len({(p, json.dumps(c)) for p, c in zip(raw_prompt, completions)}) / max(1, len(texts)))
+            return rewards(list(raw_prompt), texts, {k: list(v) for k, v in columns.items()
+                                                     if isinstance(v, list)}).total
+
+        return inputs.rows, episode_reward, {"tools": inputs.tools}, inputs
+    from components.engine.models.prompting import PromptFormatter
+
+    formatter = PromptFormatter(cfg.prompt, tokenizer)
+    rows = [{**{k: v for k, v in r.items() if k != "id"}, "prompt": formatter(r), "raw_prompt": r["prompt"]}
+            for r in records]
+
+    def task_reward(prompts, completions, raw_prompt, **columns):  # the same reward code our engine calls
+        distinct.append(len(set(zip(prompts, completions))) / max(1, len(completions)))
+        return rewards(list(raw_prompt), list(completions), {k: list(v) for k, v in columns.items()
+                                                             if isinstance(v, list)}).total
+
+    return rows, task_reward, {}, None
+
+
 def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.trl_tools import EpisodeCount, check_same_layout
     from components.data.records import read_jsonl, split_path
+    from components.engine.environments.generation import play_of
     from components.engine.grpo.host_memory import configure_allocator
     from components.engine.grpo.memory_estimate import ModelShape, estimate_step_memory
     from components.engine.models.modeling import load_model, load_tokenizer
-    from components.engine.models.prompting import PromptFormatter, longest_row
     from components.engine.rewards.rewards import RewardModel
 
     cfg = worker_config(spec)
@@ -310,26 +370,14 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     torch.set_num_threads(cfg.threads)  # no deterministic-kernel switch: TRL at its fastest
     tokenizer = load_tokenizer(root / "models" / "sft")
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
-    # The prompt text our engine feeds the model (template, chat template), as plain strings: TRL tokenizes
-    # them as they are, so both engines see the same token ids. Rewards get the raw prompt, as ours do.
-    formatter = PromptFormatter(cfg.prompt, tokenizer)
     records = read_jsonl(split_path(root / "data" / "prepared", "train"))
     # The allocator setting our grpo stage makes for this row (grpo.fit_memory), so both get the same one.
-    estimate = estimate_step_memory(ModelShape.of(model), cfg.grpo, longest_row(tokenizer, formatter, records[:256], 0),
-                                    cfg.grpo.kl_beta > 0)
-    configure_allocator(estimate.largest_activation)
-    dataset = Dataset.from_list([{**{k: v for k, v in r.items() if k != "id"}, "prompt": formatter(r),
-                                  "raw_prompt": r["prompt"]} for r in records])
-    rewards = RewardModel(cfg.grpo.rewards)
-
+    longest = play_of(cfg, tokenizer, cfg.grpo.max_completion_length).longest_prompt(records[:256])
+    configure_allocator(estimate_step_memory(ModelShape.of(model), cfg.grpo, longest,
+                                             cfg.grpo.kl_beta > 0).largest_activation)
     distinct: list[float] = []
-
-    def task_reward(prompts, completions, raw_prompt, **columns):  # the same reward code our engine calls
-        distinct.append(len(set(zip(prompts, completions))) / max(1, len(completions)))
-        return rewards(list(raw_prompt), list(completions), {k: list(v) for k, v in columns.items()
-                                                             if isinstance(v, list)}).total
-
-    task_reward.__name__ = cfg.grpo.rewards[0].name
+    rows, reward, extra, layout = trl_inputs(cfg, root, tokenizer, records, RewardModel(cfg.grpo.rewards), distinct)
+    reward.__name__ = cfg.grpo.rewards[0].name
     args = GRPOConfig(**trl_settings(cfg, spec["steps"], root / "trl-out", ROWS[spec["row"]].trl_memory))
     peft_config = None
     if cfg.grpo.lora.enabled:
@@ -339,6 +387,22 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
         peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                  target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     gate = Gate(channel, spec["round_steps"], heldout_evaluator(cfg, root, tokenizer, spec["heldout"]))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=layout.tokenizer if layout else tokenizer, peft_config=peft_config, **extra)
+    if layout is not None:  # TRL sees the tokens ours sees, or the benchmark stops here
+        gate.notes["layout"] = check_same_layout(trainer, layout, records[:16])
+        print(f"TRL's layout matches the pipeline's: {gate.notes['layout']}", flush=True)
+    count = EpisodeCount(tokenizer)
+    timed_trl_phases(trainer, gate, args, distinct, count)
+    trainer.train()
+
+
+def timed_trl_phases(trainer, gate: Gate, args, distinct: list[float], count) -> None:
+    """Time TRL's phases, count its episodes from its model-token mask (`EpisodeCount`) and hand each step to
+    `gate` (the step's parts, as ours reports them)."""
+    import torch
+    from transformers import TrainerCallback
+
     timers = {"generation": 0.0, "reward": 0.0, "reference": 0.0}
 
     def timed(name: str, fn, only_without_grad: bool = False):
@@ -352,9 +416,7 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
                 timers[name] += time.perf_counter() - t0
         return wrapper
 
-    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=peft_config)
-    trainer._generate = timed("generation", trainer._generate)
+    trainer._generate = count.wrap(timed("generation", trainer._generate))  # counting stays inside the step's clock
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     # With num_iterations = 1 the only no-grad log-prob forward is the reference model's.
     trainer._get_per_token_logps_and_entropies = timed("reference", trainer._get_per_token_logps_and_entropies,
@@ -363,22 +425,25 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     class Hand(TrainerCallback):
         def on_step_end(self, _args, state, control, **kwargs):
             metrics = trainer._metrics["train"]
-            length = metrics["completions/mean_length"][-1] if metrics.get("completions/mean_length") else 0.0
             total = time.perf_counter() - gate.resumed
             parts = dict(timers)
             parts["policy"] = max(0.0, total - sum(parts.values()))
             reward_mean = metrics["reward"][-1] if metrics.get("reward") else 0.0
+            counted = count.take()
+            calls = metrics.get("tools/call_frequency")  # TRL's own count of the calls it ran, per episode
+            gate.notes["sample"] = count.sample
             gate.on_step(state.global_step, trainer.model, {
-                "completions": float(args.per_device_train_batch_size),
-                "tokens": length * args.per_device_train_batch_size, **parts, "reward_mean": reward_mean,
-                "distinct": distinct[-1] if distinct else 1.0,
+                "completions": float(args.per_device_train_batch_size), "tokens": counted["model_tokens"],
+                "episode_tokens": counted["episode_tokens"], "tool_answers": counted["tool_answers"],
+                "turns": counted["turns"], "answered_after_tool": counted["answered_after_tool"],
+                "tool_calls": calls[-1] * args.per_device_train_batch_size if calls else 0.0,
+                **parts, "reward_mean": reward_mean, "distinct": distinct[-1] if distinct else 1.0,
                 "decode_steps": (metrics["completions/max_length"] or [0.0])[-1]
                 if "completions/max_length" in metrics else 0.0})
             for key in timers:
                 timers[key] = 0.0
 
     trainer.add_callback(Hand())
-    trainer.train()
 
 
 def worker_main(spec_json: str) -> int:
@@ -496,13 +561,14 @@ def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], 
 def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
+    from benchmarks.trl_tools import episode_figures, tool_row_report
     from components.engine.evaluation.heldout import paired_bootstrap
 
-    root = prepare_start(row, work, args.threads)
+    root = prepare_start(row, work, args.threads, getattr(args, "setup_set", []))
     rounds = args.rounds or row.rounds
     round_steps = args.round_steps or row.round_steps
     spec = {"row": row.name, "root": str(root), "steps": rounds * round_steps, "round_steps": round_steps,
-            "threads": args.threads, "seed": args.seed, "heldout": args.heldout}
+            "threads": args.threads, "seed": args.seed, "heldout": args.heldout, "overrides": getattr(args, "set", [])}
     cfg = worker_config(spec)
     per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size  # completions per step
     warm_start = warm_start_heldout(spec)
@@ -511,6 +577,8 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     workers: dict[str, Worker] = {}
     steps: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
     round_rates: dict[str, list[float]] = {e: [] for e in ENGINES}
+    token_rates: dict[str, list[float]] = {e: [] for e in ENGINES}  # the model's tokens a second, each round
+    notes: dict[str, dict[str, Any]] = {e: {} for e in ENGINES}  # what a worker checked, its last sample
     curve: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
     clock = {e: 0.0 for e in ENGINES}
     final_eval: dict[str, dict[str, Any]] = {}
@@ -532,6 +600,9 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                 steps[engine] += report["steps"]
                 round_rates[engine].append(sum(s["completions"] for s in report["steps"])
                                            / sum(s["seconds"] for s in report["steps"]))
+                token_rates[engine].append(sum(s["tokens"] for s in report["steps"])
+                                           / sum(s["seconds"] for s in report["steps"]))
+            notes[engine].update({k: report[k] for k in ("layout", "sample") if k in report})
             peak[engine] = max(peak[engine], report["peak_rss_mb"])
             if args.eval_every_round or r == rounds - 1:
                 w.command("eval")
@@ -584,10 +655,12 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                 "distinct_completion_frac": round(statistics.mean(s.get("distinct", 1.0) for s in rows), 3),
                 "completion_tokens_mean": round(sum(s["tokens"] for s in rows)
                                                 / sum(s["completions"] for s in rows), 1),
-                "utilisation": utilisation}
+                "utilisation": utilisation, "model_tokens_per_s": round(statistics.median(token_rates[engine]), 1),
+                **episode_figures(rows)}
 
     result = {e: summary(e) for e in ENGINES}
     ratios = [o / t for o, t in zip(round_rates["ours"], round_rates["trl"])]
+    token_ratios = [o / t for o, t in zip(token_rates["ours"], token_rates["trl"])]
     token_ratio = result["ours"]["generated_tokens_per_s"] / result["trl"]["generated_tokens_per_s"]
     diff = paired_bootstrap(np.array(final_eval["ours"]["rewards"]), np.array(final_eval["trl"]["rewards"]),
                             10_000, args.seed)
@@ -604,15 +677,22 @@ def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
                          "memory": {"ours": f"grpo.gradient_checkpointing={g.gradient_checkpointing}, "
                                             f"grpo.minibatch_size={g.minibatch_size or 'whole batch'}",
                                     "trl": ", ".join(f"{k}={v}" for k, v in trl_memory.items())},
-                         "prompt_tokens_mean": round(prompt_tokens, 1)},
+                         "prompt_tokens_mean": round(prompt_tokens, 1),
+                         **({"overrides": spec["overrides"]} if spec["overrides"] else {})},
             "heldout_warm_start": warm_start,
             "speedup_vs_trl": round(statistics.median(ratios), 3),
             "per_round_ratios": [round(x, 3) for x in ratios],
             "tokens_per_s_ratio": round(token_ratio, 3),
+            "model_tokens_per_s_ratio": round(statistics.median(token_ratios), 3),
+            "per_round_model_token_ratios": [round(x, 3) for x in token_ratios],
             "heldout_n": n,
             "heldout_ours_minus_trl": {k: round(v, 4) for k, v in diff.items()},
             "time_to_trl_final_heldout": time_to_trl_reward(warm_start, curve, n, result["trl"]["train_seconds"]),
-            "engines": result}
+            "engines": result, **(tool_row_report(g, result, statistics.median(token_ratios), diff, notes)
+                                  if g.tools else {})}
+
+
+
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -666,6 +746,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{', '.join(f'{x:.2f}' for x in r['per_round_ratios'])})", "",
                   "| | ours | TRL |", "|---|---|---|"]
         rows = [("completions/s (median of rounds)", "completions_per_s", "{:.1f}"),
+                ("model tokens/s (median of rounds)", "model_tokens_per_s", "{:.1f}"),
                 ("generated tokens/s", "generated_tokens_per_s", "{:.0f}"),
                 ("s/step median", "step_seconds_median", "{:.3f}"), ("s/step p90", "step_seconds_p90", "{:.3f}"),
                 ("peak RSS, training steps (MB)", "peak_rss_mb", "{:.0f}"),
@@ -688,6 +769,10 @@ def markdown(report: dict[str, Any]) -> str:
                            ("reference_flops_frac", "reference: share of the matmul ceiling")):
             if key in o.get("utilisation", {}) or key in t.get("utilisation", {}):
                 lines.append(f"| {label} | {o['utilisation'].get(key, 0):.0%} | {t['utilisation'].get(key, 0):.0%} |")
+        if "tools" in r:
+            from benchmarks.trl_tools import tool_row_lines
+
+            lines += tool_row_lines(r)
         if s.get("memory"):
             lines += ["", f"Memory settings: ours {s['memory']['ours']}; TRL {s['memory']['trl']}."]
         d = r["heldout_ours_minus_trl"]
@@ -733,6 +818,8 @@ def log_to_mlflow(report: dict[str, Any], json_path: Path, md_path: Path) -> str
             mlflow.log_params({f"{r['row']}.{k}": v for k, v in r["settings"].items() if not isinstance(v, dict)})
             mlflow.log_metric(f"{r['row']}.speedup_vs_trl", r["speedup_vs_trl"])
             mlflow.log_metric(f"{r['row']}.tokens_per_s_ratio", r["tokens_per_s_ratio"])
+            if "model_tokens_per_s_ratio" in r:
+                mlflow.log_metric(f"{r['row']}.model_tokens_per_s_ratio", r["model_tokens_per_s_ratio"])
             mlflow.log_metric(f"{r['row']}.heldout_ours_minus_trl", r["heldout_ours_minus_trl"]["mean"])
             mlflow.log_metric(f"{r['row']}.heldout_warm_start", r["heldout_warm_start"])
             for engine, e in r["engines"].items():
@@ -758,6 +845,10 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=1000, help="held-out prompts per evaluation (at most the split)")
     parser.add_argument("--no-eval-every-round", dest="eval_every_round", action="store_false",
                         help="evaluate only at the end (the held-out curves and time-to-reward need every round)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both engines of every row measured (a quick look at small shapes)")
+    parser.add_argument("--setup-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the shared start only (e.g. a shorter SFT warm start)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--no-ceiling", dest="measure_ceiling", action="store_false",

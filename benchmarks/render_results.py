@@ -43,6 +43,8 @@ SPEED_ROWS = {
     "smollm2-full": "SmolLM2-135M-Instruct, full fine-tuning",
     "tiny": "tiny default",
     "smollm2-long": "SmolLM2-135M-Instruct, LoRA, word problems in up to 128 tokens at temperature 1.0",
+    "calculator": "SmolLM2-135M-Instruct, LoRA, a calculator tool: episodes of up to 3 turns in 96 tokens, against "
+                  "TRL's tool loop",
 }
 
 # docs/performance.md's side-by-side columns and phase columns, in the page's order.
@@ -134,8 +136,13 @@ def speed_table() -> str:
                 f"{trl['step_seconds_median'] * 1000:.0f} ms" if ours["step_seconds_median"] < 1 else
                 f"{ours['step_seconds_median']:.1f} s a step against {trl['step_seconds_median']:.1f} s")
         memory = f"{ours['peak_rss_mb'] / 1024:.1f} / {trl['peak_rss_mb'] / 1024:.1f} GiB"
-        lines.append(f"| {SPEED_ROWS[row['row']]} | **{row['speedup_vs_trl']:.2f}×** ({min(ratios):.2f} .. "
-                     f"{max(ratios):.2f}): {step} | {held['mean']:+.3f} ({held['ci95_low']:+.3f} .. "
+        speed = f"**{row['speedup_vs_trl']:.2f}×** ({min(ratios):.2f} .. {max(ratios):.2f})"
+        if "tools" in row:  # episodes: the model's own tokens a second say more than episodes of any length
+            tokens = row["per_round_model_token_ratios"]
+            speed = (f"model tokens/s **{row['model_tokens_per_s_ratio']:.2f}×** ({min(tokens):.2f} .. "
+                     f"{max(tokens):.2f}), episodes/s {row['speedup_vs_trl']:.2f}× ({min(ratios):.2f} .. "
+                     f"{max(ratios):.2f})")
+        lines.append(f"| {SPEED_ROWS[row['row']]} | {speed}: {step} | {held['mean']:+.3f} ({held['ci95_low']:+.3f} .. "
                      f"{held['ci95_high']:+.3f}) | {memory} | {_cpu(row.get('machine', d['machine']))} |")
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ def test_time_to_reward_is_reported_only_when_both_curves_rise_and_ours_crosses_
     assert not never["reported"] and "never reached" in never["why_not"]
 
 
-@pytest.mark.parametrize("row", ["smollm2-lora", "smollm2-full", "tiny", "smollm2-long"])
+@pytest.mark.parametrize("row", ["smollm2-lora", "smollm2-full", "tiny", "smollm2-long", "calculator"])
 def test_trl_is_configured_from_the_same_config(tmp_path, row):
     cfg = row_config(ROWS[row], ["grpo.steps=40"])
     args = trl_settings(cfg, 40, tmp_path, ROWS[row].trl_memory)
@@ -51,11 +51,24 @@ def test_trl_is_configured_from_the_same_config(tmp_path, row):
             args["beta"], args["loss_type"], args["warmup_steps"]) == \
         (g.group_size, g.max_completion_length, g.temperature, g.learning_rate, g.kl_beta, g.loss_type, g.warmup_steps)
     assert args["lr_scheduler_kwargs"] == {"min_lr_rate": g.min_lr_ratio} and args["use_cpu"] and not args["bf16"]
-    assert cfg.grpo.lora.enabled == (row in ("smollm2-lora", "smollm2-long"))
-    # the long row: reasoning at length, both engines recomputing layers so that both stay resident
-    assert args["gradient_checkpointing"] == (row == "smollm2-long") == (cfg.grpo.gradient_checkpointing == "always")
+    assert cfg.grpo.lora.enabled == (row in ("smollm2-lora", "smollm2-long", "calculator"))
+    # the long rows: both engines recomputing layers so that both stay resident
+    long = row in ("smollm2-long", "calculator")
+    assert args["gradient_checkpointing"] == long == (cfg.grpo.gradient_checkpointing == "always")
     if row == "smollm2-long":
         assert (args["max_completion_length"], args["temperature"], args["top_k"]) == (128, 1.0, 0)
+    # tool episodes: TRL's tool-calling iterations are the model turns after the first, its budget the whole episode
+    assert args.get("max_tool_calling_iterations") == (2 if row == "calculator" else None)
+    if row == "calculator":
+        assert (cfg.grpo.tools, cfg.grpo.episode.max_turns, args["max_completion_length"], args["temperature"],
+                cfg.grpo.prompts_per_step, g.lora.rank, cfg.task.n_heldout) == (["calculator"], 3, 96, 0.8, 4, 16, 500)
+
+
+def test_a_user_environment_is_refused_on_the_trl_side(tmp_path):
+    user = "grpo.environment=tests.environment_fixtures:game_server_down"
+    cfg = row_config(ROWS["calculator"], ["grpo.tools=[]", user])
+    with pytest.raises(SystemExit, match="grpo.environment"):
+        trl_settings(cfg, 10, tmp_path)
 
 
 def test_settings_trl_would_compute_differently_are_refused(tmp_path):

@@ -65,3 +65,17 @@ def test_an_empty_block_is_filled_and_the_next_block_and_text_between_stay():
     fresh = render(page)
     assert "hand-written" in fresh and fresh.count("<!-- end generated -->") == 2
     assert "completion tokens/s" in fresh.split("hand-written")[0] and "old" not in fresh
+
+
+def test_a_tool_row_shows_in_the_readme_in_model_tokens_a_second(tmp_path, monkeypatch):
+    """The calculator row (benchmarks/grpo_vs_trl.py --rows calculator) leads with the model's own tokens a second,
+    episodes a second beside it."""
+    results = _results_copy(tmp_path, monkeypatch)
+    data = json.loads((results / "grpo_vs_trl.json").read_text())
+    row = dict(data["rows"][-1], row="calculator", tools=["calculator"], model_tokens_per_s_ratio=3.21,
+               per_round_model_token_ratios=[3.05, 3.21, 3.4], speedup_vs_trl=2.5, per_round_ratios=[2.4, 2.5, 2.6])
+    data["rows"].append(row)
+    (results / "grpo_vs_trl.json").write_text(json.dumps(data))
+    page = render((ROOT / "README.md").read_text())
+    line = next(x for x in page.splitlines() if "against TRL's tool loop" in x)
+    assert "model tokens/s **3.21×** (3.05 .. 3.40), episodes/s 2.50× (2.40 .. 2.60)" in line
