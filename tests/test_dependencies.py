@@ -23,6 +23,8 @@ DECLARED_FOR_A_PIN = {
 }
 # Imported by an optional code path whose distribution the test environment does not install.
 NOT_INSTALLED_HERE = {"prefect_ray": "prefect-ray"}
+# The project's own code under another name: the package a registered model ships (tracking/registered_model.py).
+SHIPPED = {"grpo_served"}
 
 
 def declared() -> tuple[set[str], set[str]]:
@@ -57,7 +59,7 @@ def imported_modules() -> dict[str, str]:
                     continue
                 for name in names:
                     top = name.split(".")[0]
-                    if top not in sys.stdlib_module_names and top not in PACKAGES:
+                    if top not in sys.stdlib_module_names and top not in PACKAGES and top not in SHIPPED:
                         found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 

@@ -30,11 +30,29 @@ class EngineSettings:
     stop_together: Callable[[bool], bool] | None = None  # sharded models decode in lockstep (FSDP2)
 
 
+_SAID: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _once(say: Callable[..., None], model: Any) -> Callable[..., None]:
+    """`say`, except for a line already said about `model` (training's engine and the held-out probe's over the same
+    model fall back for the same reason: one line)."""
+    said = _SAID.setdefault(model, set())
+
+    def said_once(*args: Any, **kwargs: Any) -> None:
+        text = " ".join(map(str, args))
+        if text not in said:
+            said.add(text)
+            say(*args, **kwargs)
+
+    return said_once
+
+
 def build_engine(model: Any, tokens: SpecialTokens, settings: EngineSettings,
                  say: Callable[..., None] = print) -> RolloutEngine:
     """The prompt-once engine when prefix sharing is on, the forwards need no wrapper and its self-check passes
-    (else one line says why), decoding with CUDA graphs on a CUDA device where a trial capture works (else one line
-    says why); otherwise the plain Hugging Face engine."""
+    (else one line says why, once a model), decoding with CUDA graphs on a CUDA device where a trial capture works
+    (else one line says why); otherwise the plain Hugging Face engine."""
+    say = _once(say, model)
     if settings.prefix_sharing and not settings.wrapped:
         engine = prefix_shared.build(model, tokens, settings.vocab_size, settings.max_length,
                                      settings.completion_length, settings.onednn_matmul,
