@@ -558,20 +558,31 @@ def time_to_trl_reward(start: float, curves: dict[str, list[dict[str, float]]], 
             "fraction": round(point["train_seconds"] / trl_seconds, 3)}
 
 
+def in_child(fn, *args):
+    """`fn(*args)` in a fresh process (spawned), its result returned: the memory it used goes with the process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def compare_row(row: Row, args, work: Path) -> dict[str, Any]:
     import numpy as np
 
     from benchmarks.trl_tools import episode_figures, tool_row_report
     from components.engine.evaluation.heldout import paired_bootstrap
 
-    root = prepare_start(row, work, args.threads, getattr(args, "setup_set", []))
+    # The start (SFT included) and its held-out reward run in a child process: the controller stays small while both
+    # engines' workers are resident (a controller that had trained the warm start held it in its heap).
+    root = in_child(prepare_start, row, work, args.threads, getattr(args, "setup_set", []))
     rounds = args.rounds or row.rounds
     round_steps = args.round_steps or row.round_steps
     spec = {"row": row.name, "root": str(root), "steps": rounds * round_steps, "round_steps": round_steps,
             "threads": args.threads, "seed": args.seed, "heldout": args.heldout, "overrides": getattr(args, "set", [])}
     cfg = worker_config(spec)
     per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size  # completions per step
-    warm_start = warm_start_heldout(spec)
+    warm_start = in_child(warm_start_heldout, spec)
     print(f"[{row.name}] held-out reward of the start both engines begin from: {warm_start:.3f}", flush=True)
     # Started one at a time, so one engine's start-up never overlaps the other's timed steps.
     workers: dict[str, Worker] = {}

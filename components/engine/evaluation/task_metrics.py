@@ -151,7 +151,7 @@ class TaskMetrics:
             sampled = generate(generation, model, records, params, max(1, e.batch_size // n), generator)
             scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts,
                                  {**reward_columns(records, n), **sampled.columns}).total
-            correct = [sum(s >= e.correct_at for s in scores[i * n:(i + 1) * n]) for i in range(len(prompts))]
+            correct = (torch.tensor(scores).view(-1, n) >= e.correct_at).sum(1).tolist()  # per record's group
             for k in ks:
                 values[f"pass@{k}"] = [pass_at_k(n, c, k) for c in correct]
         return {name: values[name] for name in self.names if name in values}, out
