@@ -47,6 +47,7 @@ import argparse
 import gc
 import json
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -375,6 +376,11 @@ def merge_reports(previous: dict[str, Any], report: dict[str, Any]) -> dict[str,
     return out
 
 
+def portable(command: str) -> str:
+    """A call's command as benchmarks/device/*.sh writes it: the device machine's paths as the scripts' variables."""
+    return re.sub(r"--gguf \S+", '--gguf "$g"', re.sub(r"--out \S+", '--out "$OUT"', command))
+
+
 def save(args, report: dict[str, Any]) -> None:
     path = ROOT / "benchmarks" / "results" / "gpu_rows.json"
     if args.update and path.exists():
@@ -427,6 +433,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     add("--update", action="store_true", help="keep the rows of benchmarks/results/gpu_rows.json not measured now")
     add("--merge", nargs="+", metavar="JSON", help="merge several calls' reports (the first is the base) into "
         "benchmarks/results/gpu_rows.{json,md}; measures nothing")
+    add("--note", action="append", default=[], help="with --merge: a line the report carries under its table (what "
+        "changed between the calls, say)")
     add("--smoke", action="store_true", help="the whole plan on the CPU with tiny shapes (results to --out only)")
     args = parser.parse_args(argv)
     args.torchao_import_s = None
@@ -460,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         report = reports[0]
         for later in reports[1:]:
             report = merge_reports(report, later)
+        report["notes"] = report.get("notes", []) + args.note
+        report["commands"] = [portable(c) for c in report.get("commands") or [report["command"]]]
+        report["command"] = report["commands"][-1]
         args.device, args.update, args.out = "cuda", False, None
         save(args, report)
         print(markdown(report))

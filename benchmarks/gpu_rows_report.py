@@ -148,6 +148,8 @@ def markdown(report: dict[str, Any]) -> str:
     commands = report.get("commands") or [report["command"]]
     lines = ["# GPU rows (benchmarks/gpu_rows.py)", "", "; ".join(f"`{c}`" for c in commands), "",
              *gate_lines(report), table(report), ""]
+    for note in report.get("notes", []):
+        lines += [note, ""]
     if report.get("targets"):
         lines += ["| target (issue 55) | measured | target | met |", "|---|---:|---|---|"]
         lines += [f"| {t['what']} | {_f(t['value'], 2 if isinstance(t['value'], float) and t['value'] < 100 else 0)} "

@@ -40,7 +40,7 @@ from components.engine.models.rollouts import Rollouts, left_pad
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
-from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, key_bucket, row_bucket
+from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, distinct_index_writes, key_bucket, row_bucket
 from components.engine.rollout.token_loop import decode
 
 Mode = Literal["graphs", "eager", "token_loop"]
@@ -168,10 +168,11 @@ class CudaGraphEngine:
         else:
             drawn, logp = draw(logits, params.temperature, params.top_k, params.top_p, generator)
         drawn = torch.where(open_rows, drawn, self.tokens.pad_id)
-        slot = state.row_of[:rows] * state.max_new_tokens + state.step
-        state.out_tokens.index_copy_(0, slot, drawn)
-        if logp is not None:
-            state.out_logp.index_copy_(0, slot, torch.where(open_rows, logp.float(), 0.0))
+        slot = state.row_of[:rows] * state.max_new_tokens + state.step  # distinct but the spare row's, never read
+        with distinct_index_writes():
+            state.out_tokens.index_copy_(0, slot, drawn)
+            if logp is not None:
+                state.out_logp.index_copy_(0, slot, torch.where(open_rows, logp.float(), 0.0))
         if eos >= 0:
             open_rows.logical_and_(drawn != eos)
         state.tokens[:rows].copy_(drawn)

@@ -16,7 +16,8 @@ length` positions of keys and values for every layer, zero-filled so that masked
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -27,6 +28,23 @@ from components.engine.fast.prompts import encode_prompts
 from components.engine.models.rollouts import left_pad, positions_from_mask
 
 KEY_BLOCK = 128  # a step attends to its keys rounded up to a multiple of this (one graph per row bucket and block)
+
+
+@contextlib.contextmanager
+def distinct_index_writes() -> Iterator[None]:
+    """For writes whose indices are all distinct (a decode step's cache column, each row's output slot): such a write
+    has one result on any kernel, so deterministic mode (the grpo stage's setting) is set aside around it. Under it
+    CUDA runs `index_copy_` as a sorted `index_put_`, several launches each, 62 writes a SmolLM2 decode step; a
+    captured graph keeps whichever kernels ran at capture."""
+    if not torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def row_bucket(rows: int) -> int:
@@ -205,8 +223,9 @@ class StaticState:
         bias = self.bias[:rows, ..., :keys]
         for layer, fused, (kbuf, vbuf) in zip(pieces.layers, self.weights, self.caches):
             q, k, v = pieces.qkv(layer, fused, pieces.norm(layer.input_layernorm, x), rotary)
-            kbuf[:rows].index_copy_(2, self.column, k)
-            vbuf[:rows].index_copy_(2, self.column, v)
+            with distinct_index_writes():
+                kbuf[:rows].index_copy_(2, self.column, k)
+                vbuf[:rows].index_copy_(2, self.column, v)
             attn = attend(pieces, q, kbuf[:rows, :, :keys], vbuf[:rows, :, :keys], bias)
             x = pieces.finish_layer(layer, fused, x, pieces.merge_heads(attn))
         self.step.add_(1)

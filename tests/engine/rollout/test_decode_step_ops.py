@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.decode_step_ops import GROWTH, RESULTS, SETTINGS, HostSync, StepOps, count_step, launching, step_engine
 from components.engine.rollout import cuda_graphs
+from components.engine.rollout.static_cache import distinct_index_writes
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +56,36 @@ def test_a_sync_inside_the_step_is_caught(engine, monkeypatch):
     monkeypatch.setattr(cuda_graphs, "draw", reading_back)
     with pytest.raises(HostSync):
         count_step(engine, SETTINGS["grpo default (temperature 1, no top-k or top-p)"])
+
+
+class _DeterminismAtWrites(TorchDispatchMode):
+    """Whether deterministic mode was on at each `index_copy_` dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "index_copy_":
+            self.seen.append(torch.are_deterministic_algorithms_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_steps_distinct_writes_skip_deterministic_modes_sorted_path(engine, monkeypatch):
+    """Under the grpo stage's deterministic mode CUDA runs `index_copy_` as a sorted `index_put_` (on an H200 the
+    step's 62 writes doubled its kernels: 1,408 a token against 666, generation 15,319 against 24,936 tokens/s,
+    benchmarks/results/gpu_rows.md). The step's writes have distinct indices, so they run with the mode set aside;
+    the mode is back, warn-only as it was, after the step and after an error inside the guard."""
+    seen = _DeterminismAtWrites()
+    monkeypatch.setattr(StepOps, "__torch_dispatch__", lambda self, func, types, args=(), kwargs=None:
+                        seen.__torch_dispatch__(func, types, args, kwargs))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        count_step(engine, SETTINGS["grpo default (temperature 1, no top-k or top-p)"])
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        with pytest.raises(ValueError), distinct_index_writes():
+            raise ValueError("inside")
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(seen.seen) == 2 * 30 + 2 and not any(seen.seen)  # k and v a layer; the token and its log-prob
