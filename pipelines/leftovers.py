@@ -147,19 +147,22 @@ def _write(path: Path, lock: dict[str, Any]) -> None:
 
 
 def recover_dvc_lock_file(root: Path) -> list[str]:
-    """`dvc.lock` that DVC cannot read (cut short while DVC rewrote it in place): moved to logs/, so DVC rebuilds it;
-    the stages that had finished come back from DVC's run cache without running again."""
+    """`dvc.lock` that DVC cannot read (cut short while DVC rewrote it in place: text that is not YAML, or YAML that
+    fails DVC's lock file schema, a stage cut after its name say): moved to logs/, so DVC rebuilds it; the stages that
+    had finished come back from DVC's run cache without running again."""
     path = root / DVC_LOCK_FILE
     if not path.exists():
         return []
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA
     from dvc.utils.serialize import parse_yaml
 
     text = path.read_text(encoding="utf-8", errors="replace")
     try:
         parsed = parse_yaml(text, str(DVC_LOCK_FILE))
         if isinstance(parsed, dict):
+            COMPILED_LOCKFILE_SCHEMA(parsed)
             return []
-    except Exception:  # noqa: BLE001 - DVC's YAMLFileCorruptedError: what this recovers
+    except Exception:  # noqa: BLE001 - DVC's YAMLFileCorruptedError or voluptuous' Invalid: what this recovers
         pass
     kept = root / "logs" / time.strftime("dvc.lock-cut-short-%Y%m%d-%H%M%S")
     kept.parent.mkdir(parents=True, exist_ok=True)

@@ -121,13 +121,17 @@ def test_dvcs_repository_lock_left_by_a_killed_run_stops_nothing(dvc_repo, left)
     assert repro(dvc_repo).returncode == 0
 
 
-def test_a_dvc_lock_file_cut_short_is_set_aside_and_dvc_rebuilds_it(dvc_repo):
-    """DVC writes dvc.lock in place: a kill mid-write leaves YAML DVC cannot read. It is moved to logs/ in one line;
-    DVC rebuilds it (the stage's result comes back from DVC's run cache, not by running it again)."""
+@pytest.mark.parametrize("cut", ["not YAML", "YAML, not DVC's schema"])
+def test_a_dvc_lock_file_cut_short_is_set_aside_and_dvc_rebuilds_it(dvc_repo, cut):
+    """DVC writes dvc.lock in place: a kill mid-write leaves text DVC cannot read, either not YAML or YAML its schema
+    refuses (a stage cut before its first key: benchmarks/kill_anywhere.py met one such). It is moved to logs/ in one
+    line; DVC rebuilds it (the stage's result comes back from DVC's run cache, not by running it again)."""
     assert repro(dvc_repo).returncode == 0
     (dvc_repo / "out.txt").unlink()  # the stage's result has to come back
     whole = (dvc_repo / "dvc.lock").read_text()
-    (dvc_repo / "dvc.lock").write_text(whole[: whole.index("outs:")] + "outs:\n  - path: [")
+    left = (whole[: whole.index("outs:")] + "outs:\n  - path: [" if cut == "not YAML"
+            else whole[: whole.index("cmd:")])
+    (dvc_repo / "dvc.lock").write_text(left)
     refused = repro(dvc_repo)
     assert refused.returncode != 0 and "dvc.lock" in refused.stdout, refused.stdout
     said = recover_leftovers(dvc_repo)
