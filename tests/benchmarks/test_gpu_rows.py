@@ -164,7 +164,7 @@ def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "2"}
     shrink = ("task.n_sft=16 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=4 threads=2 "
-              "grpo.group_size=2 grpo.prompts_per_step=2 grpo.max_completion_length=16 evaluate.max_new_tokens=16")
+              "grpo.group_size=2 grpo.prompts_per_step=2 evaluate.max_new_tokens=16")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--no-gate",
                            "--scale", "", "--lengths", "", "--no-wide", "--gguf", str(gguf), "--heldout-modes", "lora",
                            "--heldout-steps", "1", "--heldout", "4", "--heldout-overrides", shrink, "--out", str(out),
