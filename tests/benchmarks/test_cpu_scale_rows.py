@@ -26,7 +26,7 @@ def test_a_worker_times_its_engines_steps_and_reads_its_peak_memory(tmp_path, en
 
 def test_a_row_past_the_memory_limit_is_ended_and_says_so(tmp_path):
     result = cpu_scale_rows.run_child(_spec(tmp_path, "ours"), limit_gb=0.05, poll_s=0.05)
-    assert "over the 0.05 GB limit" in result["error"] and result["sampled_peak_rss_gb"] > 0.05
+    assert "over the 0.05 GB limit" in result["error"] and result["sampled_peak_rss_gb"] >= 0.05  # rounded to 0.01 GB
 
 
 def test_the_prompts_are_the_smollm2_examples_through_its_tokenizer():
