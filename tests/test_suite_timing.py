@@ -43,10 +43,12 @@ def _pytest(folder, *args: str) -> subprocess.CompletedProcess:
 
 def _ctrl_c(folder, command: list[str]) -> subprocess.CompletedProcess:
     """Run `command` in `folder` and press Ctrl-C once its hanging test has started: SIGINT to the whole process
-    group, as a terminal sends it to the foreground job."""
+    group, as a terminal sends it to the foreground job, whose SIGINT has its default disposition (a test earlier in
+    the same worker may leave it ignored, which the child would inherit: Python then never raises KeyboardInterrupt)."""
     started = folder / "started"
     proc = subprocess.Popen(command, cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not started.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
