@@ -131,6 +131,22 @@ def test_dapo_dynamic_sampling_overlong_and_truncation_masking_in_training(tmp_p
     assert any(float(r["sampled_completions"]) > 64 for r in rows), "batch filling never sampled extra prompts"
 
 
+
+def test_dynamic_sampling_that_keeps_no_group_trains_nothing_and_goes_on(tmp_path, mlflow_store):
+    """Every group's rewards equal (a constant reward): dynamic sampling drops them all, each step updates nothing
+    and says so in its row, and the run ends with its starting weights."""
+    import csv
+
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
+        "grpo.steps=2", "grpo.dynamic_sampling.enabled=true", "grpo.dynamic_sampling.fill_batch=false",
+        "grpo.rewards=[{name: 'reward_fixtures:always_one', weight: 1.0}]"])
+    train_grpo(cfg, paths)
+    rows = list(csv.DictReader((paths.plots / "grpo_steps.csv").open()))
+    assert [float(r["kept_completions"]) for r in rows] == [0.0, 0.0]
+    assert all(float(r["sampled_completions"]) > 0 for r in rows)
+    start, end = (load_file(p / "model.safetensors") for p in (paths.base_model, paths.grpo_model))
+    assert start.keys() == end.keys() and all((start[k] == end[k]).all() for k in start)
+
 def test_a_fast_path_that_cannot_be_built_leaves_training_on_the_plain_forward(tmp_path, mlflow_store, monkeypatch,
                                                                                capsys):
     """A transformers release that renames an attribute the fast path reads (here the decoder, `model` ->

@@ -62,9 +62,9 @@ class UpdatePlan:
     @classmethod
     def of(cls, n: int, group_size: int, g: GRPOConfig, ctx: DistContext = DistContext()) -> UpdatePlan:
         """The plan of an n-row step whose groups are `group_size` adjacent rows."""
-        size = g.minibatch_size or n
+        size = g.minibatch_size or max(n, 1)  # a step whose every group dynamic sampling dropped has no rows
         minibatches = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        per_step = g.gradient_accumulation_steps or len(minibatches)
+        per_step = g.gradient_accumulation_steps or max(len(minibatches), 1)
         steps = [list(range(i, min(i + per_step, len(minibatches)))) for i in range(0, len(minibatches), per_step)]
         return cls(minibatches, [local_rows(mb, group_size, ctx) for mb in minibatches], steps, g.num_iterations)
 
