@@ -40,7 +40,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "components" / "runtime" / "README.md"]
 COMMENTED = [ROOT / "params.yaml", *sorted((ROOT / "configs").rglob("*.yaml")), ROOT / "Makefile"]
 # Test modules are left out: their docstrings state the inputs the test itself holds. The scripts in tests/ are read.
-CODE = sorted([*(p for folder in ("components", "pipelines", "benchmarks") for p in (ROOT / folder).rglob("*.py")),
+# Hidden folders are not the project's code: a benchmark's scratch clones (benchmarks/.work/) hold copies of it.
+CODE = sorted([*(p for folder in ("components", "pipelines", "benchmarks") for p in (ROOT / folder).rglob("*.py")
+                 if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)),
                ROOT / "tests" / "mutation_check.py", ROOT / "tests" / "suite_timing.py"])
 
 # Phrases written like figures that are not measurements: as written -> what it is.

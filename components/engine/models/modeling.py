@@ -49,12 +49,23 @@ def seed_everything(seed: int, threads: int = 0) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
+_SAID_NO_GPU: list[bool] = []
+
+
 def pick_device(requested: str) -> torch.device:
-    """`auto` -> CUDA when present, else CPU; an explicit `cuda` without a GPU is an error."""
+    """`auto` -> CUDA when present, else CPU; an explicit `cuda` without a GPU is an error. `auto` with a CUDA build
+    of torch that sees no GPU (a driver or `CUDA_VISIBLE_DEVICES` problem on a GPU machine) says so once a process
+    before it goes on on the CPU: a run that should take minutes on the card would otherwise take hours silently."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device: 'cuda' requested but no CUDA device is available")
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.version.cuda and not _SAID_NO_GPU:
+            _SAID_NO_GPU.append(True)
+            print(f"device: torch {torch.__version__} is a CUDA {torch.version.cuda} build but sees no GPU "
+                  "(driver, CUDA_VISIBLE_DEVICES?): running on the CPU; device=cuda makes this an error", flush=True)
+        return torch.device("cpu")
     return torch.device(requested)
 
 

@@ -83,3 +83,20 @@ def test_hub_id_is_used_only_when_allowed_and_online(tmp_path, monkeypatch):
     check_model_source("Qwen/Qwen2.5-0.5B-Instruct", allow_download=True)  # allowed: no error, nothing fetched yet
     write_pointer(tmp_path / "base", "Qwen/Qwen2.5-0.5B-Instruct", hub=True)
     assert str(resolve_model_dir(tmp_path / "base")) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_a_cuda_build_that_sees_no_gpu_says_so_once_before_running_on_the_cpu(monkeypatch, capsys):
+    import components.engine.models.modeling as modeling
+
+    monkeypatch.setattr(modeling, "_SAID_NO_GPU", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert modeling.pick_device("auto") == torch.device("cpu")
+    assert modeling.pick_device("auto") == torch.device("cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "is a CUDA 12.8 build but sees no GPU" in lines[0] and "device=cuda" in lines[0]
+    with pytest.raises(ModelLoadError, match="'cuda' requested but no CUDA device"):
+        modeling.pick_device("cuda")
+    monkeypatch.setattr(torch.version, "cuda", None)  # the CPU build: nothing to say
+    monkeypatch.setattr(modeling, "_SAID_NO_GPU", [])
+    assert modeling.pick_device("auto") == torch.device("cpu") and capsys.readouterr().out == ""
