@@ -35,9 +35,8 @@ from conftest import BIN, ROOT, run
 pytestmark = pytest.mark.slow
 
 EXAMPLE = ROOT / "configs" / "examples" / "smollm2_addition.yaml"
-# The example, shrunk to seconds per stage: 2 prompts x 4 completions of 8 tokens per step, on one thread (the
-# suite runs two workers on two cores: a second thread would wait on the other worker's core).
-SMALL = {"threads": 1, "task": {"n_sft": 4, "n_train": 24, "n_heldout": 12},
+# The example, shrunk to seconds per stage: 2 prompts x 4 completions of 8 tokens per step.
+SMALL = {"task": {"n_sft": 4, "n_train": 24, "n_heldout": 12},
          "grpo": {"steps": 4, "prompts_per_step": 2, "group_size": 4, "max_completion_length": 8,
                   "checkpoint_every": 2, "log_every": 2, "metrics_every": 1},
          "evaluate": {"max_new_tokens": 8, "batch_size": 12, "bootstrap_samples": 200},
@@ -310,7 +309,6 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, c
     from components.stages.sft import train_sft
 
     raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(CALCULATOR.read_text())), {
-        "threads": 1,  # as SMALL
         # 6 SFT steps of 4 conversations at 3e-4: the format learned (the warm start calls the tool)
         "task": {"n_sft": 8, "n_train": 16, "n_heldout": 4},
         "sft": {"epochs": 3, "batch_size": 4, "learning_rate": 3e-4, "stop_at_reward": None},
