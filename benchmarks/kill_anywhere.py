@@ -53,8 +53,8 @@ PARAMS = ["task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epoch
           "register.require_improvement=false"]
 # What a rerun says about what a kill left (recovery lines, resumes) and what it must never print.
 SAID = re.compile(r"^(dvc: |params\.yaml: |mlflow: a previous pipeline run|tracking: skipped|register: removed "
-                  r"incomplete)|previous run of this stage|resumed from|removed checkpoints/|skipped checkpoint|"
-                  r"had been killed")
+                  r"incomplete|tracking: \S+ had been left half-created)|previous run of this stage|resumed from|"
+                  r"removed checkpoints/|skipped checkpoint|had been killed")
 DVC_WARNING = "had been killed. Auto removed it from the lock file"
 
 

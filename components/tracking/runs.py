@@ -61,6 +61,9 @@ def client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from components.tracking.local_store import ensure_complete
+
+    ensure_complete(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
     return MlflowClient(tracking_uri=tracking_uri())
 

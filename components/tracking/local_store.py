@@ -1,0 +1,104 @@
+"""The local SQLite tracking store, created whole or not at all.
+
+MLflow builds a new SQLite store in place: it creates the first tables, then runs a few dozen schema migrations, each
+committed on its own. A process killed in between leaves a store that every later open fails on ("table ... already
+exists"), so one unlucky kill would block every rerun. Here a missing store is built in a scratch file beside it and
+linked into place only once complete; a store found half-built (its schema short of MLflow's head and no run or
+registered model in it, so it holds nothing) is built again the same way. A store with runs in it is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
+_CHECKED: set[Path] = set()
+SCRATCH_PREFIX = ".creating-"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a `sqlite:///` tracking URI; None for any other store (a server, a folder, a database server)."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    rest = uri[len(prefix):].split("?", 1)[0]
+    if not rest or rest == ":memory:":
+        return None
+    return Path(rest)
+
+
+def _schema_head() -> str:
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    return _get_latest_schema_revision()
+
+
+def _state(db: Path) -> tuple[str | None, int]:
+    """(its schema revision or None, how many runs and registered models it holds)."""
+    # Opened for writing: a rollback journal left by the killed process is rolled back first, as SQLite does.
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
+        tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        revision = None
+        if "alembic_version" in tables:
+            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+            revision = row[0] if row else None
+        held = sum(con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]  # fixed table names
+                   for t in ("runs", "registered_models") if t in tables)
+    return revision, held
+
+
+def _build(db: Path) -> Path:
+    """A complete store in a scratch file beside `db` (the same file system, so it can be linked into place)."""
+    from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
+
+    scratch = db.with_name(f"{db.name}{SCRATCH_PREFIX}{os.getpid()}")
+    scratch.unlink(missing_ok=True)
+    engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{scratch}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    return scratch
+
+
+def _remove_stale_scratch(db: Path) -> None:
+    """Scratch stores of processes that no longer run (killed while building one)."""
+    for scratch in db.parent.glob(f"{db.name}{SCRATCH_PREFIX}*"):
+        pid = scratch.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            scratch.unlink(missing_ok=True)
+
+
+def ensure_complete(uri: str, say=print) -> None:
+    """Make the SQLite store at `uri` exist whole before MLflow opens it; any other kind of store is left to MLflow.
+
+    Costs one read of the store's schema revision per process and file; building a store costs MLflow's own
+    migrations (seconds), once."""
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    db = db.resolve()
+    if db in _CHECKED:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_scratch(db)
+    if db.exists() and db.stat().st_size > 0:
+        revision, held = _state(db)
+        if revision == _schema_head() or held:
+            _CHECKED.add(db)
+            return  # complete, or holds runs: an older schema is MLflow's to upgrade or refuse
+        scratch = _build(db)
+        os.replace(scratch, db)
+        Path(f"{db}-journal").unlink(missing_ok=True)
+        say(f"tracking: {db.name} had been left half-created by a killed process (it held no runs); created it again")
+    else:
+        scratch = _build(db)
+        with contextlib.suppress(FileExistsError):  # another process linked its complete store first: keep that one
+            if db.exists():  # an empty file (touched, never written): replace it
+                os.replace(scratch, db)
+            else:
+                os.link(scratch, db)
+        scratch.unlink(missing_ok=True)
+    _CHECKED.add(db)
