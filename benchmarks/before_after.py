@@ -8,7 +8,8 @@ so a machine that drifts slows both alike. `--against` is a checkout with its ow
 worktree of an earlier commit, `make setup` in it). Reports per row the median of the per-round completions/s ratios
 (now / before) with their range, each engine's peak resident memory, and whether both ended with the same held-out
 reward (a refactor that keeps the maths should: the same seed, the same steps). Writes
-benchmarks/results/before_after.{json,md}; the figures belong in HISTORY.md, not in user pages.
+benchmarks/results/before_after.{json,md} (`--update`: only the rows measured, each row with its commit and command);
+the figures belong in HISTORY.md, not in user pages.
 """
 
 from __future__ import annotations
@@ -89,16 +90,32 @@ def compare(row_name: str, against: Path, args, work: Path) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# This checkout ({report['commit']}) against {report['against_commit']}, alternating rounds", "",
-             f"Machine: {report['machine']}; command: `{report['command']}`.", "",
+    lines = [f"# This checkout against {report['against_commit']}, alternating rounds", "",
+             f"Machine: {report['machine']}. Each row: its commit and its command.", "",
              "| row | now / before (median of rounds) | per-round range | completions/s now, before | "
-             "peak RSS now, before (MB) | held-out now, before |", "|---|---|---|---|---|---|"]
+             "peak RSS now, before (MB) | held-out now, before | commit, command |", "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         c, m, h = r["completions_per_s"], r["peak_rss_mb"], r["heldout_reward"]
         lines.append(f"| {r['row']} | **{r['ratio_now_over_before']:.3f}** | {min(r['per_round_ratios']):.3f} .. "
                      f"{max(r['per_round_ratios']):.3f} | {c['now']:.1f}, {c['before']:.1f} | {m['now']:.0f}, "
-                     f"{m['before']:.0f} | {h['now']:.3f}, {h['before']:.3f} |")
+                     f"{m['before']:.0f} | {h['now']:.3f}, {h['before']:.3f} | "
+                     f"{r.get('commit', report['commit'])}, `{r.get('command', report['command'])}` |")
     return "\n".join(lines) + "\n"
+
+
+def shown_command(argv: list[str], against_commit: str) -> str:
+    """The command as run, with this machine's paths replaced by what they stand for."""
+    placeholder = {"--against": f"CHECKOUT_OF_{against_commit}", "--work": "SCRATCH", "--out": "OUT"}
+    shown, previous = [], ""
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if previous in placeholder:
+            arg = placeholder[previous]
+        elif "=" in arg and name in placeholder:
+            arg = f"{name}={placeholder[name]}"
+        shown.append(arg)
+        previous = arg if arg in placeholder else ""
+    return "python benchmarks/before_after.py " + " ".join(shown)
 
 
 def main() -> int:
@@ -112,6 +129,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the rows measured, keeping the others of the results file (same pair of "
+                             "commits' base and machine), each row with its own commit and command")
     args = parser.parse_args()
     against = Path(args.against).resolve()
     for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
@@ -128,16 +148,27 @@ def main() -> int:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
                               text=True).stdout.strip()
 
-    shown = [f"CHECKOUT_OF_{commit(against)}" if prev == "--against" else arg.split("=")[0] + "=CHECKOUT"
-             if arg.startswith("--against=") else arg for prev, arg in zip(["", *sys.argv[1:]], sys.argv[1:])]
-    report = {"command": "python benchmarks/before_after.py " + " ".join(shown),  # no path of this machine
+    report = {"command": shown_command(sys.argv[1:], commit(against)),  # no path of this machine
               "commit": commit(ROOT),
               "against_commit": commit(against),
               "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
                          f"torch {torch.__version__}", "rows": []}
-    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
-        report["rows"].append(compare(name, against, args, work))
     out = Path(args.out)
+    earlier = json.loads((out / "before_after.json").read_text()) if (out / "before_after.json").exists() else None
+    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
+        row = compare(name, against, args, work)
+        report["rows"].append({**row, "commit": report["commit"], "command": report["command"]})
+    if args.update and earlier:
+        same = earlier["against_commit"] == report["against_commit"] and earlier["machine"] == report["machine"]
+        if not same:
+            raise SystemExit(f"--update: {out / 'before_after.json'} was measured against "
+                             f"{earlier['against_commit']} on {earlier['machine']}; rows of another pair or machine "
+                             "are not mixed: run every row")
+        fresh = {r["row"] for r in report["rows"]}
+        kept = [{"commit": earlier["commit"], "command": earlier["command"], **r} for r in earlier["rows"]
+                if r["row"] not in fresh]
+        order = {name: i for i, name in enumerate(ROWS)}
+        report["rows"] = sorted(kept + report["rows"], key=lambda r: order.get(r["row"], len(order)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "before_after.md").write_text(markdown(report))
