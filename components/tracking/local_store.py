@@ -67,8 +67,18 @@ def _remove_stale_scratch(db: Path) -> None:
     """Scratch stores of processes that no longer run (killed while building one)."""
     for scratch in db.parent.glob(f"{db.name}{SCRATCH_PREFIX}*"):
         pid = scratch.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not _alive(int(pid)):
             scratch.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists (Linux and macOS alike)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def ensure_complete(uri: str, say=print) -> None:

@@ -4,6 +4,7 @@ MLflow built it must not block every later run."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -65,9 +66,11 @@ def test_a_missing_store_is_created_whole_and_a_dead_process_scratch_is_removed(
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (db.parent / f"mlflow.db{local_store.SCRATCH_PREFIX}{dead.pid}").write_bytes(b"half")
+    building = db.parent / f"mlflow.db{local_store.SCRATCH_PREFIX}{os.getppid()}"  # a live process's, left alone
+    building.write_bytes(b"being built")
     said = []
     ensure_complete(f"sqlite:///{db}", say=said.append)
-    assert said == [] and sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db"]
+    assert said == [] and sorted(p.name for p in db.parent.iterdir()) == sorted(["mlflow.db", building.name])
     assert local_store._state(db) == (local_store._schema_head(), 0)
 
 
