@@ -155,15 +155,14 @@ def main() -> int:
                          f"torch {torch.__version__}", "rows": []}
     out = Path(args.out)
     earlier = json.loads((out / "before_after.json").read_text()) if (out / "before_after.json").exists() else None
+    if args.update and earlier and (earlier["against_commit"], earlier["machine"]) != (report["against_commit"],
+                                                                                        report["machine"]):
+        raise SystemExit(f"--update: {out / 'before_after.json'} was measured against {earlier['against_commit']} on "
+                         f"{earlier['machine']}; rows of another pair or machine are not mixed: run every row")
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         row = compare(name, against, args, work)
         report["rows"].append({**row, "commit": report["commit"], "command": report["command"]})
     if args.update and earlier:
-        same = earlier["against_commit"] == report["against_commit"] and earlier["machine"] == report["machine"]
-        if not same:
-            raise SystemExit(f"--update: {out / 'before_after.json'} was measured against "
-                             f"{earlier['against_commit']} on {earlier['machine']}; rows of another pair or machine "
-                             "are not mixed: run every row")
         fresh = {r["row"] for r in report["rows"]}
         kept = [{"commit": earlier["commit"], "command": earlier["command"], **r} for r in earlier["rows"]
                 if r["row"] not in fresh]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _alive(pid: int, written_at: float | None = None) -> bool:
+def pid_alive(pid: int, written_at: float | None = None) -> bool:
     """Whether `pid` lives and, when `written_at` is given, started before then (a pid reused after a reboot, or by
     an unrelated process since, is not the note's writer)."""
     try:
@@ -117,7 +117,7 @@ def read_dead_note(path: Path) -> dict[str, Any] | None:
     if not isinstance(note, dict):
         return {"cut_short": True}
     pid = note.get("pid")
-    alive = isinstance(pid, int) and _alive(pid, written_at)  # this process's own note included
+    alive = isinstance(pid, int) and pid_alive(pid, written_at)  # this process's own note included
     return None if alive else note
 
 

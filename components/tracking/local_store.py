@@ -64,21 +64,13 @@ def _build(db: Path) -> Path:
 
 
 def _remove_stale_scratch(db: Path) -> None:
-    """Scratch stores of processes that no longer run (killed while building one)."""
+    """Scratch stores of processes that no longer run (killed while building one; a pid reused since is not theirs)."""
+    from components.run_marker import pid_alive
+
     for scratch in db.parent.glob(f"{db.name}{SCRATCH_PREFIX}*"):
         pid = scratch.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid), scratch.stat().st_mtime):
             scratch.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # no signal sent: only whether the process exists (Linux and macOS alike)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def ensure_complete(uri: str, say=print) -> None:
