@@ -151,7 +151,7 @@ def markdown(report: dict[str, Any]) -> str:
     for note in report.get("notes", []):
         lines += [note, ""]
     if report.get("targets"):
-        lines += ["| target (issue 55) | measured | target | met |", "|---|---:|---|---|"]
+        lines += ["| what | measured | target | met |", "|---|---:|---|---|"]
         lines += [f"| {t['what']} | {_f(t['value'], 2 if isinstance(t['value'], float) and t['value'] < 100 else 0)} "
                   f"| {t['target']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
         lines.append("")
