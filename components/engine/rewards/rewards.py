@@ -198,8 +198,11 @@ def overlong_penalty(prompts: Sequence[str], completions: Sequence[str], complet
 
 
 def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Sequence[Any] = (),
-                   timeout_s: float = 5.0, memory_mb: int = 512, **_: Any) -> list[float | None]:
-    """`1.0` when the completion, followed by the record's `tests` code, exits 0 in the sandbox."""
+                   timeout_s: float = 5.0, memory_mb: int = 512, allow_hook_only: bool = False,
+                   **_: Any) -> list[float | None]:
+    """`1.0` when the completion, followed by the record's `tests` code, exits 0 in the sandbox. The sandbox needs
+    the kernel's confinement (docs/security.md); `allow_hook_only: true` accepts the audit hook alone where the
+    kernel has none (macOS, before Linux 5.13)."""
     from components.engine.rewards.sandbox import run_untrusted_python
 
     scores: list[float | None] = []
@@ -207,7 +210,8 @@ def code_execution(prompts: Sequence[str], completions: Sequence[str], tests: Se
         if test is None:
             scores.append(None)
             continue
-        result = run_untrusted_python(f"{completion}\n\n{test}", timeout_s=timeout_s, memory_mb=memory_mb)
+        result = run_untrusted_python(f"{completion}\n\n{test}", timeout_s=timeout_s, memory_mb=memory_mb,
+                                      require_kernel=not allow_hook_only)
         if not result.passed:
             LOG.info("code_execution: scored 0 (%s)", result.reason)
         scores.append(float(result.passed))
@@ -289,6 +293,13 @@ def check_rewards(specs: Sequence[RewardSpec]) -> None:
             resolve_reward(spec.name)
         except (KeyError, ImportError, AttributeError, ValueError) as err:
             raise ConfigError(f"grpo.rewards[{i}].name: {err}") from err
+        if spec.name == "code_execution" and not dict(getattr(spec, "options", {})).get("allow_hook_only"):
+            from components.engine.rewards.sandbox import kernel_confinement_problem
+
+            if problem := kernel_confinement_problem():
+                raise ConfigError(f"grpo.rewards[{i}]: code_execution runs model-written code, and this machine "
+                                  f"cannot confine it: {problem}. Run on Linux 5.13 or newer with Landlock, or accept "
+                                  "the audit hook alone with options: {allow_hook_only: true} (docs/security.md)")
 
 
 class RewardError(UserCodeError):
