@@ -160,6 +160,16 @@ class GRPOConfig(*SETTINGS_RECORDS):
     """Advantage scaling: divide by group std, batch std, or nothing (Dr. GRPO)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """Per-token ratios, or one length-normalised ratio per sequence (GSPO)."""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Correct for the sampler's log-probs differing from the trainer's (a half-precision or captured decoder):
+    each token's policy-gradient loss weighted by exp(trainer - sampler log-prob), per token or once per sequence,
+    kept in [rollout_correction_min, rollout_correction_max] by clamping (`*_truncate`) or by a weight of 0 outside
+    (`*_mask`); TRL's `vllm_importance_sampling_mode`s (components/engine/grpo/rollout_correction.py). `none`: the
+    samples count as on-policy, which they are up to rounding in float32 (the on-policy check logs the gap)."""
+    rollout_correction_max: float | None = 3.0
+    """Upper bound of the correction's ratio (TRL's `vllm_importance_sampling_clip_max` default); null: none."""
+    rollout_correction_min: float | None = None
+    """Lower bound of the correction's ratio (TRL's `vllm_importance_sampling_clip_min`); null: none."""
     num_iterations: int = 1
     """Passes over each rollout (mu); old log-probs are cached at rollout time."""
     minibatch_size: int = 0
@@ -292,6 +302,7 @@ def check_grpo(g: GRPOConfig) -> None:
              "would not regularise; use k3 (gradient of KL(ref || policy), TRL's choice) or k2 (gradient of "
              "KL(policy || ref))")
     _require(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+    _check_rollout_correction(g)
     _check_variants(g)
     _require(0 < g.reference.ema_alpha <= 1, "grpo.reference.ema_alpha", "must be in (0, 1]")
     _require(g.reference.sync_every >= 1, "grpo.reference.sync_every", "must be >= 1")
@@ -307,6 +318,17 @@ def check_grpo(g: GRPOConfig) -> None:
     _require(g.episode.max_turns >= 1, "grpo.episode.max_turns", "must be >= 1")
     _require(g.episode.timeout_s > 0, "grpo.episode.timeout_s", "must be > 0")
     _require(math.isfinite(g.episode.cut_reward), "grpo.episode.cut_reward", "must be a finite number")
+
+
+def _check_rollout_correction(g: GRPOConfig) -> None:
+    high, low = g.rollout_correction_max, g.rollout_correction_min
+    _require(high is None or high > 0, "grpo.rollout_correction_max", "must be > 0, or null for no upper bound")
+    _require(low is None or low >= 0, "grpo.rollout_correction_min", "must be >= 0, or null for no lower bound")
+    _require(high is None or low is None or low < high, "grpo.rollout_correction_min",
+             f"must be below grpo.rollout_correction_max ({high})")
+    _require(not (g.rollout_correction.endswith("truncate") and high is None and low is None),
+             "grpo.rollout_correction_max", f"needs a value with grpo.rollout_correction: {g.rollout_correction} "
+             "(truncation to no bound would change nothing)")
 
 
 def _check_variants(g: GRPOConfig) -> None:

@@ -81,7 +81,8 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 
 # Options added after the band was measured that change nothing at their default: left out while at it, so that a
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
-NEUTRAL_AT_DEFAULT = ("grpo.multi_objective_aggregation", "grpo.top_entropy_quantile",
+NEUTRAL_AT_DEFAULT = ("grpo.multi_objective_aggregation", "grpo.top_entropy_quantile", "grpo.rollout_correction",
+                      "grpo.rollout_correction_max", "grpo.rollout_correction_min",
                       "grpo.cuda_graphs",  # decoding on a GPU only: the band was measured on the CPU
                       "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode")
 

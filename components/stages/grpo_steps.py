@@ -75,6 +75,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
     if stats.gap_tokens:  # the on-policy check (absent where the rollout carries no sampler log-probs)
         metrics["logprob_gap_mean"] = stats.gap_sum / stats.gap_tokens
         metrics["logprob_gap_max"] = stats.gap_max
+    metrics.update(stats.correction.metrics())  # rollout_correction/*: none with the correction off
     metrics.update({f"reward/{k}/mean": v for k, v in batch.rewards.component_means().items()})
     metrics.update(episode_metrics(rollout.episodes or ()))
     return metrics

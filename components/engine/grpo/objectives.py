@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from components.engine.grpo.rollout_correction import RolloutCorrection
 from components.losses import LOSSES, Loss, LossName, Normalisers
 
 if TYPE_CHECKING:
@@ -139,9 +140,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     """The surrogate of `objective`'s loss entry (components/losses.py), with that entry's own settings, plus
     beta * KL, aggregated as that loss does over `counts` (default: the given rows, T as the maximum length).
 
-    rho is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence. `token_mask` (entropy
-    masking) keeps the policy-gradient term on those tokens only; the KL term and every normaliser still count all
-    of `mask`'s tokens, as in TRL.
+    rho is exp(logp - old_logp) per token, or (GSPO) exp of its masked mean per sequence. `token_mask` weights the
+    policy-gradient term per token ([B, T], or [B, 1] for a whole sequence): entropy masking's 0 or 1, multiplied by the
+    rollout correction's weight; the KL term and every normaliser still count all of `mask`'s tokens, as in TRL.
     """
     loss, settings = objective.entry, objective.settings
     maskf = mask.to(logp.dtype)
@@ -200,6 +201,7 @@ class GRPOLoss:
     baseline: bool = True  # False for REINFORCE: the advantage is the reward itself
     multi_objective: MultiObjective = "sum_then_normalize"
     top_entropy_quantile: float = 1.0
+    rollout_correction: RolloutCorrection = RolloutCorrection()  # weights for the sampler-trainer gap
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, self.entry.settings):
@@ -270,4 +272,5 @@ def build_loss(g: GRPOConfig) -> GRPOLoss:
                     importance_sampling_level=g.importance_sampling_level, beta=g.kl_beta,
                     kl_estimator=g.kl_estimator, max_completion_length=g.max_completion_length,
                     scale_rewards=g.scale_rewards, baseline=g.algorithm != "reinforce",
-                    multi_objective=g.multi_objective_aggregation, top_entropy_quantile=g.top_entropy_quantile)
+                    multi_objective=g.multi_objective_aggregation, top_entropy_quantile=g.top_entropy_quantile,
+                    rollout_correction=RolloutCorrection.from_config(g))

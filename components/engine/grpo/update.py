@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from components.config import GRPOConfig
 from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, high_entropy_mask, masked_mean
 from components.engine.grpo.policy import Policy
+from components.engine.grpo.rollout_correction import CorrectionStats
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.models.rollouts import Rollouts
 from components.engine.parallel.distributed import (
@@ -44,6 +45,7 @@ class UpdateStats:
     gap_sum: float = 0.0  # on-policy check: |sampler's log-prob - trainer's| summed over sampled tokens
     gap_max: float = 0.0
     gap_tokens: float = 0.0
+    correction: CorrectionStats = field(default_factory=CorrectionStats)  # the rollout correction's weights
     forward_seconds: float = 0.0  # where the update's time goes (logged as time/policy_forward, ...)
     backward_seconds: float = 0.0
     optimizer_seconds: float = 0.0
@@ -145,6 +147,10 @@ def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq:
     old_logp = part.old_logp if part.old_logp is not None else logp.detach()
     token_mask = high_entropy_mask(entropy, part.loss_mask, loss_fn.top_entropy_quantile) \
         if loss_fn.masks_by_entropy else None
+    if loss_fn.rollout_correction.enabled:  # the sampling weights' log-probs against the sampler's
+        weight = loss_fn.rollout_correction.weights(old_logp, part.rollouts.sampling_logp, part.rollouts.written,
+                                                    stats.correction if first_pass else None)
+        token_mask = weight if token_mask is None else token_mask.to(weight.dtype) * weight
     out = loss_fn(logp, old_logp, part.advantages, part.loss_mask, ref_logp=part.ref_logp, num_sequences=n_seq,
                   num_tokens=num_tokens, token_mask=token_mask)
     scaled = out.loss * share
@@ -211,6 +217,9 @@ def finish(stats: UpdateStats, num_iterations: int, ctx: DistContext) -> UpdateS
     stats.entropy, stats.logprob_mean, stats.tokens_seen = sums[4:]
     stats.gap_sum, stats.gap_tokens = all_reduce_sum(ctx, [stats.gap_sum, stats.gap_tokens])
     stats.gap_max = max(all_gather_objects(ctx, stats.gap_max))
+    c = stats.correction
+    c.weight_sum, c.count, c.outside = all_reduce_sum(ctx, [c.weight_sum, c.count, c.outside])
+    c.weight_min, c.weight_max = min(all_gather_objects(ctx, c.weight_min)), max(all_gather_objects(ctx, c.weight_max))
     passes = max(1, stats.updates)
     stats.loss, stats.pg_loss, stats.kl = stats.loss / passes, stats.pg_loss / passes, stats.kl / passes
     stats.clip_low_frac /= num_iterations
