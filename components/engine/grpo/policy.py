@@ -29,7 +29,8 @@ from components.engine.rollout.turns import Reencoding
 
 
 def attach_lora(model, lora: LoRAConfig):
-    """Wrap `model` with peft LoRA adapters; refuse target modules the model does not have."""
+    """Wrap `model` with peft LoRA adapters (float32, applied in a half-precision model's dtype:
+    components/engine/models/lora_precision.py); refuse target modules the model does not have."""
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in names]
     if missing:
@@ -41,8 +42,12 @@ def attach_lora(model, lora: LoRAConfig):
         from components.engine.models.quantize import quantize_base
 
         quantize_base(model, lora.quantize_base)
-    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    from components.engine.models.lora_precision import adapters_in_model_dtype
+
+    adapted = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                               target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    adapters_in_model_dtype(adapted)  # a half-precision model's adapters run in its dtype (kept float32)
+    return adapted
 
 
 class AdaptersOff:
