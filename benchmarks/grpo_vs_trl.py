@@ -224,7 +224,8 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     import torch
 
     from components.data.records import read_jsonl, split_path
-    from components.engine.evaluation.heldout import greedy_completions_of, score
+    from components.engine.environments.scoring import score
+    from components.engine.evaluation.heldout import greedy_completions_of
     from components.engine.rewards.rewards import RewardModel
 
     records = read_jsonl(split_path(root / "data" / "prepared", "heldout"))[:limit]
@@ -237,7 +238,7 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
         completions = greedy_completions_of(cfg, model, tokenizer, records)
         torch.set_rng_state(state)  # evaluation never shifts the engine's own random stream
         model.train(was_training)
-        per_prompt = score(records, completions, rewards)
+        per_prompt = score(rewards, records, completions).total
         return {"mean": sum(per_prompt) / len(per_prompt), "rewards": per_prompt}
 
     return evaluate

@@ -16,8 +16,9 @@ import torch
 
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
-from components.data.records import iter_jsonl, read_jsonl, reward_columns, split_path
+from components.data.records import iter_jsonl, read_jsonl, split_path
 from components.engine.environments.generation import conversation_encoder, for_evaluation
+from components.engine.environments.scoring import score
 from components.engine.evaluation.task_metrics import generate
 from components.engine.models.modeling import (
     load_policy_model,
@@ -133,8 +134,6 @@ class WarmStartCheck:
         # The first check_prompts records only: a large training file is not read whole for them.
         self.records = [r for _, r in itertools.islice(iter_jsonl(split_path(paths.data, "train")),
                                                        cfg.sft.check_prompts)]
-        self.prompts = [r["prompt"] for r in self.records]
-        self.columns = reward_columns(self.records, 1)
         self.rewards = RewardModel(cfg.grpo.rewards)
         self.cfg, self.tokenizer, self.max_new_tokens = cfg, tokenizer, cfg.grpo.max_completion_length
 
@@ -144,9 +143,8 @@ class WarmStartCheck:
         generation = for_evaluation(self.cfg, model, self.tokenizer, self.max_new_tokens, self.records, stop_together)
         out = generate(generation, model, self.records, SamplingParams(max_new_tokens=self.max_new_tokens,
                                                                        greedy=True), 256)
-        columns = dict(self.columns, completion_token_lengths=out.lengths, **out.columns)
         try:
-            scores = self.rewards(self.prompts, out.texts, columns).total
+            scores = score(self.rewards, self.records, out).total
         except RewardError as err:  # said with where it happened: SFT's stop check, not GRPO
             raise RewardError(f"{err} (in SFT's stop check, sft.stop_at_reward)") from err
         return sum(scores) / len(scores)

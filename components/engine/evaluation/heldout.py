@@ -16,8 +16,9 @@ import numpy as np
 from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
-from components.data.records import file_md5, read_jsonl, reward_columns, split_path
+from components.data.records import file_md5, read_jsonl, split_path
 from components.engine.environments.generation import for_evaluation
+from components.engine.environments.scoring import Completions, score
 from components.engine.models.modeling import (
     ModelLoadError,
     load_policy_model,
@@ -40,19 +41,16 @@ def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, 
     return {"mean": float(diffs.mean()), "ci95_low": float(low), "ci95_high": float(high)}
 
 
-def greedy_completions_of(cfg: PipelineConfig, model, tokenizer, records: list[dict[str, Any]]) -> list[str]:
+def greedy_completions_of(cfg: PipelineConfig, model, tokenizer, records: list[dict[str, Any]]) -> Completions:
     """Greedy completions of an in-memory model as rewards read them (benchmarks evaluate mid-training without
-    saving), `evaluate.max_new_tokens` and `evaluate.batch_size` as the evaluate stage."""
+    saving; score them with `scoring.score`), `evaluate.max_new_tokens` and `evaluate.batch_size` as the evaluate
+    stage."""
     from components.engine.evaluation.task_metrics import generate
 
     e = cfg.evaluate
     generation = for_evaluation(cfg, model, tokenizer, e.max_new_tokens, records)
     return generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
-                    e.batch_size).texts
-
-
-def score(records: list[dict[str, Any]], completions: list[str], rewards: RewardModel) -> list[float]:
-    return rewards([r["prompt"] for r in records], completions, reward_columns(records, 1)).total
+                    e.batch_size)
 
 
 def is_training_checkpoint(path: Path) -> bool:
@@ -94,11 +92,9 @@ def score_checkpoint(cfg: PipelineConfig, path: Path, paths: Paths = Paths()) ->
     generation = for_evaluation(cfg, model, tokenizer, e.max_new_tokens, records)
     out = generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
                    e.batch_size)
-    completions = out.transcripts
-    rewards = RewardModel(cfg.grpo.rewards)([r["prompt"] for r in records], out.texts,
-                                            {**reward_columns(records, 1), **out.columns}).total
+    rewards = score(RewardModel(cfg.grpo.rewards), records, out).total
     return {"checkpoint": str(path), "n": len(records), "heldout_md5": file_md5(heldout),
-            "mean_reward": float(np.mean(rewards)), "rewards": rewards, "completions": completions}
+            "mean_reward": float(np.mean(rewards)), "rewards": rewards, "completions": out.transcripts}
 
 
 class HeldoutProbe:

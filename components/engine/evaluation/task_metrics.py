@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
 import torch
 
 from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, PipelineConfig, RewardSpec
-from components.data.records import reward_columns
 from components.engine.environments.generation import Generation, for_evaluation
+from components.engine.environments.scoring import Completions, score
 from components.engine.rewards.rewards import RewardModel, resolve_reward
 from components.engine.rollout.base import SamplingParams
 
@@ -68,20 +67,6 @@ def check_metrics(names: Sequence[str]) -> None:
             raise ConfigError(f"evaluate.metrics[{i}]: {err}") from err
 
 
-@dataclass
-class Completions:
-    """What rewards and metrics read of completions (prompt-major): texts, the episodes' reward columns, what a
-    person reads, and per completion its model tokens, all its tokens after the prompt and whether it ended by
-    itself."""
-
-    texts: list[str] = field(default_factory=list)
-    columns: dict[str, list[Any]] = field(default_factory=dict)
-    transcripts: list[str] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)  # model tokens
-    episode_lengths: list[int] = field(default_factory=list)  # every token after the prompt
-    ended: list[bool] = field(default_factory=list)
-
-
 @torch.no_grad()
 def generate(generation: Generation, model, records: Sequence[dict[str, Any]], params: SamplingParams,
              batch_size: int, generator: torch.Generator | None = None) -> Completions:
@@ -92,14 +77,7 @@ def generate(generation: Generation, model, records: Sequence[dict[str, Any]], p
     try:
         for start in range(0, len(records), batch_size):
             rollouts = generation.run(records[start: start + batch_size], params, generator)
-            reading = generation.read(rollouts)
-            out.texts += reading.texts
-            out.transcripts += reading.transcripts
-            for key, values in reading.columns.items():
-                out.columns.setdefault(key, []).extend(values)
-            out.lengths += [e.model_tokens for e in rollouts.episodes]
-            out.episode_lengths += [len(e.ids) for e in rollouts.episodes]
-            out.ended += [bool(x) for x in ~rollouts.truncated]
+            out.extend(Completions.of(rollouts, generation.read(rollouts)))
     finally:
         model.train(was_training)
     return out
@@ -130,18 +108,16 @@ class TaskMetrics:
         """{metric: one value per record} and the greedy completions; pass@k left out when `greedy_only`."""
         e = self.e
         generation = for_evaluation(self.cfg, model, tokenizer, e.max_new_tokens, records)
-        prompts = [r["prompt"] for r in records]
         out = generate(generation, model, records, SamplingParams(max_new_tokens=e.max_new_tokens, greedy=True),
                        e.batch_size)
-        columns = {**reward_columns(records, 1), **out.columns}
-        values: dict[str, list[float]] = {"reward": self.reward(prompts, out.texts, columns).total}
+        values: dict[str, list[float]] = {"reward": score(self.reward, records, out).total}
         fixed = {"completion_length": out.lengths, "episode_length": out.episode_lengths,
                  "environment_tokens": [a - b for a, b in zip(out.episode_lengths, out.lengths)], "eos_rate": out.ended}
         for name in self.greedy_names:
             if name in fixed:
                 values[name] = [float(x) for x in fixed[name]]
             elif name in self.single:
-                values[name] = self.single[name](prompts, out.texts, columns).total
+                values[name] = score(self.single[name], records, out).total
         ks = [k for k in map(pass_k, self.names) if k]
         if ks and not greedy_only:
             n = e.pass_k_samples or max(ks)
@@ -149,8 +125,7 @@ class TaskMetrics:
             params = SamplingParams(n=n, max_new_tokens=e.max_new_tokens, temperature=e.pass_k_temperature,
                                     top_p=e.pass_k_top_p, top_k=e.pass_k_top_k)
             sampled = generate(generation, model, records, params, max(1, e.batch_size // n), generator)
-            scores = self.reward([p for p in prompts for _ in range(n)], sampled.texts,
-                                 {**reward_columns(records, n), **sampled.columns}).total
+            scores = score(self.reward, records, sampled, per_record=n).total
             correct = (torch.tensor(scores).view(-1, n) >= e.correct_at).sum(1).tolist()  # per record's group
             for k in ks:
                 values[f"pass@{k}"] = [pass_at_k(n, c, k) for c in correct]

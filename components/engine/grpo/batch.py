@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from components.config import GRPOConfig, RewardSpec
-from components.data.records import reward_columns
+from components.engine.environments.scoring import Completions, score
 from components.engine.grpo.objectives import build_loss
 from components.engine.grpo.policy import Policy
 from components.engine.models.rollouts import Rollouts, concat_rollouts
@@ -184,15 +184,12 @@ def score_groups(policy: Policy, parts: list[Rollouts], records: list[dict[str, 
     """Score rollouts of `records`' groups (one rollout per part, parts in record order) in one call of the rewards:
     each completion as the generation reads it (an episode's: its last turn, and the episode in columns of its own),
     the records' columns and each completion's token length (the model's tokens) passed along."""
-    read = [policy.generation.read(part) for part in parts]
-    completions = [text for reading in read for text in reading.texts]
+    completions = Completions()
+    for part in parts:
+        completions.extend(Completions.of(part, policy.generation.read(part)))
     group_size = parts[0].group_size
-    columns = reward_columns(records, group_size)
-    for key in read[0].columns:
-        columns[key] = [value for reading in read for value in reading.columns[key]]
-    columns["completion_token_lengths"] = [n for part in parts for n in part.completion_lengths()]
     t0 = time.perf_counter()
-    scored = rewards([r["prompt"] for r in records for _ in range(group_size)], completions, columns)
+    scored = score(rewards, records, completions, per_record=group_size)
     seconds = time.perf_counter() - t0
     totals = advantage_rewards(scored, g, group_size)
     out, start = [], 0
