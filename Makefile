@@ -115,7 +115,8 @@ lock: | check-python
 	git diff --stat requirements.lock
 
 # params.yaml back to your own settings after a run with --set, --preset or --params (an example): what the next
-# plain run does first. Nothing runs; not while a run is running. `make test` asks for it when it is needed.
+# plain run does first. Nothing runs; not while a run is running. (`make test` tests the committed params.yaml, so
+# it needs none of this.)
 own-params:
 	@test -x $(PY) || { echo "make: no .venv yet, so no run changed params.yaml"; exit 0; }; \
 	$(PY) -c 'import pathlib; from pipelines.params_io import prepare_params; \

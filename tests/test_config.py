@@ -1,13 +1,13 @@
 """params.yaml -> typed config: overrides, and refusals that name the key."""
 
-from pathlib import Path
 
 import pytest
 
 from components.config import ConfigError, load_config, section_hash, to_flat_dict
 
-ROOT = Path(__file__).resolve().parent.parent
-PARAMS = ROOT / "params.yaml"
+from conftest import ROOT, committed_params
+
+PARAMS = committed_params()  # the defaults as committed, whatever a run or an edit left in the working params.yaml
 
 
 def test_repository_params_load_and_match_defaults_shape():

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, committed_params
 
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
 GATED = {"meta-llama/"}  # hub ids whose license must be accepted, logged in, before a download
@@ -87,7 +87,7 @@ def test_the_data_commands_run_as_written_and_prepare_reads_their_file(name, tmp
     run = next(c for c in comment_commands(example) if c.startswith("grpo-pipeline run "))
     train = re.search(r"data\.train_path=(\S+)", run).group(1)
     assert (tmp_path / train).exists(), f"the run names {train}, which the commands did not write"
-    cfg = load_config(ROOT / "params.yaml", [f"data.train_path={tmp_path / train}", "data.heldout_ratio=0.25",
+    cfg = load_config(committed_params(), [f"data.train_path={tmp_path / train}", "data.heldout_ratio=0.25",
                                              f"data.columns={yaml.safe_load(example.read_text())['data']['columns']}"])
     prepare(cfg, Paths(root=tmp_path))
     rows = pd.read_json(tmp_path / "data" / "prepared" / "train.jsonl", lines=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, free_port, run
+from conftest import BIN, FAST_PARAMS, ROOT, copy_committed_project, free_port, run
 
 
 def readme_blocks(title: str) -> list[tuple[str, str]]:
@@ -48,7 +48,7 @@ def test_serving_the_champion_answers_as_the_readme_shows(tmp_path):
     (language, commands), (_, shown) = readme_blocks("Serve the champion")[:2]
     serve, call = bash_commands(commands)
     assert language == "bash" and serve.startswith("mlflow models serve -m models:/grpo-addition@champion")
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     env = _env(repo)
     run([str(BIN / "grpo-pipeline"), "run", *[x for o in FAST_PARAMS for x in ("--set", o)]], repo, env=env)
 
@@ -83,7 +83,7 @@ def test_the_readme_reward_function_scores_and_a_dry_run_trains_with_it(tmp_path
     settings = next(text for language, text in blocks if language == "yaml")
     commands = next(text for language, text in blocks if language == "bash")
     module = re.match(r"# (\w+\.py)", code).group(1)
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     (repo / module).write_text(code)
     from pipelines.params_io import apply_to_params
 
@@ -150,7 +150,7 @@ def test_device_cuda_stops_in_one_line_without_a_visible_gpu(tmp_path):
         pytest.skip("a GPU is visible here")
     (_, block) = readme_blocks("Troubleshooting")[1]
     check = bash_commands(block)[1]
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     proc = run(["bash", "-c", check], repo, env=_env(repo), check=False)
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and errors == ["error: device: 'cuda' requested but no CUDA device is available"], \

@@ -13,7 +13,7 @@ from components.engine.rewards.extract import extract_answer
 from components.engine.rewards.rewards import math_verify, numeric_match
 from components.stages.prepare import prepare
 
-from conftest import ROOT
+from conftest import committed_params
 
 # A common export format: question / answer / source, no id column.
 ROWS = [{"question": "What is 2+3?", "answer": "5", "source": "ch1"},
@@ -75,7 +75,7 @@ def test_one_line_of_config_runs_seed_003_format_through_prepare(tmp_path, mlflo
     path = tmp_path / "qa.json"
     rows = [{"question": f"What is {i}+{i}?", "answer": str(2 * i), "source": f"s{i % 3}"} for i in range(40)]
     path.write_text(json.dumps(rows))
-    cfg = load_config(ROOT / "params.yaml", [f"data.train_path={path}", "data.columns={question: prompt}"])
+    cfg = load_config(committed_params(), [f"data.train_path={path}", "data.columns={question: prompt}"])
     paths = Paths(root=tmp_path / "work")
     sources = prepare(cfg, paths)
     train, heldout, sft = (read_jsonl(paths.data / f"{s}.jsonl") for s in ("train", "heldout", "sft"))

@@ -2,11 +2,11 @@
 
 import re
 
-from conftest import BIN, ROOT, copy_project, run
+from conftest import BIN, ROOT, copy_committed_project, run
 
 
 def test_dry_run_writes_nothing_and_reports_one_rollout(tmp_path):
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     before = (repo / "params.yaml").read_text()
     proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--set", "grpo.prompts_per_step=4",
                 "--set", "task.n_train=100", "--set", "task.n_sft=50", "--set", "task.n_heldout=50"], repo)
@@ -17,7 +17,7 @@ def test_dry_run_writes_nothing_and_reports_one_rollout(tmp_path):
 
 
 def test_dry_run_refuses_bad_config_naming_the_key(tmp_path):
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--set", "grpo.group_size=1"], repo, check=False)
     assert proc.returncode == 2 and "error: grpo.group_size: must be >= 2" in proc.stdout
 
@@ -25,7 +25,7 @@ def test_dry_run_refuses_bad_config_naming_the_key(tmp_path):
 def test_dry_run_says_why_a_reward_is_missing_instead_of_nan(tmp_path):
     """A reward that scores nothing (None for every completion): the dry run says no reward scored them and which
     rewards returned None, never `reward mean nan`."""
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--set", "grpo.prompts_per_step=4",
                 "--set", "task.n_train=100", "--set", "task.n_sft=50", "--set", "task.n_heldout=50",
                 "--set", "grpo.rewards=[{name: 'reward_fixtures:abstains', weight: 1.0}]"], repo,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import BIN, copy_project, run
+from conftest import BIN, copy_committed_project, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -26,7 +26,7 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
     from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
     from pipelines.params_io import apply_to_params, preset_path
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     apply_to_params(repo / "params.yaml", [preset_path("fast_test")], ["threads=1"])
     run(["git", "commit", "-qam", "the fast preset as my settings"], repo)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store: ./mlflow.db (the server too)

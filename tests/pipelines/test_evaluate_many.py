@@ -12,16 +12,16 @@ from components.engine.evaluation.heldout import score_checkpoint
 from components.engine.models.modeling import ModelLoadError
 from components.stages.grpo import train_grpo
 
-from conftest import BIN, LEARN, ROOT, run, setup_stage_inputs
+from conftest import BIN, LEARN, ROOT, committed_params, run, setup_stage_inputs
 
 pytestmark = pytest.mark.integration
 
 
 def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlflow_store):
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text((committed_params()).read_text())
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=6", "grpo.checkpoint_every=3"])
     train_grpo(cfg, paths)
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())  # the workers read it from root
+    (tmp_path / "params.yaml").write_text((committed_params()).read_text())  # the workers read it from root
     checkpoints = ["checkpoints/grpo/step-0000003", "models/grpo"]
     # Sequential reference, in this process and without Prefect; a training checkpoint loads as well.
     from components.config import load_config
@@ -58,4 +58,4 @@ def test_a_missing_checkpoint_is_a_clear_error(tmp_path):
     from components.data.paths import Paths
 
     with pytest.raises(ModelLoadError, match="no such model directory or checkpoint"):
-        score_checkpoint(load_config(ROOT / "params.yaml"), tmp_path / "nope", Paths(root=tmp_path))
+        score_checkpoint(load_config(committed_params()), tmp_path / "nope", Paths(root=tmp_path))

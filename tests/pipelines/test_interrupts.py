@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, copy_project, run
+from conftest import BIN, FAST_PARAMS, copy_committed_project, run
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def flow_run_states(prefect_home: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
 def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how):
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect-home")}
     proc = start_run(repo, env)
     wait_for_checkpoint(repo, proc)

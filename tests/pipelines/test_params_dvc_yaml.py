@@ -12,7 +12,7 @@ import yaml
 
 from pipelines.params_io import BASE_FILE, check_dvc_reads, prepare_params
 
-from conftest import BIN, ROOT, run
+from conftest import BIN, committed_params, copy_tracked, run
 
 TOOLS = ["calculator", "shopcat.catalogue:price_of"]
 ENVIRONMENT = "shopcat.games:guess_the_number"
@@ -64,8 +64,8 @@ DVC_YAML = """stages:
 def repo(tmp_path, monkeypatch):
     """A git + DVC repository holding the project's params.yaml and code, and the user's package `shopcat`."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "components", repo / "components", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
+    copy_tracked(repo, under="components")
+    shutil.copy(committed_params(), repo / "params.yaml")
     (repo / "dvc.yaml").write_text(DVC_YAML)
     package = tmp_path / "site" / "shopcat"
     package.mkdir(parents=True)

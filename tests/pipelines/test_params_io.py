@@ -8,12 +8,12 @@ import pytest
 
 from pipelines.params_io import BASE_FILE, RUN_NOTE, apply_to_params, prepare_params, user_params
 
-from conftest import ROOT
+from conftest import committed_params
 
 
 def test_a_run_without_overrides_leaves_params_yaml_byte_identical(tmp_path):
     params = tmp_path / "params.yaml"
-    original = (ROOT / "params.yaml").read_bytes()
+    original = (committed_params()).read_bytes()
     params.write_bytes(original)
     assert apply_to_params(params, [], []) is False and params.read_bytes() == original
     # An override to the value it already has changes nothing either (same nulls, same list style).
@@ -23,7 +23,7 @@ def test_a_run_without_overrides_leaves_params_yaml_byte_identical(tmp_path):
 
 def test_an_override_changes_its_own_line_only(tmp_path):
     params = tmp_path / "params.yaml"
-    original = (ROOT / "params.yaml").read_text()
+    original = (committed_params()).read_text()
     params.write_text(original)
     assert apply_to_params(params, [], ["seed=7"]) is True
     changed = [(a, b) for a, b in zip(original.splitlines(), params.read_text().splitlines()) if a != b]
@@ -36,7 +36,7 @@ def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their
     params.yaml. The next run (the same command) starts from the user's own settings with that edit, says which
     edit it kept, and applies its own overrides on top; the plain run after it is the user's own again."""
     params = tmp_path / "params.yaml"
-    mine = (ROOT / "params.yaml").read_text()
+    mine = (committed_params()).read_text()
     params.write_text(mine)
     once = ["grpo.steps=40", "seed=7"]
     prepare_params(tmp_path, [], once, persist=False, described="--set grpo.steps=40 --set seed=7")
@@ -62,9 +62,9 @@ def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their
 def test_an_example_run_leaves_the_users_settings_alone(tmp_path):
     """Overrides are for their run: `dvc repro` reproduces that run, the next plain run goes back to the user's
     params.yaml (DVC reusing what it cached for it), and `--persist` is how an override is kept. Real DVC."""
-    from conftest import BIN, FAST_PARAMS, copy_project, run
+    from conftest import BIN, FAST_PARAMS, copy_committed_project, run
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect")}
     cli = [str(BIN / "grpo-pipeline"), "run"]
     first = run(cli + ["--persist"] + [x for o in FAST_PARAMS for x in ("--set", o)], repo, env=env)
@@ -98,7 +98,7 @@ def test_a_refused_override_leaves_params_yaml_untouched(tmp_path):
     from components.config import ConfigError
 
     params = tmp_path / "params.yaml"
-    original = (ROOT / "params.yaml").read_bytes()
+    original = (committed_params()).read_bytes()
     params.write_bytes(original)
     with pytest.raises(ConfigError, match="grpo.kl_beta: must be >= 0"):
         prepare_params(tmp_path, [], ["seed=7", "grpo.kl_beta=-1"], persist=False)
@@ -120,7 +120,7 @@ def test_overrides_come_back_after_a_kill_at_any_moment_whatever_runs_next(tmp_p
     import pipelines.params_io as params_io
 
     params = tmp_path / "params.yaml"
-    mine = (ROOT / "params.yaml").read_text()
+    mine = (committed_params()).read_text()
     params.write_text(mine)
     real, writes = params_io.write_text_atomic, []
 
@@ -165,7 +165,7 @@ def test_bookkeeping_a_kill_cut_short_is_recovered_in_one_line(tmp_path, damaged
     """Files an older version wrote in place, cut short by a kill: the user's own comes back from .params.base.yaml,
     and params.yaml as the killed run left it is kept in logs/ (its edits cannot be told from its overrides)."""
     params = tmp_path / "params.yaml"
-    mine = (ROOT / "params.yaml").read_text()
+    mine = (committed_params()).read_text()
     params.write_text(mine)
     prepare_params(tmp_path, [], ["grpo.steps=40"], persist=False, described="--set grpo.steps=40")
     left = params.read_text()
@@ -193,7 +193,7 @@ def test_a_value_dvc_reads_otherwise_is_the_users_to_keep_and_never_one_the_run_
     from pipelines.params_io import check_dvc_reads, dvc_reading_problem
 
     params = tmp_path / "params.yaml"
-    mine = (ROOT / "params.yaml").read_text().replace("  enabled: true", "  enabled: yes", 1)
+    mine = (committed_params()).read_text().replace("  enabled: true", "  enabled: yes", 1)
     params.write_text(mine)
     check_dvc_reads(params)
     assert apply_to_params(params, [], ["seed=7"]) and "  enabled: yes" in params.read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, dvc_repro_warm, run
+from conftest import BIN, FAST_PARAMS, ROOT, copy_committed_project, dvc_repro_warm, run
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ STAGES = {"prepare", "model", "validate", "sft", "grpo", "evaluate", "register"}
 
 @pytest.fixture(scope="module")
 def completed(tmp_path_factory):
-    repo = copy_project(tmp_path_factory.mktemp("e2e") / "repo")
+    repo = copy_committed_project(tmp_path_factory.mktemp("e2e") / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
            "PREFECT_HOME": str(repo.parent / "prefect-home")}
     cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS for x in ("--set", o)]

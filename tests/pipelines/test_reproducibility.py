@@ -20,7 +20,7 @@ from components.stages.prepare import prepare
 from components.stages.sft import train_sft
 from tests.engine.sampling import sample_texts
 
-from conftest import FAST_PARAMS, ROOT, copy_project, dvc_repro_warm
+from conftest import FAST_PARAMS, ROOT, committed_params, copy_committed_project, dvc_repro_warm
 
 SMALL = ["task.n_sft=200", "task.n_train=200", "task.n_heldout=50", "sft.epochs=2", "grpo.steps=5",
          "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.checkpoint_every=0", "grpo.kl_beta=0.05",
@@ -28,7 +28,7 @@ SMALL = ["task.n_sft=200", "task.n_train=200", "task.n_heldout=50", "sft.epochs=
 
 
 def train(root, callbacks=()):
-    cfg = load_config(ROOT / "params.yaml", SMALL)
+    cfg = load_config(committed_params(), SMALL)
     paths = Paths(root=root)
     prepare(cfg, paths)
     build_base_model(cfg, paths)
@@ -94,7 +94,7 @@ def test_two_fresh_clones_give_identical_dvc_lock_hashes(tmp_path, monkeypatch):
         if not make_env:
             for key in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"):
                 monkeypatch.delenv(key, raising=False)
-        repo = copy_project(tmp_path / name)
+        repo = copy_committed_project(tmp_path / name)
         apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
         dvc_repro_warm(repo, ["--force"], {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
         stages = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, run
+from conftest import BIN, FAST_PARAMS, ROOT, copy_committed_project, run
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_a_user_environment_raising_connection_error_is_reported_after_one_attempt(tmp_path):
     from environment_fixtures import build_chat_model
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     model = build_chat_model(tmp_path / "tiny-chat")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
            "PYTHONPATH": str(ROOT / "tests")}

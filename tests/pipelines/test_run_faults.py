@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, FAST_PARAMS, ROOT, copy_project, free_port, run, start_mlflow_server, stop_server_group
+from conftest import (
+    BIN,
+    FAST_PARAMS,
+    ROOT,
+    copy_committed_project,
+    free_port,
+    run,
+    start_mlflow_server,
+    stop_server_group,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +62,7 @@ def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothin
     the queue, runs no GRPO step and registers."""
     from mlflow.tracking import MlflowClient
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {"MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": str(tmp_path / "prefect"), "GRPO_TRACKING_RETRY_S": "1",
@@ -105,7 +114,7 @@ def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_t
     traceback, nothing registered; the rerun with room stores what was trained and runs no GRPO step."""
     from mlflow.tracking import MlflowClient
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
            "PYTHONPATH": str(ROOT / "tests")}
     overrides = FAST_PARAMS + LEARNS
@@ -140,7 +149,7 @@ def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs
     KILLED."""
     from mlflow.tracking import MlflowClient
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect")}
     mine = (repo / "params.yaml").read_text()
     overrides = [p for p in FAST_PARAMS if not p.startswith(("grpo.steps", "grpo.checkpoint_every"))] + [

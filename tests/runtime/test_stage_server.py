@@ -17,9 +17,9 @@ TINY = ["--set", "task.n_sft=20", "--set", "task.n_train=20", "--set", "task.n_h
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from conftest import copy_project
+    from conftest import copy_committed_project
 
-    repo = copy_project(tmp_path_factory.mktemp("served") / "repo")
+    repo = copy_committed_project(tmp_path_factory.mktemp("served") / "repo")
     proc, path = start_server(str(repo))
     yield repo, path
     stop_server(proc, path)
@@ -55,9 +55,9 @@ def test_the_launcher_runs_the_stage_itself_when_import_settings_differ(server):
 
 
 def test_the_launcher_without_a_server_is_the_plain_stage(tmp_path):
-    from conftest import copy_project
+    from conftest import copy_committed_project
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     timings = tmp_path / "times.jsonl"
     proc = run([sys.executable, "-m", "components.runtime.launch", "prepare", *TINY], repo,
                env={SERVER_ENV: "", "MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
@@ -105,9 +105,9 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
 
     from components.runtime.stage_server import LEVELS, level_path
 
-    from conftest import copy_project
+    from conftest import copy_committed_project
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     monkeypatch.chdir(repo)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
     proc, path = start_server(str(repo))

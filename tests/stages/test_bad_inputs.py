@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT
+from conftest import committed_params
 
 HELDOUT = [{"id": f"h{i}", "prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 6)]
 TRAIN = [{"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10, 20)]
@@ -78,7 +78,7 @@ def workdir(tmp_path, monkeypatch, mlflow_store):
     """A repo-like folder whose registry already has a champion that no bad input may touch."""
     from mlflow.tracking import MlflowClient
 
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params(), tmp_path / "params.yaml")
     (tmp_path / "data" / "user").mkdir(parents=True)
     (tmp_path / "data" / "user" / "heldout.jsonl").write_text(jsonl(HELDOUT))
     (tmp_path / "models" / "grpo").mkdir(parents=True)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, copy_project, run
+from conftest import BIN, copy_committed_project, run
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -35,7 +35,7 @@ def build_tiny_qwen(out, texts):
 def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
     from components.data.records import dir_md5
 
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(0, 40, 3) for b in range(0, 40, 7)]
     (repo / "data" / "user" / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     model_dir = tmp_path / "tiny-qwen2"
@@ -90,7 +90,7 @@ print("SERVED", list(served))
 
 
 def test_hub_id_offline_gives_a_clear_error_not_a_traceback(tmp_path):
-    repo = copy_project(tmp_path / "repo")
+    repo = copy_committed_project(tmp_path / "repo")
     proc = run([str(BIN / "grpo-pipeline"), "run", "--set", "model.name_or_path=Qwen/Qwen2.5-0.5B-Instruct"], repo,
                env={"HF_HUB_OFFLINE": "1"}, check=False)
     assert proc.returncode == 2

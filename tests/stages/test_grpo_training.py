@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from components.stages.grpo import train_grpo
 from components.tracking.step_log import window_mean
 
-from conftest import LEARN, ROOT, setup_stage_inputs
+from conftest import LEARN, ROOT, committed_params, setup_stage_inputs
 
 
 def test_a_metrics_point_is_the_mean_of_its_window():
@@ -71,7 +71,7 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     for name in ("straight", "killed"):
         root = tmp_path / name
         root.mkdir()
-        (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+        (root / "params.yaml").write_text((committed_params()).read_text())
         setup_stage_inputs(root, LEARN + steps)
         dirs[name] = root
     subprocess.run(_grpo_cmd(steps), cwd=dirs["straight"], env=env, check=True, capture_output=True)

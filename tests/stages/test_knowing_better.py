@@ -114,7 +114,7 @@ def test_a_flat_heldout_curve_is_named_in_the_progress_and_the_model_card(tmp_pa
     from components.stages.evaluate import evaluate
     from components.stages.register import register
 
-    from conftest import ROOT
+    from conftest import committed_params
 
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
         "grpo.steps=30", "evaluate.every=10", "evaluate.during_training_n=20", "evaluate.metrics=[reward]",
@@ -122,7 +122,7 @@ def test_a_flat_heldout_curve_is_named_in_the_progress_and_the_model_card(tmp_pa
         "grpo.rewards=[{name: 'reward_fixtures:starts_with_digit', weight: 1.0}]"])
     heldout = split_path(paths.data, "heldout")
     heldout.write_text("".join(json.dumps({**r, "digit": "7"}) + "\n" for r in read_jsonl(heldout)))
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params(), tmp_path / "params.yaml")
     summary = train_grpo(cfg, paths)
     out = capsys.readouterr().out
     run = summary["generalisation"]
@@ -176,13 +176,13 @@ def test_merge_lora_registers_one_full_model_that_answers_as_the_adapter_did(tmp
     from components.stages.evaluate import evaluate
     from components.stages.register import register
 
-    from conftest import ROOT
+    from conftest import committed_params
 
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + [
         "grpo.steps=12", "grpo.lora.enabled=true", "grpo.learning_rate=0.01", "register.merge_lora=true",
         "register.model_name=tiny-merged", "evaluate.every=0", "evaluate.metrics=[reward]",
         "evaluate.bootstrap_samples=500", "reports.samples_every=0"])
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params(), tmp_path / "params.yaml")
     train_grpo(cfg, paths)
     assert (paths.grpo_model / "adapter_config.json").exists()  # training left an adapter
     evaluate(cfg, paths)
@@ -221,19 +221,19 @@ def test_a_hacked_reward_is_blocked_from_champion(tmp_path, mlflow_store, capsys
     from components.stages.evaluate import evaluate
     from components.stages.register import register
 
-    from conftest import ROOT
+    from conftest import committed_params
 
     # The champion: the warm start barely moved (one step at a tiny learning rate), no monitors; no better than its
     # start, so it is champion only because this registry opts out of the first-champion rule.
     cfg, paths = setup_stage_inputs(tmp_path, HACK + ["grpo.steps=1", "grpo.learning_rate=1e-9", "monitors.checks=[]",
                                                       "register.require_improvement=false"])
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params(), tmp_path / "params.yaml")
     train_grpo(cfg, paths)
     evaluate(cfg, paths)
     first = register(cfg, paths)
     assert first["promoted"] and first["version"] == "1" and "register.require_improvement: false" in first["reason"]
 
-    hacked = load_config(ROOT / "params.yaml", HACK + ["grpo.steps=60", GATE])
+    hacked = load_config(committed_params(), HACK + ["grpo.steps=60", GATE])
     summary = train_grpo(hacked, paths)
     monitor = summary["monitors"][0]
     assert monitor["breached"] and monitor["breach"]["value"] > 0.3, summary["monitors"]
@@ -269,12 +269,12 @@ def test_the_first_champion_must_beat_the_model_it_started_from(tmp_path, mlflow
     from components.stages.evaluate import evaluate
     from components.stages.register import register
 
-    from conftest import ROOT
+    from conftest import committed_params
 
     quiet = ["evaluate.every=0", "evaluate.metrics=[reward]", "evaluate.bootstrap_samples=500",
              "reports.samples_every=0"]
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + quiet + ["grpo.steps=2", "grpo.learning_rate=1e-9"])
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    shutil.copy(committed_params(), tmp_path / "params.yaml")
     train_grpo(cfg, paths)
     evaluate(cfg, paths)
     capsys.readouterr()
@@ -294,7 +294,7 @@ def test_the_first_champion_must_beat_the_model_it_started_from(tmp_path, mlflow
     assert "register: held-out reward: vs its starting point +0.0000 (95% CI" in out
     assert "vs the champion none yet" in out
 
-    learned = load_config(ROOT / "params.yaml", LEARN + quiet + ["grpo.steps=30"])
+    learned = load_config(committed_params(), LEARN + quiet + ["grpo.steps=30"])
     train_grpo(learned, paths)
     report = evaluate(learned, paths)
     assert report["improvement"]["ci95_low"] > 0

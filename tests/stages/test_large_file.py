@@ -19,7 +19,7 @@ from components.stages.model import build_base_model
 from components.stages.prepare import prepare
 from components.stages.validate import validate
 
-from conftest import ROOT
+from conftest import ROOT, committed_params
 
 
 def test_duplicate_ids_across_chunks_are_reported(tmp_path, mlflow_store):
@@ -27,7 +27,7 @@ def test_duplicate_ids_across_chunks_are_reported(tmp_path, mlflow_store):
     rows[45]["id"] = "t12"  # same id as row 3, 42 rows later: a different chunk of 10
     write_jsonl(tmp_path / "train.jsonl", rows)
     write_jsonl(tmp_path / "heldout.jsonl", [{"id": "h1", "prompt": "1+1=", "answer": "2"}])
-    cfg = load_config(ROOT / "params.yaml", [f"data.train_path={tmp_path / 'train.jsonl'}",
+    cfg = load_config(committed_params(), [f"data.train_path={tmp_path / 'train.jsonl'}",
                                              f"data.heldout_path={tmp_path / 'heldout.jsonl'}"])
     paths = Paths(root=tmp_path / "work")
     prepare(cfg, paths)
@@ -50,7 +50,7 @@ print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def _peak_kb(workdir, train, heldout) -> int:
-    shutil.copy(ROOT / "params.yaml", workdir / "params.yaml")
+    shutil.copy(committed_params(), workdir / "params.yaml")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}"}
     proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT.format(root=str(ROOT), train=train, heldout=heldout)],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)

@@ -8,7 +8,7 @@ from components.stages.model import build_base_model
 from components.stages.prepare import prepare
 from components.stages.sft import train_sft
 
-from conftest import ROOT
+from conftest import committed_params
 
 SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3", "sft.batch_size=32",
          "sft.check_every=4", "sft.check_prompts=16", "threads=1"]
@@ -16,7 +16,7 @@ SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3
 
 def _train(tmp_path, reward, target):
     reward_set = f"grpo.rewards=[{{name: 'reward_fixtures:{reward}', weight: 1.0}}]"
-    cfg = load_config(ROOT / "params.yaml", SMALL + [reward_set, f"sft.stop_at_reward={target}"])
+    cfg = load_config(committed_params(), SMALL + [reward_set, f"sft.stop_at_reward={target}"])
     paths = Paths(root=tmp_path)
     prepare(cfg, paths)
     build_base_model(cfg, paths)

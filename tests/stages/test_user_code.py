@@ -14,7 +14,7 @@ import pytest
 from components.config import RewardSpec
 from components.engine.rewards.rewards import RewardError, RewardModel
 
-from conftest import LEARN, ROOT, setup_stage_inputs
+from conftest import LEARN, ROOT, committed_params, setup_stage_inputs
 
 
 @pytest.mark.parametrize("reward,raised", [
@@ -77,7 +77,7 @@ def test_a_reward_that_exits_is_named_at_every_place_it_is_called(tmp_path, mlfl
     exits = ["grpo.rewards=[{name: 'reward_fixtures:exits'}]"]
     steps = ["grpo.steps=2", "grpo.max_reward_failures=1", "evaluate.every=2", "evaluate.during_training_n=8"]
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + steps + exits)
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text((committed_params()).read_text())
     with pytest.raises(StageFailed) as err:
         train_grpo(cfg, paths)
     assert "rewards failed on 2 steps in a row (grpo.max_reward_failures = 1); last error: reward " \
@@ -107,7 +107,7 @@ def test_a_stage_that_dies_inside_a_reward_is_reported_by_its_parent(tmp_path, m
 
     steps = ["grpo.steps=3", "evaluate.every=0"]
     setup_stage_inputs(tmp_path, LEARN + steps)
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text((committed_params()).read_text())
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     server = start_server(str(tmp_path))
     try:

@@ -12,7 +12,7 @@ from components.stages.model import build_base_model
 from components.stages.prepare import prepare
 from components.stages.validate import validate
 
-from conftest import ROOT
+from conftest import committed_params
 
 
 def rows(prefix, pairs):
@@ -34,7 +34,7 @@ def run_validate(tmp_path, splits, overrides=()):
     for split, records in splits.items():
         files[split] = tmp_path / f"user_{split}.jsonl"
         write_jsonl(files[split], records)
-    cfg = load_config(ROOT / "params.yaml", [f"data.{s}_path={p}" for s, p in files.items()] + list(overrides))
+    cfg = load_config(committed_params(), [f"data.{s}_path={p}" for s, p in files.items()] + list(overrides))
     paths = Paths(root=tmp_path / "work")
     prepare(cfg, paths)
     build_base_model(cfg, paths)

@@ -8,7 +8,7 @@ from components.tracking.run_environment import differences
 from pipelines.commands.run_report import band_report
 from pipelines.reproduce import Comparison, ReproduceReport
 
-from conftest import ROOT
+from conftest import committed_params
 
 
 def _spread(root, fingerprint):
@@ -27,22 +27,22 @@ def _evaluation(warm, improvement):
 
 
 def test_a_result_inside_the_band_says_so(tmp_path):
-    cfg = load_config(ROOT / "params.yaml", ["seed=99"])  # another seed is still the default
+    cfg = load_config(committed_params(), ["seed=99"])  # another seed is still the default
     _spread(tmp_path, default_fingerprint(cfg))
     text = band_report(tmp_path, cfg, _evaluation(0.45, 0.40))
     assert "warm start 0.420 .. 0.550, improvement +0.300 .. +0.450" in text and "within the expected band" in text
 
 
 def test_a_result_outside_the_band_says_so_with_the_likely_reasons(tmp_path):
-    cfg = load_config(ROOT / "params.yaml")
+    cfg = load_config(committed_params())
     _spread(tmp_path, default_fingerprint(cfg))
     text = band_report(tmp_path, cfg, _evaluation(0.14, 0.04))
     assert "OUTSIDE the expected band (warm start and improvement)" in text and "another CPU kind" in text
 
 
 def test_other_params_are_not_compared_with_the_default_band(tmp_path):
-    _spread(tmp_path, default_fingerprint(load_config(ROOT / "params.yaml")))
-    text = band_report(tmp_path, load_config(ROOT / "params.yaml", ["grpo.steps=10"]), _evaluation(0.1, 0.0))
+    _spread(tmp_path, default_fingerprint(load_config(committed_params())))
+    text = band_report(tmp_path, load_config(committed_params(), ["grpo.steps=10"]), _evaluation(0.1, 0.0))
     assert "these params differ" in text and "OUTSIDE" not in text
 
 

@@ -15,7 +15,7 @@ import pytest
 from components.config import config_from_dict, read_params
 from tests.engine.environments.chat_fixtures import CHATML, HERMES, chat_tokenizer
 
-from conftest import ROOT
+from conftest import committed_params
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 82"}}</tool_call>'
 USER = "What is 347 * 82? Reply with just the number."
@@ -29,7 +29,7 @@ def store(tmp_path, mlflow_store, monkeypatch) -> str:
 
 
 def _config(tools: list[str]):
-    raw = read_params(ROOT / "params.yaml")
+    raw = read_params(committed_params())
     raw["prompt"] = {**raw["prompt"], "template": "{prompt} Reply with just the number.", "chat_template": "always",
                      "system": "Answer briefly."}
     raw["grpo"] = {**raw["grpo"], "tools": tools}

@@ -304,10 +304,10 @@ def test_an_environment_that_cannot_be_used_is_refused_before_training(name, mes
 def test_tools_and_an_environment_together_are_refused():
     from components.config import load_config
 
-    from conftest import ROOT
+    from conftest import committed_params
 
     with pytest.raises(ConfigError, match="grpo.environment: cannot be set together with grpo.tools"):
-        load_config(ROOT / "params.yaml", ["grpo.tools=[calculator]", f"grpo.environment={FIXTURES}:echo"])
+        load_config(committed_params(), ["grpo.tools=[calculator]", f"grpo.environment={FIXTURES}:echo"])
 
 
 def test_episodes_through_every_engine_draw_the_plain_engines_tokens():

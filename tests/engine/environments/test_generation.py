@@ -13,7 +13,7 @@ from components.engine.rollout.base import SamplingParams
 from tests.engine.environments.chat_fixtures import chat_tokenizer
 from tests.engine.environments.test_episodes import CALL, ScriptedEngine, _runner
 
-from conftest import ROOT
+from conftest import ROOT, committed_params
 
 SERVICE = ROOT / "components" / "engine" / "environments"  # the service and the plays it runs
 CARRIER = ROOT / "components" / "engine" / "models" / "rollouts.py"  # the record that carries episodes
@@ -82,7 +82,7 @@ def _tool_run(tmp_path: Path):
                                          num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=1024))
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    cfg = load_config(ROOT / "params.yaml", [f"model.name_or_path={tmp_path / 'model'}", "grpo.tools=[calculator]",
+    cfg = load_config(committed_params(), [f"model.name_or_path={tmp_path / 'model'}", "grpo.tools=[calculator]",
                                               "prompt.chat_template=always",
                                               "grpo.max_completion_length=40", "grpo.kl_beta=0", "threads=1"])
     return cfg, tmp_path / "model"

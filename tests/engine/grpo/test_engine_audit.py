@@ -26,9 +26,9 @@ from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.losses import ClipRange
 from tests.engine.sampling import sample_texts
 
-from conftest import ROOT
+from conftest import committed_params
 
-PARAMS = ROOT / "params.yaml"
+PARAMS = committed_params()
 VOCAB = 24
 
 

@@ -19,7 +19,7 @@ from components.losses import ClipRange, Normalisers
 from tests.engine.grpo.trajectories import trajectory
 from tests.engine.sampling import sample_texts
 
-from conftest import ROOT
+from conftest import committed_params
 
 # Two groups of two completions, three positions; row 2 has one padded position. mu > 1, so the
 # current policy has moved away from the rollout policy: ratios on both sides of the clip range.
@@ -124,11 +124,11 @@ def test_informative_groups():
 
 def test_reinforce_config_rules():
     with pytest.raises(ConfigError, match="grpo.group_size: must be 1 with grpo.algorithm: reinforce"):
-        load_config(ROOT / "params.yaml", ["grpo.algorithm=reinforce"])
+        load_config(committed_params(), ["grpo.algorithm=reinforce"])
     with pytest.raises(ConfigError, match="grpo.kl_beta: must be 0"):
-        load_config(ROOT / "params.yaml", ["grpo.algorithm=reinforce", "grpo.group_size=1"])
+        load_config(committed_params(), ["grpo.algorithm=reinforce", "grpo.group_size=1"])
     with pytest.raises(ConfigError, match="grpo.minibatch_size: must be a multiple of grpo.group_size"):
-        load_config(ROOT / "params.yaml", ["grpo.minibatch_size=12"])
+        load_config(committed_params(), ["grpo.minibatch_size=12"])
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import ast
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from components.engine.grpo.objectives import policy_loss
+
+from conftest import committed_params, copy_tracked
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -64,8 +65,7 @@ print(json.dumps({"package": components.__file__, "settings": repr(loss.settings
 def test_a_loss_with_a_setting_of_its_own_is_one_entry_in_one_module(tmp_path):
     """A copy of components/ where only losses.py gains the toy loss (record, surrogate, entry) trains from the
     config: `grpo.loss_type: toy` and `grpo.toy_scale` are accepted, checked and reach the loss."""
-    copy = tmp_path / "components"
-    shutil.copytree(ROOT / "components", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    copy = copy_tracked(tmp_path, under="components") / "components"
     losses = copy / "losses.py"
     source = losses.read_text()
     table = "LOSSES: dict[str, Loss] = {loss.name: loss for loss in (\n"
@@ -78,7 +78,7 @@ def test_a_loss_with_a_setting_of_its_own_is_one_entry_in_one_module(tmp_path):
     assert changed == ["losses.py"]
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "params.yaml")], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(committed_params())], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -24,7 +24,7 @@ from components.engine.rollout.hf import HFEngine
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from tests.engine.grpo.trajectories import trajectory
 
-from conftest import ROOT
+from conftest import committed_params
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_entropy_masking_runs_in_every_pass(tiny_model):
 
 
 def config(*overrides: str):
-    return load_config(ROOT / "params.yaml", list(overrides))
+    return load_config(committed_params(), list(overrides))
 
 
 @pytest.mark.parametrize("overrides,key", [

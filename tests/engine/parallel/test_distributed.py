@@ -24,7 +24,7 @@ from components.config import load_config
 from components.data.paths import Paths
 from components.stages.grpo import train_grpo
 
-from conftest import LEARN, ROOT, setup_stage_inputs
+from conftest import LEARN, ROOT, committed_params, setup_stage_inputs
 
 # A reward a random tiny model gets right about 5/16 of the time: mixed groups from the first step.
 DENSE = ["grpo.rewards=[{name: regex_format, weight: 1.0, options: {pattern: '^[0-4]', mode: search}}]"]
@@ -83,7 +83,7 @@ def two_roots(tmp_path, overrides):
     one, two = tmp_path / "one", tmp_path / "two"
     for root in (one, two):
         root.mkdir()
-        (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+        (root / "params.yaml").write_text((committed_params()).read_text())
     setup_stage_inputs(one, overrides)
     for sub in ("data", "models"):
         shutil.copytree(one / sub, two / sub)
@@ -112,8 +112,8 @@ def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worke
     # FSDP2 below, where it also needs the throwaway-group path.
     settings = EQUIV
     one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])
-    train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
-    summary = train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.nproc=2"]), Paths(root=two))
+    train_grpo(load_config(committed_params(), settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    summary = train_grpo(load_config(committed_params(), settings + ["distributed.nproc=2"]), Paths(root=two))
     out = capfd.readouterr().out
     assert "grpo: 2 processes (DDP, gloo)" in out and "--nproc_per_node=2" in out
     assert summary["steps"] == 4
@@ -132,7 +132,7 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     overrides = LEARN + DENSE + ["grpo.steps=10", "grpo.prompts_per_step=4", "grpo.group_size=4",
                                  "grpo.kl_beta=0.05", "grpo.reference.mode=ema", "grpo.checkpoint_every=2"]
     straight, killed = two_roots(tmp_path, overrides)
-    train_grpo(load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"]),
+    train_grpo(load_config(committed_params(), overrides + ["distributed.per_group_sampling=true"]),
                Paths(root=straight))
 
     cmd = [sys.executable, "-m", "components.stages.grpo"] + [x for o in overrides + ["distributed.nproc=2"]
@@ -155,7 +155,7 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     assert all(gone(pid) for pid in tree)
     assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
 
-    cfg = load_config(ROOT / "params.yaml", overrides + ["distributed.per_group_sampling=true"])
+    cfg = load_config(committed_params(), overrides + ["distributed.per_group_sampling=true"])
     resumed = subprocess.run([sys.executable, "-m", "components.stages.grpo",
                               "--set", "distributed.per_group_sampling=true"]
                              + [x for o in overrides for x in ("--set", o)], cwd=killed, capture_output=True,
@@ -173,8 +173,8 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
 def test_grpo_two_nccl_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
     gpu = EQUIV + ["device=cuda", "model.dtype=float32"]
     one, two = two_roots(tmp_path, gpu + ["distributed.per_group_sampling=true"])
-    train_grpo(load_config(ROOT / "params.yaml", gpu + ["distributed.per_group_sampling=true"]), Paths(root=one))
-    train_grpo(load_config(ROOT / "params.yaml", gpu + ["distributed.nproc=2", "distributed.backend=nccl"]),
+    train_grpo(load_config(committed_params(), gpu + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    train_grpo(load_config(committed_params(), gpu + ["distributed.nproc=2", "distributed.backend=nccl"]),
                Paths(root=two))
     assert "grpo: 2 processes (DDP, nccl)" in capfd.readouterr().out
     assert_same_training(one, two, atol=1e-4)
@@ -186,8 +186,8 @@ FSDP_EQUIV = EQUIV + ["grpo.reference.mode=ema"]
 
 def fsdp2_run(one, two, settings, backend_overrides, capfd):
     """1 process, then 2 FSDP2 processes, on the same global batches; returns the 2-process stdout."""
-    train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
-    summary = train_grpo(load_config(ROOT / "params.yaml", settings + ["distributed.nproc=2",
+    train_grpo(load_config(committed_params(), settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    summary = train_grpo(load_config(committed_params(), settings + ["distributed.nproc=2",
                                                                        "distributed.strategy=fsdp2"]
                                      + backend_overrides), Paths(root=two))
     assert summary["steps"] == 4
@@ -203,7 +203,7 @@ def test_grpo_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store,
     # resumes it (weights, EMA reference, AdamW moments) and ends with the weights of the straight run.
     assert [p.name for p in (two / "checkpoints" / "grpo").iterdir()] == ["step-0000002"]
     shutil.rmtree(two / "models" / "grpo")
-    train_grpo(load_config(ROOT / "params.yaml", FSDP_EQUIV + ["distributed.per_group_sampling=true"]),
+    train_grpo(load_config(committed_params(), FSDP_EQUIV + ["distributed.per_group_sampling=true"]),
                Paths(root=two))
     assert "grpo: resumed from" in capfd.readouterr().out
     assert_same_training(one, two)
@@ -211,7 +211,7 @@ def test_grpo_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store,
     shutil.rmtree(two / "models" / "grpo")
     shutil.rmtree(two / "checkpoints" / "grpo")
     shutil.copytree(one / "checkpoints" / "grpo", two / "checkpoints" / "grpo")
-    train_grpo(load_config(ROOT / "params.yaml", FSDP_EQUIV + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
+    train_grpo(load_config(committed_params(), FSDP_EQUIV + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
                Paths(root=two))
     out = capfd.readouterr().out
     assert "grpo: resumed from" in out and "at step 2/4" in out and "(FSDP2, gloo)" in out
@@ -256,7 +256,7 @@ def test_bad_distributed_settings_name_the_key(override, rule):
     from components.config import ConfigError
 
     with pytest.raises(ConfigError, match=rule):
-        load_config(ROOT / "params.yaml", override)
+        load_config(committed_params(), override)
 
 
 @pytest.mark.slow
@@ -266,8 +266,8 @@ def test_sft_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store, 
     # 50 rows in batches of 16: the last batch has 2 rows, one per rank.
     sft = ["task.n_sft=50", "task.n_train=40", "task.n_heldout=20", "threads=1", "sft.epochs=3", "sft.batch_size=16"]
     one, two = two_roots(tmp_path, sft + ["sft.enabled=false"])
-    a = train_sft(load_config(ROOT / "params.yaml", sft), Paths(root=one))
-    b = train_sft(load_config(ROOT / "params.yaml", sft + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
+    a = train_sft(load_config(committed_params(), sft), Paths(root=one))
+    b = train_sft(load_config(committed_params(), sft + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
                   Paths(root=two))
     assert "--nproc_per_node=2" in capfd.readouterr().out
     assert b["steps"] == a["steps"] == 12 and b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
