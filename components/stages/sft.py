@@ -200,7 +200,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
             if stopped:
                 if ctx.is_main:
                     print(f"sft: stopped at step {step}/{total} (epoch {epoch + 1}): greedy reward {check_reward:.3f} "
-                          f"on {len(check.prompts)} training prompts reached sft.stop_at_reward "
+                          f"on {len(check.records)} training prompts reached sft.stop_at_reward "
                           f"{s.stop_at_reward}", flush=True)
                 break
             if ctx.is_main and ((epoch + 1) % max(1, s.epochs // 5) == 0 or epoch + 1 == s.epochs):
