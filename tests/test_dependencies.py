@@ -23,8 +23,9 @@ DECLARED_FOR_A_PIN = {
 }
 # Imported by an optional code path whose distribution the test environment does not install.
 NOT_INSTALLED_HERE = {"prefect_ray": "prefect-ray"}
-# The project's own code under another name: the package a registered model ships (tracking/registered_model.py).
-SHIPPED = {"grpo_served"}
+# The project's own code under another name: the package a registered model ships (tracking/registered_model.py), and
+# the code sandbox's child-side modules, copied beside the child and imported top-level there (rewards/sandbox.py).
+SHIPPED = {"grpo_served", "audit_guard", "confinement"}
 
 
 def declared() -> tuple[set[str], set[str]]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from components.locks import PIPELINE_LOCK, file_lock
+
 from conftest import (
     BIN,
     FAST_PARAMS,
@@ -161,6 +163,10 @@ def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs
     deadline = time.time() + 60  # the stage server stops its stage when the launcher is gone
     while time.time() < deadline and (repo / "checkpoints" / "grpo.running.json").exists():
         time.sleep(0.2)
+    # the run lock (flock) is free once the forked helpers holding it (the temporary API, the stage server) have
+    # followed the killed CLI, as a user who reran too soon is told to wait for
+    with file_lock(repo / PIPELINE_LOCK, "the killed run", wait_s=max(deadline - time.time(), 1.0)):
+        pass
     assert "steps: 40" in (repo / "params.yaml").read_text()  # the killed run's one-off settings
     edited = (repo / "params.yaml").read_text().replace("learning_rate: 0.0005", "learning_rate: 0.0004")
     (repo / "params.yaml").write_text(edited)  # the user's edit, made in the file that still holds them
