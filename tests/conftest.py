@@ -151,24 +151,9 @@ def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.Complet
 
 
 def copy_project(dest: Path) -> Path:
-    """This working tree's tracked and untracked-but-not-ignored files, as a fresh git + DVC repo."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\0")
-    for rel in filter(None, listed):
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                shutil.copy2(src, dest / rel)
-            except FileNotFoundError:  # a scratch file (a store's journal) gone since it was listed
-                continue
-    (dest / "data" / "user").mkdir(parents=True, exist_ok=True)
-    run(["git", "init", "-q"], dest)
-    run(["git", "config", "user.email", "test@grpo-pipeline.local"], dest)
-    run(["git", "config", "user.name", "grpo-pipeline tests"], dest)
-    run(["git", "add", "-A"], dest)
-    run(["git", "commit", "-qm", "test copy"], dest)
-    return dest
+    """The project as committed, as a fresh git + DVC repo (`copy_committed_project`): never what a run or an edit
+    left in this working tree."""
+    return copy_committed_project(dest)
 
 
 @pytest.fixture
@@ -201,7 +186,7 @@ def setup_stage_inputs(root, overrides):
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
 
-    cfg = load_config(ROOT / "params.yaml", overrides)
+    cfg = load_config(committed_params(), overrides)
     paths = Paths(root=root)
     prepare(cfg, paths)
     build_base_model(cfg, paths)

@@ -32,7 +32,7 @@ import yaml
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import BIN, ROOT, run
+from conftest import BIN, ROOT, committed_params, run
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def _merge(into: dict, extra: dict) -> dict:
 
 def example_params(extra: dict | None = None) -> dict:
     """params.yaml + the example + SMALL + `extra`, as a params dict."""
-    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(EXAMPLE.read_text())), SMALL)
+    raw = _merge(_merge(read_params(committed_params()), yaml.safe_load(EXAMPLE.read_text())), SMALL)
     return _merge(raw, extra or {})
 
 

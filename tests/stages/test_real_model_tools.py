@@ -18,7 +18,7 @@ from test_real_model import _merge, served
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import ROOT
+from conftest import ROOT, committed_params
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, s
     from components.stages.register import register
     from components.stages.sft import train_sft
 
-    raw = _merge(_merge(read_params(ROOT / "params.yaml"), yaml.safe_load(CALCULATOR.read_text())), {
+    raw = _merge(_merge(read_params(committed_params()), yaml.safe_load(CALCULATOR.read_text())), {
         # 6 SFT steps of 4 conversations at 3e-4: the format learned (the warm start calls the tool)
         "task": {"n_sft": 8, "n_train": 16, "n_heldout": 4},
         "sft": {"epochs": 3, "batch_size": 4, "learning_rate": 3e-4, "stop_at_reward": None},
