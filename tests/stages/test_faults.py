@@ -170,7 +170,9 @@ def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_
 def test_a_full_disk_during_a_real_run_stops_with_one_line_and_the_rerun_finishes(tmp_path, mlflow_store):
     """The grpo stage on a device that takes no file over 4 MB (RLIMIT_FSIZE: what a full filesystem answers a
     write with): the first checkpoint's optimizer state does not fit, the stage stops with one line naming it,
-    leaves no partial checkpoint, and the rerun with space again ends with an uninterrupted run's weights."""
+    leaves no partial checkpoint, and the rerun with space again ends with an uninterrupted run's weights. The
+    uninterrupted run is the stage run in this process on the same settings (the weights do not depend on the
+    process: a subprocess of its own would only add its start-up)."""
     import resource
 
     from safetensors.torch import load_file
@@ -180,10 +182,10 @@ def test_a_full_disk_during_a_real_run_stops_with_one_line_and_the_rerun_finishe
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'own.db'}"}  # a small store: its writes fit
     cmd = [sys.executable, "-m", "components.stages.grpo", *[x for o in LEARN + extra for x in ("--set", o)]]
     roots = {name: tmp_path / name for name in ("straight", "full")}
+    inputs = {name: setup_stage_inputs(root, LEARN + extra) for name, root in roots.items()}
     for root in roots.values():
-        setup_stage_inputs(root, LEARN + extra)
         (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    subprocess.run(cmd, cwd=roots["straight"], env=env, check=True, capture_output=True, timeout=600)
+    train_grpo(*inputs["straight"])  # uninterrupted, with room
 
     def full_device():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing the process
