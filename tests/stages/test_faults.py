@@ -142,17 +142,24 @@ def test_a_step_the_machine_cannot_allocate_stops_with_one_line_and_the_rerun_re
 
 
 @pytest.mark.slow
-def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_it(tmp_path, mlflow_store):
+def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_it(tmp_path, mlflow_store,
+                                                                                  monkeypatch):
     """Killed (SIGKILL) while it scores the trained model: the evaluation already saved is intact, the rerun of
-    the same command writes the same report."""
+    the same command writes the same report. The evaluation saved first is the stage run in this process, in the
+    same folder on the same settings (a process of its own only added its start-up): the report names its models
+    relative to that folder, as the command's does."""
+    from components.data.paths import Paths
+    from components.stages.evaluate import evaluate
+
     extra = ["grpo.steps=6", "evaluate.metrics=[reward, pass@4]", "evaluate.pass_k_samples=16",
              "evaluate.batch_size=4", "evaluate.bootstrap_samples=500"]
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + extra)
     train_grpo(cfg, paths)
+    monkeypatch.chdir(tmp_path)
+    evaluate(cfg, Paths())  # what the command writes in tmp_path
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     cmd = [sys.executable, "-m", "components.stages.evaluate", *[x for o in LEARN + extra for x in ("--set", o)]]
-    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=600)
     saved = (paths.metrics / "eval.json").read_text()
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:  # the baseline is scored; the candidate's scoring is under way
