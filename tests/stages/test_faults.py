@@ -286,14 +286,16 @@ def _grpo_points(tracking: str) -> list[tuple[str, tuple[str, list[int]]]]:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_path, mlflow_store):
+def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_path, mlflow_store, monkeypatch):
     """Server down from the start: GRPO and evaluate run to the end logging to the on-disk queue, say so once,
     show no traceback; register, which needs the server, stops with one line; rerun when the server is back, it
     sends the queue first, then registers. Server gone mid-run and back: the run sends its queue
     itself and its MLflow run ends complete. Both end with the weights of a run that never lost its server.
     The online and down runs are 8 steps (4 logged points each, so "say so once" still spans several failed sends,
     and the weights are compared whatever the length); only the midway run is long (40 slow steps), as the server
-    must die and come back while it runs."""
+    must die and come back while it runs. The online run is the stage in this process (in its own folder, with the
+    same settings and environment): a process of its own only added its start-up; the down and midway runs, which
+    the outage is injected into, and the later stages are commands of their own."""
     from safetensors.torch import load_file
 
     steps = ["grpo.steps=8", "grpo.checkpoint_every=4", "grpo.log_every=4", "grpo.metrics_every=2"]
@@ -305,12 +307,18 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     sets = [x for o in LEARN + steps for x in ("--set", o)]
     grpo = [sys.executable, "-m", "components.stages.grpo", *sets]
     roots = {name: tmp_path / name for name in ("online", "down", "midway")}
+    inputs = {name: setup_stage_inputs(root, LEARN + steps) for name, root in roots.items()}
     for root in roots.values():
-        setup_stage_inputs(root, LEARN + steps)
         (root / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     server = _start_mlflow(tmp_path, port)
     try:
-        subprocess.run(grpo, cwd=roots["online"], env=env, check=True, capture_output=True, timeout=600)
+        with monkeypatch.context() as online:  # the online run in this process, as the command runs it
+            online.chdir(roots["online"])
+            for key in ("MLFLOW_TRACKING_URI", "GRPO_TRACKING_RETRY_S", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+                online.setenv(key, env[key])
+            train_grpo(*inputs["online"])
+        assert not (roots["online"] / ".tracking-outbox" / "queue.jsonl").exists()  # all sent while it ran
         _stop(server)
 
         down = subprocess.run(grpo, cwd=roots["down"], env=env, capture_output=True, text=True, timeout=600)
