@@ -212,7 +212,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
             if check_reward is None or not stopped:  # never reached: the last weights' figure
                 check_reward = check(model, lockstep)
             summary.update(check_reward=round(check_reward, 6), stopped_early=stopped)
-            if not stopped and ctx.is_main:
+            if not stopped and check_reward < s.stop_at_reward and ctx.is_main:
                 print(f"sft: warning: greedy reward {check_reward:.3f} after all {s.epochs} epochs is below "
                       f"sft.stop_at_reward {s.stop_at_reward}: the warm start is weaker than intended "
                       "(more epochs or another sft.learning_rate)", flush=True)

@@ -14,9 +14,9 @@ SMALL = ["task.n_sft=256", "task.n_train=64", "task.n_heldout=20", "sft.epochs=3
          "sft.check_every=4", "sft.check_prompts=16", "threads=1"]
 
 
-def _train(tmp_path, reward, target):
+def _train(tmp_path, reward, target, extra=()):
     reward_set = f"grpo.rewards=[{{name: 'reward_fixtures:{reward}', weight: 1.0}}]"
-    cfg = load_config(committed_params(), SMALL + [reward_set, f"sft.stop_at_reward={target}"])
+    cfg = load_config(committed_params(), SMALL + [reward_set, f"sft.stop_at_reward={target}", *extra])
     paths = Paths(root=tmp_path)
     prepare(cfg, paths)
     build_base_model(cfg, paths)
@@ -35,6 +35,14 @@ def test_sft_that_never_reaches_the_target_trains_every_epoch_and_says_so(tmp_pa
     summary = _train(tmp_path, "always_zero", 0.5)
     assert summary["steps"] == 24 and summary["stopped_early"] is False and summary["check_reward"] == 0.0
     assert "below sft.stop_at_reward 0.5: the warm start is weaker than intended" in capsys.readouterr().out
+
+
+def test_a_target_first_reached_by_the_last_weights_is_no_warning(tmp_path, mlflow_store, capsys):
+    """No check fell inside training (sft.check_every past its steps): the last weights' check reaches the target,
+    so nothing warns that the warm start is weak."""
+    summary = _train(tmp_path, "always_one", 0.5, ["sft.check_every=100"])
+    assert summary["steps"] == 24 and summary["stopped_early"] is False and summary["check_reward"] == 1.0
+    assert "warm start is weaker" not in capsys.readouterr().out
 
 
 def test_without_a_target_sft_trains_every_epoch(tmp_path, mlflow_store):
