@@ -159,14 +159,21 @@ def restrict_syscalls(pid: int) -> None:
                         ctypes.c_ulong(0)), "seccomp filter")
 
 
+def unavailable() -> str | None:
+    """Why these layers cannot apply on this machine, or None when they can."""
+    if landlock_abi() < 1:
+        return "the kernel has no Landlock (Linux 5.13 or newer with Landlock enabled is needed)"
+    if not seccomp_supported():
+        return f"no seccomp filter for the {platform.machine()} architecture (x86_64 and aarch64 have one)"
+    return None
+
+
 def confine(rules: dict[str, int]) -> int:
     """Apply every kernel layer to this process; the Landlock ABI it ran with. Raises ConfinementError (and
-    applies nothing more) where Landlock or this architecture's seccomp filter is missing."""
+    applies nothing) where `unavailable` says why they cannot apply."""
+    if problem := unavailable():
+        raise ConfinementError(problem)
     abi = landlock_abi()
-    if abi < 1:
-        raise ConfinementError("the kernel has no Landlock (Linux 5.13 or newer with Landlock enabled is needed)")
-    if not seccomp_supported():
-        raise ConfinementError(f"no seccomp filter for the {platform.machine()} architecture")
     zero = ctypes.c_ulong(0)
     _check(_libc().prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), zero, zero, zero),
            "prctl(PR_SET_NO_NEW_PRIVS)")

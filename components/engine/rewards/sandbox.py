@@ -44,11 +44,7 @@ class SandboxUnavailable(RuntimeError):
 def kernel_confinement_problem() -> str | None:
     """Why the kernel layers cannot apply on this machine, or None when they can (checked in this process: the
     child checks again and refuses to run unconfined)."""
-    if confinement.landlock_abi() < 1:
-        return "the kernel has no Landlock (Linux 5.13 or newer with Landlock enabled is needed)"
-    if not confinement.seccomp_supported():
-        return "no seccomp filter for this architecture (x86_64 and aarch64 have one)"
-    return None
+    return confinement.unavailable()
 
 
 @dataclass
