@@ -79,6 +79,20 @@ def starts_with_one_slowly(prompts, completions, **_):
     return starts_with_one(prompts, completions)
 
 
+def starts_with_one_until_released(prompts, completions, **_):
+    """starts_with_one_slowly that, from its 30th call on, waits while the file named by GRPO_TEST_HOLD exists (at
+    most 300 s): a test makes something happen mid-run (a server lost and back) before the run can end, on any
+    machine speed."""
+    import os
+    import time
+
+    _CALLS["held"] = _CALLS.get("held", 0) + 1
+    hold, deadline = os.environ.get("GRPO_TEST_HOLD"), time.monotonic() + 300
+    while _CALLS["held"] >= 30 and hold and os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return starts_with_one_slowly(prompts, completions)
+
+
 def exits(prompts, completions, **_):
     """Leaves by another door than an exception: `sys.exit(1)` (SystemExit)."""
     import sys

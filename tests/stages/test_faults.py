@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -257,11 +258,11 @@ def _start_mlflow(tmp_path: Path, port: int) -> subprocess.Popen:
                              "--artifacts-destination", str(tmp_path / "server-artifacts")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.time() + 90
-    while time.time() < deadline:
+    while time.time() < deadline:  # answering HTTP, not only accepting connections
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                time.sleep(1.0)
-                return proc
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return proc
         except OSError:
             time.sleep(0.3)
     proc.kill()
@@ -345,11 +346,15 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
         assert not (outbox / "queue.jsonl").exists()
         assert sorted(name for name, _ in _grpo_points(uri)) == ["evaluate", "grpo", "grpo", "register"]
 
-        # ~10 s of steps; every second one sends its points
-        slowly = [*grpo, "--set", "grpo.rewards=[{name: 'reward_fixtures:starts_with_one_slowly', weight: 1.0}]",
+        # 40 slow steps, every second one sends its points; from its 30th reward call the run waits for the hold
+        # file to go, so the server is back before the run can end on a machine of any speed
+        hold = tmp_path / "hold"
+        hold.touch()
+        slowly = [*grpo, "--set",
+                  "grpo.rewards=[{name: 'reward_fixtures:starts_with_one_until_released', weight: 1.0}]",
                   "--set", "tracking.metrics_flush_s=0", "--set", "grpo.steps=40"]
-        proc = subprocess.Popen(slowly, cwd=roots["midway"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(slowly, cwd=roots["midway"], env={**env, "GRPO_TEST_HOLD": str(hold)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
         reader.start()
@@ -360,6 +365,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
         while time.time() < deadline and not any("does not answer" in line for line in lines):
             time.sleep(0.05)
         server = _start_mlflow(tmp_path, port)  # ... and back before the run ends
+        hold.unlink()
         proc.wait(timeout=600)
         reader.join(timeout=10)
         out, err = "".join(lines), proc.stderr.read()
