@@ -27,6 +27,7 @@ from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.rollouts import Rollouts
 
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules hold at any length)
+SHARED_CHECK_LENGTH = 2 * SHARED_PREFIX_MIN + 4  # the shared-prefix batch's prompts: long enough to share, no longer
 CHECK_TOLERANCE = 1e-3  # float32: the largest log-prob or entropy difference (gradients: of their largest value)
 HALF_PRECISION_MARGIN = 2.0  # half precision: distance from the float32 values, as a multiple of Hugging Face's own
 EXACT = (torch.float32, torch.float64)
@@ -79,12 +80,16 @@ def matches_reference_forward(lm: PrefixSharedLM, vocab_size: int, prompt_length
     so the packed forward is checked against padding too. When prompts this long can share a prefix
     worth encoding once, a second batch whose prompts share their first tokens checks that path. Both
     attention layouts (`attention.attention_rows`) are checked, whichever "auto" would take. The entropies depend
-    on every logit.
+    on every logit. The first batch's rows are as long as asked (the positions the engine will use); the shared-
+    prefix batch's are at most `SHARED_CHECK_LENGTH` tokens of prompt and 4 of completion, as that path's rules
+    (where the prefix ends, the offsets after it) do not depend on length: the check costs two long forwards of each
+    kind, not four.
     """
     batches = [check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0)]
     if prompt_length - 3 >= SHARED_PREFIX_MIN:
-        head = max(SHARED_PREFIX_MIN, (prompt_length - 2) // 2)
-        batches.append(check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=head))
+        shared_length = min(prompt_length, SHARED_CHECK_LENGTH)
+        head = max(SHARED_PREFIX_MIN, (shared_length - 2) // 2)
+        batches.append(check_batch(lm, vocab_size, shared_length, min(completion_length, 4), shared_head=head))
     layouts: tuple[Literal["group", "completion"], ...] = ("group", "completion")
     cases = [(batch, rows) for batch in batches for rows in layouts]
     was_training = lm.model.training
