@@ -159,15 +159,21 @@ def copy_project(dest: Path) -> Path:
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
     """A fresh git+DVC copy of the project with its own MLflow SQLite store."""
+    from components.tracking.local_store import ensure_complete
+
     repo = copy_project(tmp_path / "repo")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    ensure_complete(f"sqlite:///{repo / 'mlflow.db'}")  # whoever opens it first, a copy of the empty store
     return repo
 
 
 @pytest.fixture
 def mlflow_store(tmp_path, monkeypatch) -> str:
+    from components.tracking.local_store import ensure_complete
+
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    ensure_complete(uri)  # whoever opens it first (a test's own MlflowClient too), a copy of the empty store
     return uri
 
 

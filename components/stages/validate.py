@@ -241,6 +241,8 @@ def _validate_split(suite: SuiteContext, paths: Paths, split: str, file_label: s
     checks: dict[str, dict[str, Any]] = {}
     offset = 0
     for n, chunk in enumerate(iter_chunks(split_path(paths.data, split), chunk_rows)):
+        if n:  # the last chunk's frames and results (GX's hold reference cycles) freed before this one grows
+            gc.collect()
         sft_target = cfg.sft.target_column if split == "sft" and cfg.sft.enabled else "answer"
         df = _frame(chunk, suite.tokenizer, set(suite.heldout_norm) if leak_check else None, suite.formatter,
                     sft_target)
@@ -257,7 +259,6 @@ def _validate_split(suite: SuiteContext, paths: Paths, split: str, file_label: s
         _record(result, df, offset, file_label, checks, found)
         offset += len(df)
         del df, result
-        gc.collect()
     if offset == 0:
         raise StageFailed(f"{file_label}: file is empty (no records)")
     if repeated.identical:

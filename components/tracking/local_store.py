@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -49,17 +50,52 @@ def _state(db: Path) -> tuple[str | None, int]:
     return revision, held
 
 
-def _build(db: Path) -> Path:
-    """A complete store in a scratch file beside `db` (the same file system, so it can be linked into place)."""
+def _migrate(scratch: Path) -> None:
+    """MLflow's own tables and migrations, into the new file `scratch` (seconds)."""
     from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
 
-    scratch = db.with_name(f"{db.name}{SCRATCH_PREFIX}{os.getpid()}")
-    scratch.unlink(missing_ok=True)
     engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{scratch}")
     try:
         _initialize_tables(engine)
     finally:
         engine.dispose()
+
+
+def template_dir() -> Path:
+    """Where the empty store is kept: `$XDG_CACHE_HOME/grpo-pipeline`, else `~/.cache/grpo-pipeline`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-pipeline"
+
+
+def _empty_store(head: str) -> Path | None:
+    """An empty store at MLflow's schema `head`, migrated once per machine and schema and then copied: an empty store
+    holds only the schema and MLflow's default workspace row, nothing of where it lives. Checked before each use
+    (its revision is `head`, no run or model in it); None where it cannot be built or read (MLflow migrates then)."""
+    template = template_dir() / f"mlflow-empty-{head}.db"
+    try:
+        if not (template.exists() and _state(template) == (head, 0)):
+            template.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_scratch(template)
+            scratch = template.with_name(f"{template.name}{SCRATCH_PREFIX}{os.getpid()}")
+            scratch.unlink(missing_ok=True)
+            _migrate(scratch)
+            os.replace(scratch, template)  # whole or not at all, as below
+            if _state(template) != (head, 0):
+                return None
+        return template
+    except (OSError, sqlite3.Error):
+        return None
+
+
+def _build(db: Path) -> Path:
+    """A complete store in a scratch file beside `db` (the same file system, so it can be linked into place): a copy
+    of the empty store (milliseconds), or MLflow's migrations where that cannot be had."""
+    scratch = db.with_name(f"{db.name}{SCRATCH_PREFIX}{os.getpid()}")
+    scratch.unlink(missing_ok=True)
+    template = _empty_store(_schema_head())
+    if template is not None:
+        shutil.copyfile(template, scratch)
+    else:
+        _migrate(scratch)
     return scratch
 
 
@@ -76,8 +112,8 @@ def _remove_stale_scratch(db: Path) -> None:
 def ensure_complete(uri: str, say=print) -> None:
     """Make the SQLite store at `uri` exist whole before MLflow opens it; any other kind of store is left to MLflow.
 
-    Costs one read of the store's schema revision per process and file; building a store costs MLflow's own
-    migrations (seconds), once."""
+    Costs one read of the store's schema revision per process and file; building a store costs a file copy (MLflow's
+    own migrations, seconds, once per machine and MLflow schema: `_empty_store`)."""
     db = sqlite_path(uri)
     if db is None:
         return

@@ -93,3 +93,29 @@ def test_only_sqlite_files_are_handled():
     assert local_store.sqlite_path("sqlite:///rel.db").as_posix() == "rel.db"
     for other in ("http://127.0.0.1:5000", "file:///tmp/mlruns", "postgresql://u@h/db", "sqlite:///:memory:"):
         assert local_store.sqlite_path(other) is None
+
+
+def test_stores_after_the_first_are_copies_of_one_empty_store_that_is_checked_before_each_use(tmp_path, monkeypatch):
+    """MLflow's migrations run once per cache folder and schema: later stores are copies that MLflow opens and writes
+    like its own; a template that is not empty (or not at the head) is built again, never copied."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    migrations = []
+    migrate = local_store._migrate
+    monkeypatch.setattr(local_store, "_migrate", lambda path: migrations.append(path.name) or migrate(path))
+    template = tmp_path / "cache" / "grpo-pipeline" / f"mlflow-empty-{local_store._schema_head()}.db"
+    for name in ("a", "b"):
+        ensure_complete(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+    assert len(migrations) == 1 and template.exists()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("in-a-copy"))
+    client.log_metric(run.info.run_id, "reward", 0.5)
+    assert client.get_run(run.info.run_id).data.metrics == {"reward": 0.5}
+    assert local_store._state(template) == (local_store._schema_head(), 0)  # the copy's run is not in the template
+
+    held = MlflowClient(f"sqlite:///{template}")  # a template that somehow holds a run
+    held.create_run(held.create_experiment("not-empty"))
+    ensure_complete(f"sqlite:///{tmp_path / 'c' / 'mlflow.db'}")
+    assert len(migrations) == 2 and local_store._state(tmp_path / "c" / "mlflow.db")[1] == 0
+    assert local_store._state(template) == (local_store._schema_head(), 0)
