@@ -61,7 +61,7 @@ def _migrate(scratch: Path) -> None:
         engine.dispose()
 
 
-def template_dir() -> Path:
+def _template_dir() -> Path:
     """Where the empty store is kept: `$XDG_CACHE_HOME/grpo-pipeline`, else `~/.cache/grpo-pipeline`."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-pipeline"
 
@@ -70,7 +70,7 @@ def _empty_store(head: str) -> Path | None:
     """An empty store at MLflow's schema `head`, migrated once per machine and schema and then copied: an empty store
     holds only the schema and MLflow's default workspace row, nothing of where it lives. Checked before each use
     (its revision is `head`, no run or model in it); None where it cannot be built or read (MLflow migrates then)."""
-    template = template_dir() / f"mlflow-empty-{head}.db"
+    template = _template_dir() / f"mlflow-empty-{head}.db"
     try:
         if not (template.exists() and _state(template) == (head, 0)):
             template.parent.mkdir(parents=True, exist_ok=True)
