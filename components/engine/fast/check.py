@@ -78,38 +78,46 @@ def matches_reference_forward(lm: PrefixSharedLM, vocab_size: int, prompt_length
     Rows 3 and 4 repeat row 0's prompt ids side by side, row 4 with another mask (a padded token made
     real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
     so the packed forward is checked against padding too. When prompts this long can share a prefix
-    worth encoding once, a second batch whose prompts share their first tokens checks that path. Both
-    attention layouts (`attention.attention_rows`) are checked, whichever "auto" would take. The entropies depend
-    on every logit. The first batch's rows are as long as asked (the positions the engine will use); the shared-
-    prefix batch's are at most `SHARED_CHECK_LENGTH` tokens of prompt and 4 of completion, as that path's rules
-    (where the prefix ends, the offsets after it) do not depend on length: the check costs two long forwards of each
-    kind, not four.
+    worth encoding once, a batch whose prompts share their first tokens checks that path. The entropies depend
+    on every logit. One batch's rows are as long as asked (the positions the engine will use), in completion rows;
+    both attention layouts (`attention.attention_rows`), whichever "auto" would take, run on rows of at most
+    `SHARED_CHECK_LENGTH` prompt and 4 completion tokens, as the shared-prefix batch does: where a row, a group or a
+    prefix ends and the offsets after it do not depend on length, the positions do. Hugging Face's forward runs once
+    per batch: a check costs one long forward of each kind.
     """
-    batches = [check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0)]
+    long_batch = check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0)
+    short_length = min(prompt_length, SHARED_CHECK_LENGTH)
+    if (short_length, min(completion_length, 4)) == (prompt_length, completion_length):
+        cases: list[tuple[tuple, Literal["group", "completion"]]] = [(long_batch, "group"), (long_batch, "completion")]
+    else:
+        short = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=0)
+        cases = [(long_batch, "completion"), (short, "group"), (short, "completion")]
     if prompt_length - 3 >= SHARED_PREFIX_MIN:
-        shared_length = min(prompt_length, SHARED_CHECK_LENGTH)
-        head = max(SHARED_PREFIX_MIN, (shared_length - 2) // 2)
-        batches.append(check_batch(lm, vocab_size, shared_length, min(completion_length, 4), shared_head=head))
-    layouts: tuple[Literal["group", "completion"], ...] = ("group", "completion")
-    cases = [(batch, rows) for batch in batches for rows in layouts]
+        head = max(SHARED_PREFIX_MIN, (short_length - 2) // 2)
+        shared = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=head)
+        cases += [(shared, "group"), (shared, "completion")]
     was_training = lm.model.training
     lm.model.eval()
 
-    def both(batch: tuple, attention_rows: Literal["group", "completion"]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _both_forwards(lm.with_options(attention_rows=attention_rows), *batch)
+    def compared() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ours, Hugging Face's) for each case, the latter computed once per batch."""
+        theirs: dict[int, torch.Tensor] = {}
+        pairs = []
+        for batch, rows in cases:
+            if id(batch) not in theirs:
+                theirs[id(batch)] = _reference_values(lm, *batch)
+            pairs.append((_fast_values(lm.with_options(attention_rows=rows), *batch), theirs[id(batch)]))
+        return pairs
 
     try:
         if lm.pieces.dtype in EXACT:
-            return all(_agrees(*both(*case)) for case in cases)
+            return all(_agrees(ours, theirs) for ours, theirs in compared())
         with float32_weights(lm.model):  # the structure, exactly
-            exact = [both(*case) for case in cases]
+            exact = compared()
             if not all(_agrees(ours, theirs) for ours, theirs in exact):
                 return False
-        for case, (_, float32_values) in zip(cases, exact):  # then the dtype's rounding against those values
-            ours, theirs = both(*case)
-            if not _rounds_like_hugging_face([ours], [theirs], [float32_values]):
-                return False
-        return True
+        return all(_rounds_like_hugging_face([ours], [theirs], [float32_values])  # then the dtype's rounding
+                   for (ours, theirs), (_, float32_values) in zip(compared(), exact))
     finally:
         lm.model.train(was_training)
 
@@ -174,11 +182,20 @@ def check_batch(lm: PrefixSharedLM, vocab_size: int, prompt_length: int, complet
     return tuple(t.to(device) for t in (prompt, mask, completion, completion_mask))
 
 
-def _both_forwards(lm: PrefixSharedLM, prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
-                   completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this forward's, Hugging Face's) log-probs and entropies of the real completion tokens, side by side."""
-    checked = Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
-    ref_logp, ref_entropy = completion_logprobs(lm.model, checked, with_entropy=True)  # Hugging Face's forward
-    logp, entropy = lm.completion_logprobs(checked, with_entropy=True)
-    real = completion_mask.bool()
-    return torch.cat([logp[real], entropy[real]]), torch.cat([ref_logp[real], ref_entropy[real]])
+def _checked(prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
+             completion_mask: torch.Tensor) -> Rollouts:
+    return Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
+
+
+def _reference_values(lm: PrefixSharedLM, *batch: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's log-probs and entropies of the real completion tokens, side by side."""
+    logp, entropy = completion_logprobs(lm.model, _checked(*batch), with_entropy=True)
+    real = batch[3].bool()
+    return torch.cat([logp[real], entropy[real]])
+
+
+def _fast_values(lm: PrefixSharedLM, *batch: torch.Tensor) -> torch.Tensor:
+    """This forward's log-probs and entropies of the real completion tokens, side by side."""
+    logp, entropy = lm.completion_logprobs(_checked(*batch), with_entropy=True)
+    real = batch[3].bool()
+    return torch.cat([logp[real], entropy[real]])

@@ -618,3 +618,29 @@ def test_the_same_completion_in_two_groups_with_different_advantages_updates_as_
     plain, shared = results
     assert any(not torch.equal(p, q) for p, q in zip(plain, base.parameters())), "no update happened"
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(plain, shared))
+
+
+def test_the_self_check_sees_a_group_rows_fault_on_long_rows_and_a_fault_at_long_positions(monkeypatch):
+    """Long rows run in completion rows only; both layouts run short (check.py): a fault in group rows is still
+    caught when the engine's rows are long, and one that shows only past the short rows' positions too."""
+    from components.engine.fast import attention, pieces
+
+    model = _llama()
+    assert check.matches_reference_forward(PrefixSharedLM(model), VOCAB, prompt_length=48, completion_length=8)
+    original_group = attention.group_rows
+
+    def leaky(pieces_, prompts, rows, per_group, length, fed_rows, fed_cols):  # scores skewed in every group row
+        attend = original_group(pieces_, prompts, rows, per_group, length, fed_rows, fed_cols)
+        return lambda i, heads: attend(i, heads) * 1.01
+
+    with monkeypatch.context() as patched:
+        patched.setattr(attention, "group_rows", leaky)
+        assert not check.matches_reference_forward(PrefixSharedLM(model), VOCAB, prompt_length=48,
+                                                   completion_length=8)
+    original_positions = pieces.ModelPieces.positions
+
+    def far_off(self, x, position_ids):  # every position past 30 rotated as 30: wrong only beyond the short rows
+        return original_positions(self, x, position_ids.clamp(max=30))
+
+    monkeypatch.setattr(pieces.ModelPieces, "positions", far_off)
+    assert not check.matches_reference_forward(PrefixSharedLM(model), VOCAB, prompt_length=48, completion_length=8)
