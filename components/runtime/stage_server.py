@@ -33,6 +33,7 @@ it is importing (a child must not inherit a half-imported module).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -153,7 +154,7 @@ def serve(path: str, parent_pid: int) -> None:
     level, watched = 0, parent_pid
 
     def stop(*_) -> None:  # nothing to flush: a level holds only imports; skipping teardown saves seconds
-        if os.path.exists(level_path(path, level)):
+        with contextlib.suppress(FileNotFoundError):  # stop_server may remove it first
             os.unlink(level_path(path, level))
         os._exit(0)
 
@@ -370,7 +371,7 @@ def stop_server(proc: subprocess.Popen[bytes], path: str) -> None:
             proc.kill()
             proc.wait(timeout=10)
     for level in range(len(LEVELS)):  # the other levels exit with it (they watch their parent)
-        if os.path.exists(level_path(path, level)):
+        with contextlib.suppress(FileNotFoundError):  # or a level, stopping, removed its own first
             os.unlink(level_path(path, level))
 
 
