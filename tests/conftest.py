@@ -118,6 +118,27 @@ def smollm2_base(tmp_path_factory) -> Path:
                       convert) / "models" / "base"
 
 
+@pytest.fixture(scope="session")
+def prefect_home(tmp_path_factory):
+    """`prefect_home(folder)` -> str(folder), made a Prefect home holding a copy of the database that Prefect's own
+    `prefect server database upgrade` wrote once per test run (build_once): a test that gives its runs a home of
+    their own gets the database Prefect would make there, without making it again (seconds of CPU per home, which
+    the other worker waits for on two cores). Keyed by the installed Prefect version."""
+    from importlib.metadata import version
+
+    def migrate(root: Path) -> None:
+        run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], root, env={"PREFECT_HOME": str(root)})
+
+    template = build_once(tmp_path_factory, "prefect-home", {"prefect": version("prefect")}, migrate) / "prefect.db"
+
+    def make(folder: Path) -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, folder / "prefect.db")
+        return str(folder)
+
+    return make
+
+
 # Small enough for seconds per stage, big enough that every stage does real work.
 FAST_PARAMS = [
     "task.n_sft=300", "task.n_train=300", "task.n_heldout=120", "sft.epochs=4", "grpo.steps=6",

@@ -17,7 +17,7 @@ from conftest import BIN, LEARN, ROOT, committed_params, run, setup_stage_inputs
 pytestmark = pytest.mark.integration
 
 
-def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlflow_store):
+def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlflow_store, prefect_home):
     (tmp_path / "params.yaml").write_text((committed_params()).read_text())
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=6", "grpo.checkpoint_every=3"])
     train_grpo(cfg, paths)
@@ -31,7 +31,7 @@ def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlf
     assert expected[0]["n"] == 50 and all(0.0 <= e["mean_reward"] <= 1.0 for e in expected)
 
     out = tmp_path / "many.json"
-    env = {"PREFECT_HOME": str(tmp_path / "prefect-home"),
+    env = {"PREFECT_HOME": prefect_home(tmp_path / "prefect-home"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = run([str(BIN / "grpo-pipeline"), "evaluate-many", *checkpoints, "--root", str(tmp_path), "--workers", "2",
                 "--out", str(out)], tmp_path, env=env, timeout=300)

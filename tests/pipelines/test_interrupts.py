@@ -47,9 +47,10 @@ def flow_run_states(prefect_home: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
-def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how):
+def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how, prefect_home):
     repo = copy_committed_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
+           "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     proc = start_run(repo, env)
     wait_for_checkpoint(repo, proc)
     sent = time.time()

@@ -87,10 +87,10 @@ def mlflow_server(backend: str, artifacts: Path, log: Path) -> tuple[subprocess.
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, prefect_home):
     tmp = tmp_path_factory.mktemp("servers")
     port = free_port()
-    prefect_env = {"PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_UI_ENABLED": "false",
+    prefect_env = {"PREFECT_HOME": prefect_home(tmp / "prefect-home"), "PREFECT_UI_ENABLED": "false",
                    "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     prefect = start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],

@@ -59,13 +59,13 @@ def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their
 
 
 @pytest.mark.slow
-def test_an_example_run_leaves_the_users_settings_alone(tmp_path):
+def test_an_example_run_leaves_the_users_settings_alone(tmp_path, prefect_home):
     """Overrides are for their run: `dvc repro` reproduces that run, the next plain run goes back to the user's
     params.yaml (DVC reusing what it cached for it), and `--persist` is how an override is kept. Real DVC."""
     from conftest import BIN, FAST_PARAMS, copy_committed_project, run
 
     repo = copy_committed_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect")}
     cli = [str(BIN / "grpo-pipeline"), "run"]
     first = run(cli + ["--persist"] + [x for o in FAST_PARAMS for x in ("--set", o)], repo, env=env)
     assert "params.yaml updated with the run's settings for good (--persist" in first.stdout

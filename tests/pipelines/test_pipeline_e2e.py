@@ -24,10 +24,10 @@ STAGES = {"prepare", "model", "validate", "sft", "grpo", "evaluate", "register"}
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory):
+def completed(tmp_path_factory, prefect_home):
     repo = copy_committed_project(tmp_path_factory.mktemp("e2e") / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
-           "PREFECT_HOME": str(repo.parent / "prefect-home")}
+           "PREFECT_HOME": prefect_home(repo.parent / "prefect-home")}
     cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS for x in ("--set", o)]
     proc = run(cli, repo, env=env)
     return {"repo": repo, "env": env, "output": proc.stdout}

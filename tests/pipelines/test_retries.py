@@ -13,12 +13,12 @@ from conftest import BIN, FAST_PARAMS, ROOT, copy_committed_project, run
 pytestmark = pytest.mark.slow
 
 
-def test_a_user_environment_raising_connection_error_is_reported_after_one_attempt(tmp_path):
+def test_a_user_environment_raising_connection_error_is_reported_after_one_attempt(tmp_path, prefect_home):
     from environment_fixtures import build_chat_model
 
     repo = copy_committed_project(tmp_path / "repo")
     model = build_chat_model(tmp_path / "tiny-chat")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PYTHONPATH": str(ROOT / "tests")}
     overrides = FAST_PARAMS + [
         f"model.name_or_path={model}", "sft.enabled=false", "grpo.environment=environment_fixtures:game_server_down",

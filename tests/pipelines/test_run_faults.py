@@ -57,7 +57,7 @@ def finish(proc: subprocess.Popen, lines: list[str]) -> str:
 
 
 @pytest.mark.integration
-def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothing(tmp_path):
+def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothing(tmp_path, prefect_home):
     """The tracking server (a real `mlflow server`) dies while GRPO trains: GRPO and evaluate finish logging to the
     on-disk queue, the outage is said once, register is retried once (said in one line: the server, when) and stops
     with one line; dvc.lock and the finished stages' outputs stay. The server restarts; the same command again sends
@@ -67,7 +67,7 @@ def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothin
     repo = copy_committed_project(tmp_path / "repo")
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    env = {"MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": str(tmp_path / "prefect"), "GRPO_TRACKING_RETRY_S": "1",
+    env = {"MLFLOW_TRACKING_URI": uri, "PREFECT_HOME": prefect_home(tmp_path / "prefect"), "GRPO_TRACKING_RETRY_S": "1",
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
            "PYTHONPATH": str(ROOT / "tests")}
     steps = [p for p in FAST_PARAMS if not p.startswith("grpo.steps")] + [
@@ -110,14 +110,14 @@ def test_a_registry_outage_keeps_the_finished_stages_and_the_rerun_trains_nothin
         stop_server_group(server)
 
 
-def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_trains_nothing(tmp_path):
+def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_trains_nothing(tmp_path, prefect_home):
     """DVC cannot copy models/grpo into its cache (the run's files may not exceed 1 MB from GRPO on: what a full or
     small device answers): the run stops before register in one line naming the output and the cache, no
     traceback, nothing registered; the rerun with room stores what was trained and runs no GRPO step."""
     from mlflow.tracking import MlflowClient
 
     repo = copy_committed_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PYTHONPATH": str(ROOT / "tests")}
     overrides = FAST_PARAMS + LEARNS
     proc, lines = start(repo, overrides, env), []
@@ -144,7 +144,8 @@ def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_t
     assert run([str(BIN / "dvc"), "status"], repo, env=env).stdout.strip().endswith("up to date.")
 
 
-def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs_are_marked_killed(tmp_path):
+def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs_are_marked_killed(
+        tmp_path, prefect_home):
     """`grpo-pipeline run --set ...` SIGKILLed mid-GRPO (the machine preempted) leaves its one-off overrides in
     params.yaml and its MLflow runs RUNNING; the user edits params.yaml; the same command again puts the user's own
     settings back first, keeping that edit and saying so in one line, and marks the killed run's MLflow runs
@@ -152,7 +153,7 @@ def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs
     from mlflow.tracking import MlflowClient
 
     repo = copy_committed_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect")}
     mine = (repo / "params.yaml").read_text()
     overrides = [p for p in FAST_PARAMS if not p.startswith(("grpo.steps", "grpo.checkpoint_every"))] + [
         "grpo.steps=40", "grpo.checkpoint_every=5"]

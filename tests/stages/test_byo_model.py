@@ -32,7 +32,7 @@ def build_tiny_qwen(out, texts):
 
 
 @pytest.mark.slow
-def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
+def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path, prefect_home):
     from components.data.records import dir_md5
 
     repo = copy_committed_project(tmp_path / "repo")
@@ -41,7 +41,7 @@ def test_qwen2_with_chat_template_and_lora_end_to_end(tmp_path):
     model_dir = tmp_path / "tiny-qwen2"
     build_tiny_qwen(model_dir, [r["question"] + r["answer"] for r in rows] + ["Add the numbers."])
     base_md5 = dir_md5(model_dir)
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect")}
     overrides = [
         f"model.name_or_path={model_dir}", "data.train_path=data/user/qa.jsonl", "data.columns={question: prompt}",
         "data.heldout_ratio=0.25", "prompt.chat_template=always", "prompt.system=Add the numbers.",

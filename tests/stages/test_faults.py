@@ -421,9 +421,9 @@ SECRETS = {"MLFLOW_TRACKING_TOKEN": "tok-7f3a9e", "AWS_SECRET_ACCESS_KEY": "aws-
 
 
 @pytest.mark.slow
-def test_concurrent_runs_are_refused_and_secrets_never_logged(tmp_path):
+def test_concurrent_runs_are_refused_and_secrets_never_logged(tmp_path, prefect_home):
     repo = copy_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}", "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            **SECRETS}
     secret_option = "grpo.rewards=[{name: exact_match, weight: 1.0, options: {api_token: opt-4c4c4c}}]"
     cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS + [secret_option] for x in ("--set", o)]
