@@ -52,7 +52,7 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
             status = run([dvc, "queue", "status"], repo, env=env).stdout
             if "Queued" not in status and "Running" not in status:
                 break
-            time.sleep(5)
+            time.sleep(1)
         assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "--help"], repo, check=False).stdout
     finally:
         stop_server(*server)
