@@ -80,8 +80,8 @@ def starts_with_one_slowly(prompts, completions, **_):
 
 
 def starts_with_one_until_released(prompts, completions, **_):
-    """starts_with_one_slowly that, from its 30th call on, waits while the file named by GRPO_TEST_HOLD exists (at
-    most 300 s): a test makes something happen mid-run (a server lost and back) before the run can end, on any
+    """starts_with_one after 0.1 s that, from its 30th call on, waits while the file named by GRPO_TEST_HOLD exists
+    (at most 300 s): a test makes something happen mid-run (a server lost and back) before the run can end, on any
     machine speed."""
     import os
     import time
@@ -90,7 +90,8 @@ def starts_with_one_until_released(prompts, completions, **_):
     hold, deadline = os.environ.get("GRPO_TEST_HOLD"), time.monotonic() + 300
     while _CALLS["held"] >= 30 and hold and os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return starts_with_one_slowly(prompts, completions)
+    time.sleep(0.1)
+    return starts_with_one(prompts, completions)
 
 
 def exits(prompts, completions, **_):

@@ -79,19 +79,18 @@ def matches_reference_forward(lm: PrefixSharedLM, vocab_size: int, prompt_length
     real), so the check fails if prompts that differ only in their mask are merged; row 1 ends early,
     so the packed forward is checked against padding too. When prompts this long can share a prefix
     worth encoding once, a batch whose prompts share their first tokens checks that path. The entropies depend
-    on every logit. One batch's rows are as long as asked (the positions the engine will use), in completion rows;
-    both attention layouts (`attention.attention_rows`), whichever "auto" would take, run on rows of at most
-    `SHARED_CHECK_LENGTH` prompt and 4 completion tokens, as the shared-prefix batch does: where a row, a group or a
-    prefix ends and the offsets after it do not depend on length, the positions do. Hugging Face's forward runs once
-    per batch: a check costs one long forward of each kind.
+    on every logit. These batches, in both attention layouts (`attention.attention_rows`), whichever "auto" would
+    take, run on rows of at most `SHARED_CHECK_LENGTH` prompt and 4 completion tokens: where a row, a group or a
+    prefix ends and the offsets after it do not depend on length. The positions do: rows 0 and 1 (left padding, an
+    early end) run again as long as asked (the positions the engine will use), in completion rows. Hugging Face's
+    forward runs once per batch: a check costs one long forward of two rows of each kind.
     """
-    long_batch = check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0)
+    long_batch = tuple(t[:2] for t in check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0))
     short_length = min(prompt_length, SHARED_CHECK_LENGTH)
-    if (short_length, min(completion_length, 4)) == (prompt_length, completion_length):
-        cases: list[tuple[tuple, Literal["group", "completion"]]] = [(long_batch, "group"), (long_batch, "completion")]
-    else:
-        short = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=0)
-        cases = [(long_batch, "completion"), (short, "group"), (short, "completion")]
+    short = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=0)
+    cases: list[tuple[tuple, Literal["group", "completion"]]] = [(short, "group"), (short, "completion")]
+    if (short_length, min(completion_length, 4)) != (prompt_length, completion_length):
+        cases.append((long_batch, "completion"))
     if prompt_length - 3 >= SHARED_PREFIX_MIN:
         head = max(SHARED_PREFIX_MIN, (short_length - 2) // 2)
         shared = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=head)
