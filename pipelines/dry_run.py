@@ -44,12 +44,12 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="grpo-dry-run-") as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{Path(tmp) / 'scratch.db'}"
         try:
+            device = pick_device(cfg.device)  # the cheapest check first: before the data is prepared and validated
             paths = Paths(root=Path(tmp))
             prepare(cfg, paths)
             build_base_model(cfg, paths)
             validate(cfg, paths)
             seed_everything(cfg.seed, cfg.threads)
-            device = pick_device(cfg.device)
             records = read_jsonl(split_path(paths.data, "train"))
             loss = build_loss(g)  # the trainer's loss object, built the same way
             policy, _ = build_policy(cfg, paths.base_model.resolve(), device, records,

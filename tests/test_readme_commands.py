@@ -155,3 +155,5 @@ def test_device_cuda_stops_in_one_line_without_a_visible_gpu(tmp_path):
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and errors == ["error: device: 'cuda' requested but no CUDA device is available"], \
         proc.stdout[-2000:]
+    assert not any(line.startswith(("prepare:", "validate:")) for line in proc.stdout.splitlines()), \
+        "the device was checked only after the data was prepared and validated"
