@@ -15,7 +15,8 @@ as far as Hugging Face's own forward in that dtype does."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, Literal
 
 import psutil
@@ -85,27 +86,25 @@ def matches_reference_forward(lm: PrefixSharedLM, vocab_size: int, prompt_length
     early end) run again as long as asked (the positions the engine will use), in completion rows. Hugging Face's
     forward runs once per batch: a check costs one long forward of two rows of each kind.
     """
-    long_batch = tuple(t[:2] for t in check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0))
-    short_length = min(prompt_length, SHARED_CHECK_LENGTH)
-    short = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=0)
-    cases: list[tuple[tuple, Literal["group", "completion"]]] = [(short, "group"), (short, "completion")]
-    if (short_length, min(completion_length, 4)) != (prompt_length, completion_length):
-        cases.append((long_batch, "completion"))
+    both: tuple[Literal["group", "completion"], ...] = ("group", "completion")
+    short_length, short_completion = min(prompt_length, SHARED_CHECK_LENGTH), min(completion_length, 4)
+    plan = [(check_batch(lm, vocab_size, short_length, short_completion, shared_head=0), both)]
+    if (short_length, short_completion) != (prompt_length, completion_length):
+        rows_0_1 = tuple(t[:2] for t in check_batch(lm, vocab_size, prompt_length, completion_length, shared_head=0))
+        plan.append((rows_0_1, ("completion",)))
     if prompt_length - 3 >= SHARED_PREFIX_MIN:
         head = max(SHARED_PREFIX_MIN, (short_length - 2) // 2)
-        shared = check_batch(lm, vocab_size, short_length, min(completion_length, 4), shared_head=head)
-        cases += [(shared, "group"), (shared, "completion")]
+        plan.append((check_batch(lm, vocab_size, short_length, short_completion, shared_head=head), both))
     was_training = lm.model.training
     lm.model.eval()
 
     def compared() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(ours, Hugging Face's) for each case, the latter computed once per batch."""
-        theirs: dict[int, torch.Tensor] = {}
+        """(ours, Hugging Face's) for each batch and layout, Hugging Face's computed once per batch."""
         pairs = []
-        for batch, rows in cases:
-            if id(batch) not in theirs:
-                theirs[id(batch)] = _reference_values(lm, *batch)
-            pairs.append((_fast_values(lm.with_options(attention_rows=rows), *batch), theirs[id(batch)]))
+        for batch, layouts in plan:
+            theirs = _values(partial(completion_logprobs, lm.model), batch)
+            pairs += [(_values(lm.with_options(attention_rows=rows).completion_logprobs, batch), theirs)
+                      for rows in layouts]
         return pairs
 
     try:
@@ -181,20 +180,10 @@ def check_batch(lm: PrefixSharedLM, vocab_size: int, prompt_length: int, complet
     return tuple(t.to(device) for t in (prompt, mask, completion, completion_mask))
 
 
-def _checked(prompt: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
-             completion_mask: torch.Tensor) -> Rollouts:
-    return Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
-
-
-def _reference_values(lm: PrefixSharedLM, *batch: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's log-probs and entropies of the real completion tokens, side by side."""
-    logp, entropy = completion_logprobs(lm.model, _checked(*batch), with_entropy=True)
-    real = batch[3].bool()
-    return torch.cat([logp[real], entropy[real]])
-
-
-def _fast_values(lm: PrefixSharedLM, *batch: torch.Tensor) -> torch.Tensor:
-    """This forward's log-probs and entropies of the real completion tokens, side by side."""
-    logp, entropy = lm.completion_logprobs(_checked(*batch), with_entropy=True)
-    real = batch[3].bool()
+def _values(logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]], batch: tuple) -> torch.Tensor:
+    """A forward's log-probs and entropies of the batch's real completion tokens, side by side."""
+    prompt, mask, completion, completion_mask = batch
+    checked = Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
+    logp, entropy = logprobs(checked, with_entropy=True)
+    real = completion_mask.bool()
     return torch.cat([logp[real], entropy[real]])
