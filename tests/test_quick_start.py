@@ -43,12 +43,14 @@ def quick_start_commands() -> list[str]:
 
 
 def stranger_env(home: Path) -> dict[str, str]:
-    """A login shell's environment on a machine with Python 3.11 and make: a home of its own, with pip's settings
-    (PIP_* variables, the user's pip.conf) and wheel cache as this user has them, so the install reaches the same
-    package index and reuses the wheels already downloaded."""
+    """A login shell's environment on a machine with Python 3.11 and make (Python told not to write bytecode, as in
+    many container images): a home of its own, with pip's settings (PIP_* variables, the user's pip.conf) and wheel
+    cache as this user has them, so the install reaches the same package index and reuses the wheels already
+    downloaded."""
     cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True).stdout
     env = {"PATH": os.pathsep.join([str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
            "HOME": str(home), "PREFECT_HOME": str(home / "prefect"), "PIP_CACHE_DIR": cache.strip(),
+           "PYTHONDONTWRITEBYTECODE": "1",  # as container images often set it: no process caches what it compiles
            **{k: v for k, v in os.environ.items() if k.startswith("PIP_") and k != "PIP_CACHE_DIR"},
            **{k: v for k, v in os.environ.items() if k == "OMP_WAIT_POLICY"}}  # the suite's, see conftest.py
     user_pip = Path.home() / ".config" / "pip"
@@ -136,6 +138,9 @@ def test_the_quick_start_works_as_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert (clone / ".venv" / ".installed").exists() and not (clone / ".venv").is_symlink()
+    # The install compiled the modules' bytecode (the Makefile's COMPILE_VENV): with PYTHONDONTWRITEBYTECODE=1 no
+    # run could have written it.
+    assert list((clone / ".venv").glob("lib/python3.*/site-packages/mlflow/__pycache__/__init__.cpython-3*.pyc"))
     assert re.search(r"^torch 2\.13\.0\S*: the (CPU|CUDA [\d.]+) build \(", out, re.M), out[:3000]
     # The lines the README shows at the end of the first run, in that order.
     shown = fenced_blocks()[1][1]  # the block after the commands
