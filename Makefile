@@ -15,9 +15,9 @@ PIP := $(PY) -m pip --disable-pip-version-check
 # pip installs without byte-compiling (--no-compile: it compiles one file after another); once everything is in, the
 # installed modules are compiled in one pass on all cores (COMPILE_VENV). Every later process reads that bytecode,
 # also where PYTHONDONTWRITEBYTECODE=1 stops Python from caching what it compiles: there each process would compile
-# again every module it imports (seconds of CPU per process; a run and the tests start hundreds). A file that does
-# not compile on this Python (a few are written for later ones) keeps its source, as pip leaves it; the packages'
-# own test folders, which nothing here imports, are left out.
+# again every module it imports, seconds of CPU each time. A file that does not compile on this Python (a few are
+# written for later ones) keeps its source, as pip leaves it; the packages' own test folders, which nothing here
+# imports, are left out.
 PIP_INSTALL := $(PIP) install -q --no-compile
 SITE_PACKAGES = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 COMPILE_VENV = PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -qq -j 0 -x '/tests?/' $(SITE_PACKAGES) || true

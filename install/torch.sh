@@ -13,7 +13,7 @@
 set -eu
 build=$1 py=$2 cpu_index=$3 why=$4
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
-install() { pip install --no-compile "$@"; }  # compiled in one pass after the install (the Makefile's PIP_INSTALL says why)
+install() { pip install --no-compile "$@"; }  # compiled later, in one pass (Makefile: PIP_INSTALL)
 
 case "$build" in
 cpu)
