@@ -4,11 +4,10 @@ smollm2_base, shared with tests/stages/test_real_model_tools.py).
 
 What holds on a real model and not only on the tiny character model: GGUF in, safetensors out; token
 counts with the real tokenizer and chat template; LoRA training that resumes bit for bit after a kill;
-the registry holding the adapter linked to its registered base; MLflow's loader answering with base + adapter,
-formatted as in training. The tool-trained model answering OpenAI-style chat requests with its calls in
-`tool_calls`, loaded and served by `mlflow models serve` (one served model per test run):
-tests/stages/test_real_model_tools.py (a file of its own, so the two workers of `make test` each take one of these
-long files).
+the registry holding the adapter linked to its registered base; a fresh process and `mlflow models
+serve` answering with base + adapter, formatted as in training. The tool-trained model answering OpenAI-style
+chat requests with its calls in `tool_calls`: tests/stages/test_real_model_tools.py (a file of its own, so the two
+workers of `make test` each take one of these long files).
 """
 
 from __future__ import annotations
@@ -170,8 +169,8 @@ RESUME = {"grpo": {"steps": 2, "checkpoint_every": 1, "log_every": 1}, "evaluate
           "task": {"n_heldout": 6}, "register": {"require_improvement": False}}
 
 
-# Three SmolLM2 GRPO processes, evaluate, register and the registered model loaded: minutes alone, far longer on a
-# shared machine (a 900 s limit ran out on 2 cores loaded 3x over), so a longer limit than the suite's default.
+# Three SmolLM2 GRPO processes, evaluate, register and a served model: minutes alone, far longer on a shared machine
+# (a 900 s limit ran out on 2 cores loaded 3x over), so a longer limit than the suite's default.
 @pytest.mark.timeout(1800)
 def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp_path, converted, mlflow_store):
     from safetensors.torch import load_file
@@ -209,9 +208,8 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
         run([sys.executable, "-m", f"components.stages.{stage}"], root, env=env)
     registered = json.loads((root / "metrics" / "register.json").read_text())
     assert registered["model_uri"] == "models:/smollm2-test/1"
-    # The registered version names its base; the pyfunc is loaded by MLflow's loader below.
+    # The registered version names its base; the pyfunc is loaded by `mlflow models serve` below.
     import mlflow
-    import pandas as pd
     from mlflow.models import Model
     from mlflow.tracking import MlflowClient
 
@@ -231,17 +229,8 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
     assert adapter_bytes < 30e6, adapter_bytes
     assert [str(v.version) for v in client.search_model_versions("name = 'smollm2-test-base'")] == ["1"]
 
-    # The registered adapter through MLflow's own loader (its base fetched from the registry): the same pyfunc that
-    # `mlflow models serve` answers with, which tests/stages/test_real_model_tools.py serves over HTTP.
-    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])  # this worker's MLflow may have been pointed elsewhere
-    mlflow.set_registry_uri(env["MLFLOW_TRACKING_URI"])
-    try:
-        loaded = mlflow.pyfunc.load_model("models:/smollm2-test@champion")
-        assert list(loaded.predict(pd.DataFrame([{"prompt": "What is 3 + 4?"}]))) == answer
-    finally:
-        mlflow.set_tracking_uri(previous[0])
-        mlflow.set_registry_uri(previous[1])
+    with served(tmp_path, "models:/smollm2-test@champion", env["MLFLOW_TRACKING_URI"]) as post:
+        assert post({"dataframe_records": [{"prompt": "What is 3 + 4?"}]})["predictions"] == answer
 
 
 @contextmanager
