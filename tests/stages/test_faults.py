@@ -383,7 +383,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
 
 def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], store: Path, delay: float) -> bool:
     """Start `cmd`, SIGKILL it `delay` seconds after its first write to the SQLite file `store` (or its journal);
-    True when it was still running at the kill."""
+    True when it had written and was still running at the kill."""
     def stamp() -> list[int]:
         return [f.stat().st_mtime_ns for f in sorted(store.parent.glob(store.name + "*"))]
 
@@ -393,7 +393,7 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
     while proc.poll() is None and stamp() == before and time.time() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    running = proc.poll() is None
+    running = proc.poll() is None and stamp() != before
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return running
