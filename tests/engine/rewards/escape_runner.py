@@ -136,6 +136,21 @@ def _start_canary(as_nobody: bool) -> subprocess.Popen:
                             start_new_session=True, preexec_fn=drop)
 
 
+# A SIGKILL sent by another process lands asynchronously: right after the sender exits, the target may not have died
+# yet on a loaded machine, and an escape that killed it would be read as refused. Attempts aimed at the canary wait
+# this long for it to end (an ended canary returns at once).
+CANARY_WAIT_S = 0.5
+
+
+def _still_running(proc: subprocess.Popen, wait_s: float) -> bool:
+    """Whether `proc` is still running after waiting up to `wait_s` seconds for it to end."""
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
 def _sandbox_processes(uid: int) -> list[int]:
     """Processes of `uid` still running the sandbox's child (its command line names it; a fork keeps it)."""
     found = []
@@ -194,7 +209,7 @@ def main() -> None:
                 passed, reason, output = result.passed, result.reason, result.stdout + result.stderr
             after = _snapshot(base)
             changed = sorted(path for path in set(before) | set(after) if before.get(path) != after.get(path))
-            canary_alive = canary.poll() is None
+            canary_alive = _still_running(canary, CANARY_WAIT_S if "{canary_pid}" in ATTEMPTS[name] else 0.0)
             if not canary_alive:
                 canary = _start_canary(as_nobody=is_root)
             report[name] = {"passed": passed, "reason": reason[:300], "changed": changed,
