@@ -37,8 +37,10 @@ from conftest import BIN, ROOT, committed_params, run
 pytestmark = pytest.mark.slow
 
 EXAMPLE = ROOT / "configs" / "examples" / "smollm2_addition.yaml"
-# The example, shrunk to seconds per stage: 2 prompts x 4 completions of 8 tokens per step.
-SMALL = {"task": {"n_sft": 4, "n_train": 24, "n_heldout": 12},
+# The example, shrunk to seconds per stage: 2 prompts x 4 completions of 8 tokens per step. One torch thread: `make
+# test` runs two workers on two cores, so a second thread per test only waits for the other worker's core (the
+# tests check what the model does, not its speed).
+SMALL = {"threads": 1, "task": {"n_sft": 4, "n_train": 24, "n_heldout": 12},
          "grpo": {"steps": 4, "prompts_per_step": 2, "group_size": 4, "max_completion_length": 8,
                   "checkpoint_every": 2, "log_every": 2, "metrics_every": 1},
          "evaluate": {"max_new_tokens": 8, "batch_size": 12, "bootstrap_samples": 200},
@@ -274,7 +276,7 @@ def test_dry_run_on_the_real_model_example(tmp_path, converted):
     repo = copy_project(tmp_path / "repo")
     # The example as it is, on the session's converted SmolLM2 (the GGUF conversion is tested above).
     proc = run([str(BIN / "grpo-pipeline"), "run", "--dry-run", "--params", str(EXAMPLE), "--set",
-                f"model.name_or_path={converted}", "--set", "grpo.prompts_per_step=2"], repo,
+                f"model.name_or_path={converted}", "--set", "grpo.prompts_per_step=2", "--set", "threads=1"], repo,
                env={"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"})
     assert "dry run: config, data and model valid; one rollout of 16 completions" in proc.stdout, proc.stdout[-2000:]
     assert not (repo / "models").exists() and not (repo / "mlflow.db").exists()

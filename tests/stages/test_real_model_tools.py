@@ -46,7 +46,8 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, s
                  "checkpoint_every": 0, "log_every": 1},
         "evaluate": {"max_new_tokens": 72, "batch_size": 4, "every": 0, "bootstrap_samples": 100},
         "register": {"model_name": "smollm2-tools-test", "require_improvement": False},
-        "reports": {"samples_every": 1}})
+        "reports": {"samples_every": 1},
+        "threads": 1})  # one torch thread a worker, as SMALL in test_real_model.py says
     cfg, paths = config_from_dict(raw), Paths(root=tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))  # the run's params, as registered
     prepare(cfg, paths)
