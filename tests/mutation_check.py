@@ -173,6 +173,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "if check_reward >= s.stop_at_reward:", "if False:"),
     ("sft: check never run", "components/stages/sft.py",
      "if check is not None and step % s.check_every == 0:", "if False:"),
+    ("sft: loss from the position after the first learned one", "components/stages/sft.py",
+     "first = int(learned[0]) if", "first = int(learned[0]) + 1 if"),
     # prompt-once forward
     ("defect 3: fastlm groups prompts by ids alone", "components/engine/fast/fastlm.py",
      "keyed = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)",

@@ -6,6 +6,7 @@ models/sft.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import math
@@ -99,6 +100,35 @@ def _demonstrations(cfg: PipelineConfig, paths: Paths, tokenizer) -> tuple[torch
                       cfg.sft.target_column, conversation_encoder(cfg, tokenizer))
 
 
+def keeps_some_logits(model) -> bool:
+    """Whether to compute only the learned positions' logits: the model's forward takes `logits_to_keep` (every
+    transformers causal LM of this stack does; a remote-code model may not; looked up under DDP's and PEFT's
+    wrappers) and its vocabulary is wider than its hidden size, so the head is worth skipping. A narrower head (the
+    embedded default's 16-character vocabulary) costs next to nothing, and there the loss keeps its full-width
+    arithmetic bit for bit (the default's measured band rests on it; a shorter reduction rounds differently)."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config = getattr(inner, "config", None)
+    wide = getattr(config, "vocab_size", 0) > getattr(config, "hidden_size", float("inf"))
+    return wide and "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
+def labelled_logits(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) for next-token cross-entropy: logits[:, c] predicts targets[:, c], from the batch's first
+    position whose next token is learned to the end. A prompt's positions (a worked conversation's system prompt and
+    tool schema: most of its tokens) still run through every layer, as later tokens attend to them, but skip the
+    vocabulary head and its softmax, a model's largest matmul: the loss is the full-width loss, since a causal
+    model's logit at one position does not depend on which other positions' logits are computed."""
+    targets = labels[:, 1:]
+    learned = (targets != -100).any(dim=0).nonzero()
+    first = int(learned[0]) if len(learned) and keeps_some_logits(model) else 0
+    width = ids.shape[1]
+    kept = {"logits_to_keep": width - first} if first else {}
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), **kept).logits
+    return logits[:, :-1], targets[:, first:]
+
+
 def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor,
                ctx: DistContext) -> tuple[torch.Tensor, float]:
     """(loss to backpropagate, the batch's mean token loss). One process: plain mean cross-entropy.
@@ -108,18 +138,16 @@ def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tenso
     update equals the one-process update on the same batch.
     """
     if not ctx.active:
-        m = mask[idx]
-        logits = model(input_ids=ids[idx], attention_mask=m, position_ids=positions_from_mask(m)).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                                 labels[idx][:, 1:].reshape(-1), ignore_index=-100)
+        logits, targets = labelled_logits(model, ids[idx], mask[idx], labels[idx])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                                 ignore_index=-100)
         return loss, loss.item()
     n_tokens = float((labels[idx][:, 1:] != -100).sum())
     mine = idx[ctx.rank::ctx.world]
     rows, weight = (mine, 1.0) if len(mine) else (idx[:1], 0.0)  # no rows here: a zero loss keeps DDP in step
-    m = mask[rows]
-    logits = model(input_ids=ids[rows], attention_mask=m, position_ids=positions_from_mask(m)).logits
-    total = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                              labels[rows][:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    logits, targets = labelled_logits(model, ids[rows], mask[rows], labels[rows])
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                              ignore_index=-100, reduction="sum")
     local = total * weight / max(n_tokens, 1.0)
     return local * ctx.world, all_reduce_sum(ctx, [local.item()])[0]
 

@@ -66,3 +66,48 @@ def test_sft_learns_the_target_column_after_the_prompt_and_nothing_else():
     assert labels[0].tolist() == [-100] * 3 + [ord(c) for c in "3+4=7"] + [0]  # the solution and EOS, no prompt
     assert labels[1].tolist() == [-100] * 4 + [ord("9"), 0] + [-100] * 3       # padding ignored
     assert encode_sft(Chars(), records)[2][0].tolist()[3:5] == [ord("7"), 0]  # default: the answer
+
+
+def test_the_loss_from_the_first_learned_position_equals_the_full_width_loss():
+    """`labelled_logits` skips the vocabulary head on the prompt columns no label reads; the loss and its gradients
+    are the full-width ones (float32, rows right-padded, each row's answer starting at another column), and a row
+    whose first learned token sits one column earlier is still scored (the kept range is not off by one)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from components.engine.models.rollouts import positions_from_mask
+    from components.stages.sft import labelled_logits
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    ids = torch.randint(1, 50, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    labels = torch.full_like(ids, -100)
+    labels[0, 7:] = ids[0, 7:]  # learned from column 7 ...
+    labels[1, 5:9] = ids[1, 5:9]  # ... from column 5 (the batch's first: logits from position 4)
+    labels[2, 10:] = ids[2, 10:]
+
+    def loss_and_grads(logits, targets):
+        model.zero_grad()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                 ignore_index=-100)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    expected, expected_grads = loss_and_grads(full[:, :-1], labels[:, 1:])
+    logits, targets = labelled_logits(model, ids, mask, labels)
+    assert logits.shape[1] == targets.shape[1] == 11 - 4  # positions 4..10: the head skipped 4 of 11 columns
+    loss, grads = loss_and_grads(logits, targets)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    # A head narrower than the hidden size (the embedded default's character model) is kept whole: nothing to save,
+    # and the default's loss stays bit for bit what its measured band was trained with.
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    logits, targets = labelled_logits(narrow, ids % 16, mask, torch.where(labels == -100, labels, labels % 16))
+    assert logits.shape[1] == targets.shape[1] == 11
