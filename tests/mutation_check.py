@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "mutation_check.md"
 TESTS = ["tests/engine/grpo/test_objectives.py", "tests/engine/grpo/test_engine_variants.py",
          "tests/engine/grpo/test_engine_audit.py", "tests/engine/rollout/test_engines.py",
-         "tests/engine/fast/test_fastlm.py", "tests/engine/fast/test_matmul.py", "tests/engine/fast/test_rmsnorm.py",
+         "tests/engine/fast/test_fastlm.py", "tests/engine/fast/test_check.py", "tests/engine/fast/test_matmul.py",
+         "tests/engine/fast/test_rmsnorm.py",
          "tests/stages/test_sft.py"]
 # The newer variants' tests, run first for their own mutations (the TRL reference takes ~10 s to import, so the
 # other mutations do not pay for it unless everything else passed).
@@ -197,6 +198,8 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      'both: tuple[Literal["group", "completion"], ...] = ("completion", "completion")'),
     ("fastlm self-check: no row as long as the engine's", "components/engine/fast/check.py",
      'plan.append((rows_0_1, ("completion",)))', "pass"),
+    ("fastlm self-check: only the first and last layers, not every kind", "components/engine/fast/check.py",
+     "if index in (0, len(layers) - 1) or kind not in kinds:", "if index in (0, len(layers) - 1):"),
     ("fastlm: group rows fill the grid in the wrong slots", "components/engine/fast/attention.py",
      "source[slot] = torch.arange(len(slot), device=device)",
      "source[slot] = torch.arange(len(slot), device=device).flip(0)"),

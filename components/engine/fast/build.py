@@ -23,6 +23,7 @@ def checked_prefix_shared_lm(model: Any, vocab_size: int | None = None, max_leng
     full over such a row (a sliding window shorter than it, per-layer attention types other than full) and models
     with attention dropout (this forward applies none, so it would differ in train mode) get None: the plain Hugging
     Face forward. A model whose rotary embedding is not the standard one is checked again with the plain rotation.
+    The checks run on the decoder's representative layers (`check.representative_layers`).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -35,8 +36,9 @@ def checked_prefix_shared_lm(model: Any, vocab_size: int | None = None, max_leng
     prompt = max(2, min(longest, check.MAX_CHECK_LENGTH) - completion)
     fast = PrefixSharedLM(model, options)
     vocab = vocab_size or config.vocab_size
-    if not check.matches_reference_forward(fast, vocab, prompt, completion):
-        fast = fast.with_options(complex_rotary=False)  # e.g. a rotary variant whose halves differ
+    with check.representative_layers(fast):
         if not check.matches_reference_forward(fast, vocab, prompt, completion):
-            return None
-    return fast if check.trains_like_reference_forward(fast, vocab) else None
+            fast = fast.with_options(complex_rotary=False)  # e.g. a rotary variant whose halves differ
+            if not check.matches_reference_forward(fast, vocab, prompt, completion):
+                return None
+        return fast if check.trains_like_reference_forward(fast, vocab) else None

@@ -126,3 +126,45 @@ def test_no_room_for_the_float32_copy_is_said_not_run_out_of(monkeypatch):
     with pytest.raises(MemoryError, match="float32"), check.float32_weights(model):
         pass
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def _four_layers_lora_on_the_third():
+    """A 4-layer Llama whose third layer alone carries LoRA on q_proj (non-zero B): a layer of its own kind."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                        num_attention_heads=4, max_position_embeddings=64)).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[2]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_the_check_runs_the_first_the_last_and_each_other_kind_of_layer_only(monkeypatch):
+    """Layer 1 is of layer 0's kind, so the check never runs it; layer 2 (LoRA) is another kind, so a fault only
+    LoRA-wrapped projections have is still caught; the decoder gets its whole list back."""
+    from components.engine.fast import pieces
+
+    model = _four_layers_lora_on_the_third()
+    layers = model.get_base_model().model.layers
+    with check.representative_layers(PrefixSharedLM(model)) as held:
+        assert held == 3 and list(model.get_base_model().model.layers) == [layers[0], layers[2], layers[3]]
+    assert model.get_base_model().model.layers is layers
+    ran = {i: 0 for i in range(4)}
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: ran.__setitem__(i, ran[i] + 1))
+    assert checked_prefix_shared_lm(model, max_length=20, completion_length=4) is not None
+    assert ran[1] == 0 and min(ran[0], ran[2], ran[3]) > 0, ran
+
+    plain = pieces.plain_linear
+
+    def adapters_ignored(module, merge_lora=False):  # merged LoRA read as its base weight alone
+        base = getattr(module, "base_layer", None)
+        return (base.weight, base.bias) if merge_lora and base is not None else plain(module, merge_lora)
+
+    monkeypatch.setattr(pieces, "plain_linear", adapters_ignored)
+    assert checked_prefix_shared_lm(model, max_length=20, completion_length=4) is None
