@@ -3,6 +3,7 @@ register, two runs at once, and secrets in the environment."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ from components.data.checkpoints import latest_checkpoint, load_checkpoint
 from components.errors import StageFailed
 from components.stages.grpo import train_grpo
 
-from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, dvc_repro_warm, run, setup_stage_inputs
+from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, run, setup_stage_inputs
 
 
 def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):
@@ -381,19 +382,30 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())  # logging offline changes nothing
 
 
-def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], store: Path, delay: float) -> bool:
-    """Start `cmd`, SIGKILL it `delay` seconds after its first write to the SQLite file `store` (or its journal);
-    True when it had written and was still running at the kill."""
+def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], store: Path, delay: float,
+                            server: subprocess.Popen) -> bool:
+    """Start `cmd` (a stage's launcher, which the warm stage `server` forks the stage for, as a pipeline run has it),
+    SIGKILL the forked stage process `delay` seconds after its first write to the SQLite file `store` (or its
+    journal), then its launcher; True when it had written and was still running at the kill."""
+    import psutil
+
     def stamp() -> list[int]:
         return [f.stat().st_mtime_ns for f in sorted(store.parent.glob(store.name + "*"))]
 
-    before = stamp()
+    def served() -> set[int]:
+        return {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
+
+    before, levels = stamp(), served()  # the server's import levels, all started by the run before
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while proc.poll() is None and stamp() == before and time.time() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    running = proc.poll() is None and stamp() != before
+    stage = served() - levels
+    running = proc.poll() is None and stamp() != before and bool(stage)
+    for pid in stage:  # the process writing to the store: no handler, no cleanup
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return running
@@ -403,35 +415,42 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
 def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    repo = copy_project(tmp_path / "repo")
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"}
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
     from pipelines.params_io import apply_to_params
 
+    repo = copy_project(tmp_path / "repo")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"}
     apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
-    dvc_repro_warm(repo, ["evaluate"], env)
-    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-    register = [sys.executable, "-m", "components.stages.register"]
-    # Each kill lands a delay after the process first writes to the store, not after a fixed time from its start
-    # (its imports alone take longer than the whole registration, and by how much depends on the machine).
-    hits = 0
-    for delay in (0.0, 0.1, 0.25, 0.5):
-        hits += _kill_after_first_write(register, repo, {**os.environ, **env}, repo / "mlflow.db", delay)
-        try:
-            champion = client.get_model_version_by_alias("grpo-addition", "champion")
-        except Exception:  # noqa: BLE001 - no champion yet is fine
-            champion = None
-        if champion is not None:
-            assert champion.tags.get("registration") == "complete" and "lineage.candidate_md5" in champion.tags
-            assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
-    assert hits >= 2, f"only {hits} of 4 kills landed after register began writing and before it ended"
-    run(register, repo, env=env)
-    versions = client.search_model_versions("name = 'grpo-addition'")
-    assert len(versions) == 1, [(v.version, v.tags.get("registration")) for v in versions]
-    only = versions[0]
-    assert only.tags["registration"] == "complete"
-    assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
-    run(register, repo, env=env)  # and once more: still exactly one version
-    assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
+    # One warm stage server for the whole test, as a pipeline run has one: the stages up to evaluate, then each
+    # register forked from it (its imports, which outlast the registration, paid once).
+    server = start_server(str(repo))
+    try:
+        warm = {**os.environ, **env, SERVER_ENV: server[1]}
+        run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=warm)
+        client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        register = [sys.executable, "-m", "components.runtime.launch", "register"]
+        # Each kill lands a delay after the stage first writes to the store, not after a fixed time from its start.
+        hits = 0
+        for delay in (0.0, 0.1, 0.25, 0.5):
+            hits += _kill_after_first_write(register, repo, warm, repo / "mlflow.db", delay, server[0])
+            try:
+                champion = client.get_model_version_by_alias("grpo-addition", "champion")
+            except Exception:  # noqa: BLE001 - no champion yet is fine
+                champion = None
+            if champion is not None:
+                assert champion.tags.get("registration") == "complete" and "lineage.candidate_md5" in champion.tags
+                assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
+        assert hits >= 2, f"only {hits} of 4 kills landed after register began writing and before it ended"
+        run(register, repo, env=warm)
+        versions = client.search_model_versions("name = 'grpo-addition'")
+        assert len(versions) == 1, [(v.version, v.tags.get("registration")) for v in versions]
+        only = versions[0]
+        assert only.tags["registration"] == "complete"
+        assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
+        run(register, repo, env=warm)  # and once more: still exactly one version
+        assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
+    finally:
+        stop_server(*server)
 
 
 SECRETS = {"MLFLOW_TRACKING_TOKEN": "tok-7f3a9e", "AWS_SECRET_ACCESS_KEY": "aws-2b8c1d",
