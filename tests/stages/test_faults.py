@@ -297,8 +297,11 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     and the weights are compared whatever the length); only the midway run is long (40 slow steps), as the server
     must die and come back while it runs. The online run is the stage in this process (in its own folder, with the
     same settings and environment): a process of its own only added its start-up; the down and midway runs, which
-    the outage is injected into, and the later stages are commands of their own."""
+    the outage is injected into, and the later stages are commands of their own (stage launchers, forked by one warm
+    stage server as a pipeline run's are)."""
     from safetensors.torch import load_file
+
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
     steps = ["grpo.steps=8", "grpo.checkpoint_every=4", "grpo.log_every=4", "grpo.metrics_every=2"]
     port = _free_port()
@@ -307,7 +310,11 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     sets = [x for o in LEARN + steps for x in ("--set", o)]
-    grpo = [sys.executable, "-m", "components.stages.grpo", *sets]
+    # The stage commands are forked by one warm stage server, as a pipeline run has them (their imports paid once).
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the server's path finds the tests' reward fixtures
+    stages = start_server(str(tmp_path))
+    env[SERVER_ENV] = stages[1]
+    grpo = [sys.executable, "-m", "components.runtime.launch", "grpo", *sets]
     roots = {name: tmp_path / name for name in ("online", "down", "midway")}
     inputs = {name: setup_stage_inputs(root, LEARN + steps) for name, root in roots.items()}
     for root in roots.values():
@@ -330,7 +337,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
         outbox = roots["down"] / ".tracking-outbox"
         assert (outbox / "queue.jsonl").exists() and "Retrying" in (outbox / "http.log").read_text()
 
-        stage = lambda name: subprocess.run([sys.executable, "-m", f"components.stages.{name}", *sets],  # noqa: E731
+        stage = lambda name: subprocess.run([sys.executable, "-m", "components.runtime.launch", name, *sets],  # noqa: E731
                                             cwd=roots["down"], env=env, capture_output=True, text=True, timeout=600)
         evaluate = stage("evaluate")  # needs no server either
         assert evaluate.returncode == 0 and "does not answer" in evaluate.stdout, evaluate.stderr[-2000:]
@@ -378,6 +385,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
             ("FINISHED", list(range(2, 41, 2)))]  # midway (sent within the run)
     finally:
         _stop(server)
+        stop_server(*stages)
     weights = [load_file(str(roots[name] / "models" / "grpo" / "model.safetensors")) for name in ("online", "down")]
     assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())  # logging offline changes nothing
 
