@@ -171,6 +171,14 @@ def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.Complet
         stop_server(*server)
 
 
+def server_processes(server) -> set[int]:
+    """The pids under a warm stage server (`start_server`'s process): its import levels and any stage they forked. A
+    test that kills "the stage" takes the set before starting it and kills what is new (the forked stage process)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
+
+
 def copy_project(dest: Path) -> Path:
     """The project as committed, as a fresh git + DVC repo (`copy_committed_project`): never what a run or an edit
     left in this working tree."""

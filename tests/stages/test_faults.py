@@ -21,7 +21,7 @@ from components.data.checkpoints import latest_checkpoint, load_checkpoint
 from components.errors import StageFailed
 from components.stages.grpo import train_grpo
 
-from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, run, setup_stage_inputs
+from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, run, server_processes, setup_stage_inputs
 
 
 def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):
@@ -395,21 +395,16 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
     """Start `cmd` (a stage's launcher, which the warm stage `server` forks the stage for, as a pipeline run has it),
     SIGKILL the forked stage process `delay` seconds after its first write to the SQLite file `store` (or its
     journal), then its launcher; True when it had written and was still running at the kill."""
-    import psutil
-
     def stamp() -> list[int]:
         return [f.stat().st_mtime_ns for f in sorted(store.parent.glob(store.name + "*"))]
 
-    def served() -> set[int]:
-        return {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
-
-    before, levels = stamp(), served()  # the server's import levels, all started by the run before
+    before, levels = stamp(), server_processes(server)  # the server's import levels, all started by the run before
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while proc.poll() is None and stamp() == before and time.time() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    stage = served() - levels
+    stage = server_processes(server) - levels
     running = proc.poll() is None and stamp() != before and bool(stage)
     for pid in stage:  # the process writing to the store: no handler, no cleanup
         with contextlib.suppress(ProcessLookupError):

@@ -32,7 +32,7 @@ import yaml
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import BIN, ROOT, committed_params, run
+from conftest import BIN, ROOT, committed_params, run, server_processes
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,6 @@ RESUME = {"grpo": {"steps": 2, "checkpoint_every": 1, "log_every": 1}, "evaluate
 @pytest.mark.timeout(1800)
 def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp_path, converted, mlflow_store,
                                                                             monkeypatch):
-    import psutil
     from safetensors.torch import load_file
 
     from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
@@ -196,13 +195,13 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
         assert straight.wait(timeout=600) == 0, straight.stdout.read()
 
         ckpts = roots["killed"] / "checkpoints" / "grpo"
-        levels = {p.pid for p in psutil.Process(server[0].pid).children(recursive=True)}
+        levels = server_processes(server[0])
         proc = _grpo(roots["killed"], server[1])
         deadline = time.time() + 600
         while time.time() < deadline and not (ckpts.exists()
                                               and any(p.name.startswith("step-") for p in ckpts.iterdir())):
             time.sleep(0.05)
-        for pid in {p.pid for p in psutil.Process(server[0].pid).children(recursive=True)} - levels:
+        for pid in server_processes(server[0]) - levels:
             os.kill(pid, signal.SIGKILL)  # the forked stage process: no handler, no cleanup
         proc.send_signal(signal.SIGKILL)
         proc.wait()
