@@ -143,9 +143,15 @@ def _stage_name(run: Callable) -> str:
 
 
 def _warm_up(cfg: PipelineConfig, stage: str) -> None:
-    """Library imports and the tracking store's first connection: start-up, not the stage's own work."""
+    """Library imports and the tracking store's first connection: start-up, not the stage's own work. A rank other
+    than 0 of a distributed stage tracks nothing (`tracking.runs.tracking_run`), so it neither imports MLflow here nor
+    connects to the store."""
+    tracks = int(os.environ.get("RANK", "0")) == 0
     for name in STAGE_IMPORTS.get(stage, HEAVY_IMPORTS):
-        importlib.import_module(name)
+        if tracks or name != "mlflow":
+            importlib.import_module(name)
+    if not tracks:
+        return
     from components.tracking.runs import experiment_id, note_unreachable
 
     try:
