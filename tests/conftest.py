@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -160,20 +161,31 @@ def run(cmd: list[str], cwd: Path, check: bool = True, env: dict | None = None, 
     return proc
 
 
-def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
-    """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster)."""
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+@contextlib.contextmanager
+def warm_stage_server(cwd: Path):
+    """A warm stage server (components/runtime/stage_server.py) for the block: yields its process and the socket path
+    to put in `SERVER_ENV`; stages launched with it (`python -m components.runtime.launch STAGE`, dvc.yaml's commands)
+    are forked from it as a pipeline run's are, their imports paid once. Stopped on leaving."""
+    from components.runtime.stage_server import start_server, stop_server
 
-    server = start_server(str(repo))
+    server = start_server(str(cwd))
     try:
-        return run([str(BIN / "dvc"), "repro", *args], repo, env={**env, SERVER_ENV: server[1]})
+        yield server
     finally:
         stop_server(*server)
 
 
+def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster)."""
+    from components.runtime.stage_server import SERVER_ENV
+
+    with warm_stage_server(repo) as (_, path):
+        return run([str(BIN / "dvc"), "repro", *args], repo, env={**env, SERVER_ENV: path})
+
+
 def server_processes(server) -> set[int]:
-    """The pids under a warm stage server (`start_server`'s process): its import levels and any stage they forked. A
-    test that kills "the stage" takes the set before starting it and kills what is new (the forked stage process)."""
+    """The pids under a warm stage server (`warm_stage_server`'s process): its import levels and any stage they
+    forked. A test that kills "the stage" takes the set before starting it and kills what is new (the forked stage)."""
     import psutil
 
     return {p.pid for p in psutil.Process(server.pid).children(recursive=True)}

@@ -21,7 +21,17 @@ from components.data.checkpoints import latest_checkpoint, load_checkpoint
 from components.errors import StageFailed
 from components.stages.grpo import train_grpo
 
-from conftest import BIN, FAST_PARAMS, LEARN, ROOT, copy_project, run, server_processes, setup_stage_inputs
+from conftest import (
+    BIN,
+    FAST_PARAMS,
+    LEARN,
+    ROOT,
+    copy_project,
+    run,
+    server_processes,
+    setup_stage_inputs,
+    warm_stage_server,
+)
 
 
 def test_transient_reward_failures_are_skipped_and_logged(tmp_path, mlflow_store, capsys):
@@ -301,7 +311,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     stage server as a pipeline run's are)."""
     from safetensors.torch import load_file
 
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV
 
     steps = ["grpo.steps=8", "grpo.checkpoint_every=4", "grpo.log_every=4", "grpo.metrics_every=2"]
     port = _free_port()
@@ -312,8 +322,8 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     sets = [x for o in LEARN + steps for x in ("--set", o)]
     # The stage commands are forked by one warm stage server, as a pipeline run has them (their imports paid once).
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the server's path finds the tests' reward fixtures
-    stages = start_server(str(tmp_path))
-    env[SERVER_ENV] = stages[1]
+    stages = contextlib.ExitStack()
+    env[SERVER_ENV] = stages.enter_context(warm_stage_server(tmp_path))[1]
     grpo = [sys.executable, "-m", "components.runtime.launch", "grpo", *sets]
     roots = {name: tmp_path / name for name in ("online", "down", "midway")}
     inputs = {name: setup_stage_inputs(root, LEARN + steps) for name, root in roots.items()}
@@ -385,7 +395,7 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
             ("FINISHED", list(range(2, 41, 2)))]  # midway (sent within the run)
     finally:
         _stop(server)
-        stop_server(*stages)
+        stages.close()
     weights = [load_file(str(roots[name] / "models" / "grpo" / "model.safetensors")) for name in ("online", "down")]
     assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())  # logging offline changes nothing
 
@@ -418,7 +428,7 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
 def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV
     from pipelines.params_io import apply_to_params
 
     repo = copy_project(tmp_path / "repo")
@@ -426,8 +436,7 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
     # One warm stage server for the whole test, as a pipeline run has one: the stages up to evaluate, then each
     # register forked from it (its imports, which outlast the registration, paid once).
-    server = start_server(str(repo))
-    try:
+    with warm_stage_server(repo) as server:
         warm = {**os.environ, **env, SERVER_ENV: server[1]}
         run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=warm)
         client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
@@ -452,8 +461,6 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
         assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
         run(register, repo, env=warm)  # and once more: still exactly one version
         assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
-    finally:
-        stop_server(*server)
 
 
 SECRETS = {"MLFLOW_TRACKING_TOKEN": "tok-7f3a9e", "AWS_SECRET_ACCESS_KEY": "aws-2b8c1d",

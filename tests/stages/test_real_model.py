@@ -32,7 +32,7 @@ import yaml
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import BIN, ROOT, committed_params, run, server_processes
+from conftest import BIN, ROOT, committed_params, run, server_processes, warm_stage_server
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
                                                                             monkeypatch):
     from safetensors.torch import load_file
 
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+    from components.runtime.stage_server import SERVER_ENV
 
     roots = {name: tmp_path / name for name in ("straight", "killed")}
     for root in roots.values():
@@ -189,8 +189,7 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
         stage_inputs(root, converted, RESUME)
     # The stages are forked by one warm stage server, as a pipeline run's are: their imports paid once.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    server = start_server(str(tmp_path))
-    try:
+    with warm_stage_server(tmp_path) as server:
         straight = _grpo(roots["straight"], server[1])
         assert straight.wait(timeout=600) == 0, straight.stdout.read()
 
@@ -221,8 +220,6 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
         env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", SERVER_ENV: server[1]}
         for stage in ("evaluate", "register"):
             run([sys.executable, "-m", "components.runtime.launch", stage], root, env=env)
-    finally:
-        stop_server(*server)
     registered = json.loads((root / "metrics" / "register.json").read_text())
     assert registered["model_uri"] == "models:/smollm2-test/1"
     # The registered version names its base; the pyfunc is loaded by `mlflow models serve` below.
