@@ -6,7 +6,6 @@ models/sft.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import math
@@ -31,7 +30,7 @@ from components.engine.models.modeling import (
 )
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import positions_from_mask
+from components.engine.models.rollouts import Rollouts, left_pad
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -43,7 +42,8 @@ from components.engine.parallel.distributed import (
     wrap_ddp,
 )
 from components.engine.rewards.rewards import RewardError, RewardModel
-from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import evaluation_engine, plain_engine, through_trainer
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
@@ -100,54 +100,72 @@ def _demonstrations(cfg: PipelineConfig, paths: Paths, tokenizer) -> tuple[torch
                       cfg.sft.target_column, conversation_encoder(cfg, tokenizer))
 
 
-def keeps_some_logits(model) -> bool:
-    """Whether to compute only the learned positions' logits: the model's forward takes `logits_to_keep` (every
-    transformers causal LM of this stack does; a remote-code model may not; looked up under DDP's and PEFT's
-    wrappers) and its vocabulary is wider than its hidden size, so the head is worth skipping. A narrower head (the
-    embedded default's 16-character vocabulary) costs next to nothing, and there the loss keeps its full-width
-    arithmetic bit for bit (the default's measured band rests on it; a shorter reduction rounds differently)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    config = getattr(inner, "config", None)
-    wide = getattr(config, "vocab_size", 0) > getattr(config, "hidden_size", float("inf"))
-    return wide and "logits_to_keep" in inspect.signature(inner.forward).parameters
+def demonstration_rollouts(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor,
+                           pad_id: int) -> Rollouts:
+    """Rows of right-padded demonstrations (`encode_sft`) as the rollouts every engine scores: a row's tokens before
+    its first learned one are its prompt (left-padded), the rest its completion (right-padded), the learned tokens
+    the model's (`model_mask`: a worked conversation's tool answers stay in the context, out of the loss). Widths
+    are those of these rows, so a batch pays for its own longest row, not the data's. Column 0 is never learned (no
+    position predicts it), as in next-token cross-entropy."""
+    prompts, completions, learned = [], [], []
+    for r in rows.tolist():
+        length = int(mask[r].sum())
+        targets = (labels[r, 1:length] != -100).nonzero()
+        first = int(targets[0]) + 1 if len(targets) else length - 1  # no learned token: nothing scored
+        prompts.append(ids[r, :first].tolist())
+        completions.append(ids[r, first:length].tolist())
+        learned.append((labels[r, first:length] != -100).long())
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id, ids.device)
+    width = max(len(c) for c in completions)
+    completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long, device=ids.device)
+    completion_mask = torch.zeros_like(completion_ids)
+    model_mask = torch.zeros_like(completion_ids)
+    for i, (tokens, scored) in enumerate(zip(completions, learned)):
+        completion_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        completion_mask[i, :len(tokens)] = 1
+        model_mask[i, :len(tokens)] = scored
+    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    torch.zeros(len(completions), dtype=torch.bool, device=ids.device), model_mask=model_mask)
 
 
-def labelled_logits(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, targets) for next-token cross-entropy: logits[:, c] predicts targets[:, c], from the batch's first
-    position whose next token is learned to the end. A prompt's positions (a worked conversation's system prompt and
-    tool schema: most of its tokens) still run through every layer, as later tokens attend to them, but skip the
-    vocabulary head and its softmax, a model's largest matmul: the loss is the full-width loss, since a causal
-    model's logit at one position does not depend on which other positions' logits are computed."""
-    targets = labels[:, 1:]
-    learned = (targets != -100).any(dim=0).nonzero()
-    first = int(learned[0]) if len(learned) and keeps_some_logits(model) else 0
-    width = ids.shape[1]
-    kept = {"logits_to_keep": width - first} if first else {}
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), **kept).logits
-    return logits[:, :-1], targets[:, first:]
+def learned_loss_sum(engine: RolloutEngine, batch: Rollouts) -> tuple[torch.Tensor, float]:
+    """(summed cross-entropy of the learned tokens, their count), through the engine's log-probs: the prompt-once
+    engine encodes a prefix the rows share (a system prompt, a tool schema) once and feeds no padding through its
+    projections; the plain one is Hugging Face's forward."""
+    logp, _ = engine.logprobs(batch, 1.0)
+    learned = batch.written
+    return -(logp * learned).sum(), float(learned.sum())
 
 
-def batch_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, idx: torch.Tensor,
-               ctx: DistContext) -> tuple[torch.Tensor, float]:
-    """(loss to backpropagate, the batch's mean token loss). One process: plain mean cross-entropy.
+def sft_engine(cfg: PipelineConfig, model, trainer, tokenizer, longest: int, completion: int,
+               ctx: DistContext) -> RolloutEngine:
+    """The engine SFT's forwards go through: a sharded model's own forward (FSDP2), DDP's wrapper with several
+    processes, else the engine held-out evaluation uses (prompt-once where its self-check on rows of `longest`
+    tokens passes; SFT's stop check then reuses it)."""
+    tokens = SpecialTokens.of(tokenizer)
+    if ctx.lockstep:
+        return plain_engine(model, tokens)
+    if ctx.active:
+        return through_trainer(plain_engine(model, tokens), trainer)
+    return evaluation_engine(model, tokenizer, completion, longest, prefix_sharing=cfg.grpo.prefix_sharing)
+
+
+def batch_loss(engine: RolloutEngine, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+               idx: torch.Tensor, pad_id: int, ctx: DistContext) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, the batch's mean token loss). One process: mean cross-entropy of the learned tokens.
 
     With several ranks each takes rows idx[rank::world]; its token-loss sum is divided by the whole
-    batch's answer-token count and multiplied by the world size (DDP averages gradients), so the
+    batch's learned-token count and multiplied by the world size (DDP averages gradients), so the
     update equals the one-process update on the same batch.
     """
     if not ctx.active:
-        logits, targets = labelled_logits(model, ids[idx], mask[idx], labels[idx])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                                 ignore_index=-100)
+        total, count = learned_loss_sum(engine, demonstration_rollouts(ids, mask, labels, idx, pad_id))
+        loss = total / max(count, 1.0)
         return loss, loss.item()
     n_tokens = float((labels[idx][:, 1:] != -100).sum())
     mine = idx[ctx.rank::ctx.world]
     rows, weight = (mine, 1.0) if len(mine) else (idx[:1], 0.0)  # no rows here: a zero loss keeps DDP in step
-    logits, targets = labelled_logits(model, ids[rows], mask[rows], labels[rows])
-    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                              ignore_index=-100, reduction="sum")
+    total, _ = learned_loss_sum(engine, demonstration_rollouts(ids, mask, labels, rows, pad_id))
     local = total * weight / max(n_tokens, 1.0)
     return local * ctx.world, all_reduce_sum(ctx, [local.item()])[0]
 
@@ -196,6 +214,9 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     optimizer = make_optimizer(model, s.learning_rate, s.weight_decay, device, fused=False)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
+    lengths = mask.sum(-1)
+    engine = sft_engine(cfg, model, trainer, tokenizer, int(lengths.max()),
+                        int((lengths - (labels != -100).long().argmax(-1)).max()), ctx)
     check = WarmStartCheck(cfg, paths, tokenizer) \
         if s.stop_at_reward is not None else None
     check_reward, stopped = None, False
@@ -208,7 +229,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
             epoch_loss = 0.0
             for start in range(0, n, s.batch_size):
                 idx = order[start: start + s.batch_size]
-                loss, loss_value = batch_loss(trainer, ids, mask, labels, idx, ctx)
+                loss, loss_value = batch_loss(engine, ids, mask, labels, idx, tokenizer.pad_token_id, ctx)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

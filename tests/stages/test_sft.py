@@ -68,46 +68,52 @@ def test_sft_learns_the_target_column_after_the_prompt_and_nothing_else():
     assert encode_sft(Chars(), records)[2][0].tolist()[3:5] == [ord("7"), 0]  # default: the answer
 
 
-def test_the_loss_from_the_first_learned_position_equals_the_full_width_loss():
-    """`labelled_logits` skips the vocabulary head on the prompt columns no label reads; the loss and its gradients
-    are the full-width ones (float32, rows right-padded, each row's answer starting at another column), and a row
-    whose first learned token sits one column earlier is still scored (the kept range is not off by one)."""
+def test_the_loss_through_either_engine_equals_the_full_width_cross_entropy():
+    """SFT's loss goes through the engine door (`batch_loss`): the plain engine and the prompt-once one (which encodes
+    the prefix the rows share once and feeds no padding) give the full-width next-token cross-entropy of the learned
+    tokens and its gradients (float32): rows right-padded, answers starting at other columns, a worked conversation
+    whose middle (a tool's answer) is context but not learned, and a row learned from column 1."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from components.engine.fast.fastlm import PrefixSharedLM
     from components.engine.models.rollouts import positions_from_mask
-    from components.stages.sft import labelled_logits
+    from components.engine.parallel.distributed import DistContext
+    from components.engine.rollout.base import SpecialTokens
+    from components.engine.rollout.choose import plain_engine
+    from components.engine.rollout.prefix_shared import PrefixSharedEngine
+    from components.stages.sft import batch_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    ids = torch.randint(1, 50, (3, 12))
+    ids = torch.randint(1, 50, (4, 24))
+    ids[:, :10] = ids[0, :10]  # a shared system prompt: the prompt-once engine encodes it once
     mask = torch.ones_like(ids)
-    mask[1, 9:] = 0  # right padding
+    mask[1, 19:] = 0  # right padding
+    mask[3, 15:] = 0
     labels = torch.full_like(ids, -100)
-    labels[0, 7:] = ids[0, 7:]  # learned from column 7 ...
-    labels[1, 5:9] = ids[1, 5:9]  # ... from column 5 (the batch's first: logits from position 4)
-    labels[2, 10:] = ids[2, 10:]
+    labels[0, 12:] = ids[0, 12:]
+    labels[1, 14:19] = ids[1, 14:19]
+    labels[2, 11:15] = ids[2, 11:15]  # a model turn, a tool's answer (columns 15..17, context only), a model turn
+    labels[2, 18:] = ids[2, 18:]
+    labels[3, 1:15] = ids[3, 1:15]  # everything after the first token
 
-    def loss_and_grads(logits, targets):
+    def grads() -> list[torch.Tensor]:
+        out = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        return out
+
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1),
                                                  ignore_index=-100)
+    expected.backward()
+    expected_grads = grads()
+    tokens = SpecialTokens(0, 0)
+    for engine in (plain_engine(model, tokens), PrefixSharedEngine(PrefixSharedLM(model), tokens)):
+        loss, value = batch_loss(engine, ids, mask, labels, torch.arange(4), 0, DistContext())
         loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    full = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-    expected, expected_grads = loss_and_grads(full[:, :-1], labels[:, 1:])
-    logits, targets = labelled_logits(model, ids, mask, labels)
-    assert logits.shape[1] == targets.shape[1] == 11 - 4  # positions 4..10: the head skipped 4 of 11 columns
-    loss, grads = loss_and_grads(logits, targets)
-    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-    # A head narrower than the hidden size (the embedded default's character model) is kept whole: nothing to save,
-    # and the default's loss stays bit for bit what its measured band was trained with.
-    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2))
-    logits, targets = labelled_logits(narrow, ids % 16, mask, torch.where(labels == -100, labels, labels % 16))
-    assert logits.shape[1] == targets.shape[1] == 11
+        torch.testing.assert_close(loss.detach(), expected.detach(), rtol=0, atol=1e-6)
+        assert value == loss.item()
+        for got, want in zip(grads(), expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
