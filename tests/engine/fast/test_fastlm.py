@@ -202,6 +202,69 @@ def test_auto_takes_group_rows_only_while_they_add_little_attention_work(monkeyp
         assert not taken, "over the limit: completion rows"
 
 
+def test_length_buckets_by_hand():
+    from components.engine.fast.attention import length_buckets
+
+    # rows 0 and 3 feed 5 tokens, row 2 three, row 4 one, row 1 none; 2 cached prompt keys. One bucket: 4 rows x 5 x
+    # (2 + 5) = 140 scores; {0, 3} {2, 4}: 2 x 35 + 2 x 3 x 5 = 100; {0, 3, 2} {4}: 105 + 3 = 108; so two calls cut
+    # after the long rows, and three take {0, 3} {2} {4}: 70 + 15 + 3 = 88.
+    lengths = torch.tensor([5, 0, 3, 5, 1])
+    as_sets = lambda buckets: [set(b.tolist()) for b in buckets]  # noqa: E731
+    assert as_sets(length_buckets(lengths, 2, calls=1)) == [{0, 2, 3, 4}]
+    assert as_sets(length_buckets(lengths, 2, calls=2)) == [{0, 3}, {2, 4}]
+    assert as_sets(length_buckets(lengths, 2, calls=3)) == [{0, 3}, {2}, {4}]
+    assert as_sets(length_buckets(torch.tensor([4, 4, 4]), 2, calls=3)) == [{0, 1, 2}]  # nothing to save: one call
+
+
+def _ragged_episodes() -> Rollouts:
+    """EOS-ragged rows (1 to 11 scored tokens of one prompt's group) and a multi-turn row whose middle tokens (a
+    tool's answer) are context, not the model's."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(4, VOCAB, (2, 5), generator=gen)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1, :2] = 0
+    prompts = prompts * prompt_mask
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+    completions = torch.randint(4, VOCAB, (6, 12), generator=gen)
+    completion_mask = torch.zeros_like(completions)
+    for row, length in enumerate([12, 2, 3, 12, 7, 1]):
+        completion_mask[row, :length] = 1
+    model_mask = completion_mask.clone()
+    model_mask[3, 4:8] = 0  # row 3: a model turn, a tool's answer, a model turn
+    return Rollouts(prompts[rows], prompt_mask[rows], completions * completion_mask, completion_mask,
+                    torch.zeros(6, dtype=torch.bool), group_size=3, model_mask=model_mask)
+
+
+@pytest.mark.parametrize("calls", [1, 2, 4])
+def test_ragged_and_multi_turn_rows_match_the_hugging_face_forward_however_they_are_bucketed(monkeypatch, calls):
+    """Completion rows in length buckets (one call padding every row to the longest, or several), each token
+    attending only to its own row and prompt: log-probs (float32, within 1e-5) and gradients equal the plain forward's
+    on EOS-ragged rows and a multi-turn row."""
+    from components.engine.fast import attention
+
+    model = _llama(num_key_value_heads=2)
+    fast = checked_prefix_shared_lm(model).with_options(attention_rows="completion")
+    monkeypatch.setattr(attention, "RAGGED_CALLS", calls)
+    rollout = _ragged_episodes()
+    ref = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
+    _assert_same_logprobs_and_grads(rollout, _logprobs_and_grads(model, rollout, fast.completion_logprobs), ref)
+
+
+def test_no_token_sees_another_row():
+    """Changing one row's later tokens leaves every other row's log-probs, and its own earlier ones, as they were:
+    a bucket's rows share one attention call but no keys."""
+    model = _llama(num_key_value_heads=2)
+    fast = checked_prefix_shared_lm(model).with_options(attention_rows="completion")
+    rollout = _ragged_episodes()
+    changed = rollout.completion_ids.clone()
+    changed[0, 6:] = (changed[0, 6:] + 1) % VOCAB  # row 0 after column 6: same lengths, so the same buckets
+    with torch.no_grad():
+        before = fast.completion_logprobs(rollout)[0]
+        after = fast.completion_logprobs(dataclasses.replace(rollout, completion_ids=changed))[0]
+    assert torch.equal(after[1:], before[1:]) and torch.equal(after[0, :6], before[0, :6])
+    assert not torch.allclose(after[0, 6:], before[0, 6:])
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
 def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_path(arch):
     model = ARCHITECTURES[arch]()
