@@ -7,8 +7,10 @@ in their own processes, taking turns in short rounds (now, before; before, now; 
 so a machine that drifts slows both alike. `--against` is a checkout with its own `.venv` (for instance a git
 worktree of an earlier commit, `make setup` in it). Reports per row the median of the per-round completions/s ratios
 (now / before) with their range, each engine's peak resident memory, and whether both ended with the same held-out
-reward (a refactor that keeps the maths should: the same seed, the same steps). Writes
-benchmarks/results/before_after.{json,md} (`--update`: only the rows measured, each row with its commit and command);
+reward (a refactor that keeps the maths should: the same seed, the same steps), and the update's own seconds a step
+(time/policy) and whole steps' completion tokens/s, each as a median of per-round ratios with their range. Writes
+benchmarks/results/before_after.{json,md} (`--name`: another name)
+(`--update`: only the rows measured, each row with its commit and command);
 the figures belong in HISTORY.md, not in user pages.
 """
 
@@ -53,6 +55,8 @@ def compare(row_name: str, against: Path, args, work: Path) -> dict[str, Any]:
     trees = {"now": ROOT, "before": against}
     workers: dict[str, Worker] = {}
     rates: dict[str, list[float]] = {side: [] for side in SIDES}
+    tokens: dict[str, list[float]] = {side: [] for side in SIDES}  # completion tokens/s of whole steps
+    update: dict[str, list[float]] = {side: [] for side in SIDES}  # the update's seconds a step (time/policy)
     peak = {side: 0.0 for side in SIDES}
     heldout: dict[str, float] = {}
     started = time.perf_counter()
@@ -65,8 +69,10 @@ def compare(row_name: str, against: Path, args, work: Path) -> dict[str, Any]:
                 workers[side].command("go")
             report = workers[side].expect("round")
             if r > 0:
-                rates[side].append(sum(s["completions"] for s in report["steps"])
-                                   / sum(s["seconds"] for s in report["steps"]))
+                steps, seconds = report["steps"], sum(s["seconds"] for s in report["steps"])
+                rates[side].append(sum(s["completions"] for s in steps) / seconds)
+                tokens[side].append(sum(s["tokens"] for s in steps) / seconds)
+                update[side].append(sum(s["policy"] for s in steps) / len(steps))
             peak[side] = max(peak[side], report["peak_rss_mb"])
             if r == rounds - 1:
                 workers[side].command("eval")
@@ -81,9 +87,16 @@ def compare(row_name: str, against: Path, args, work: Path) -> dict[str, Any]:
         w.expect("finished")
         w.proc.wait(timeout=120)
     ratios = [a / b for a, b in zip(rates["now"], rates["before"])]
+    token_ratios = [a / b for a, b in zip(tokens["now"], tokens["before"])]
+    update_ratios = [a / b for a, b in zip(update["now"], update["before"])]
     return {"row": row.name, "rounds": rounds, "round_steps": round_steps,
             "ratio_now_over_before": round(statistics.median(ratios), 3),
             "per_round_ratios": [round(x, 3) for x in ratios],
+            "tokens_per_s_ratio_now_over_before": round(statistics.median(token_ratios), 3),
+            "per_round_tokens_per_s_ratios": [round(x, 3) for x in token_ratios],
+            "update_seconds_ratio_now_over_before": round(statistics.median(update_ratios), 3),
+            "per_round_update_seconds_ratios": [round(x, 3) for x in update_ratios],
+            "update_seconds": {side: round(statistics.median(update[side]), 3) for side in SIDES},
             "completions_per_s": {side: round(statistics.median(rates[side]), 2) for side in SIDES},
             "peak_rss_mb": {side: round(peak[side], 1) for side in SIDES},
             "heldout_reward": {side: round(heldout[side], 4) for side in SIDES}}
@@ -100,6 +113,15 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{max(r['per_round_ratios']):.3f} | {c['now']:.1f}, {c['before']:.1f} | {m['now']:.0f}, "
                      f"{m['before']:.0f} | {h['now']:.3f}, {h['before']:.3f} | "
                      f"{r.get('commit', report['commit'])}, `{r.get('command', report['command'])}` |")
+    timed = [r for r in report["rows"] if "update_seconds" in r]
+    if timed:  # the update alone (time/policy: policy forward, backward, optimizer) and whole steps' tokens/s
+        lines += ["", "| row | update s/step now / before (median of rounds) | per-round range | update s/step now, "
+                  "before | completion tokens/s now / before (median) | per-round range |", "|---|---|---|---|---|---|"]
+        for r in timed:
+            u, t = r["per_round_update_seconds_ratios"], r["per_round_tokens_per_s_ratios"]
+            lines.append(f"| {r['row']} | **{r['update_seconds_ratio_now_over_before']:.3f}** | {min(u):.3f} .. "
+                         f"{max(u):.3f} | {r['update_seconds']['now']:.3f}, {r['update_seconds']['before']:.3f} | "
+                         f"**{r['tokens_per_s_ratio_now_over_before']:.3f}** | {min(t):.3f} .. {max(t):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -129,6 +151,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default="before_after",
+                        help="the results files' name (benchmarks/results/NAME.{json,md}), e.g. packed_update")
     parser.add_argument("--update", action="store_true",
                         help="replace only the rows measured, keeping the others of the results file (same pair of "
                              "commits' base and machine), each row with its own commit and command")
@@ -154,10 +178,11 @@ def main() -> int:
               "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
                          f"torch {torch.__version__}", "rows": []}
     out = Path(args.out)
-    earlier = json.loads((out / "before_after.json").read_text()) if (out / "before_after.json").exists() else None
+    json_path, md_path = out / f"{args.name}.json", out / f"{args.name}.md"
+    earlier = json.loads(json_path.read_text()) if json_path.exists() else None
     if args.update and earlier and (earlier["against_commit"], earlier["machine"]) != (report["against_commit"],
                                                                                         report["machine"]):
-        raise SystemExit(f"--update: {out / 'before_after.json'} was measured against {earlier['against_commit']} on "
+        raise SystemExit(f"--update: {json_path} was measured against {earlier['against_commit']} on "
                          f"{earlier['machine']}; rows of another pair or machine are not mixed: run every row")
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         row = compare(name, against, args, work)
@@ -169,8 +194,8 @@ def main() -> int:
         order = {name: i for i, name in enumerate(ROWS)}
         report["rows"] = sorted(kept + report["rows"], key=lambda r: order.get(r["row"], len(order)))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "before_after.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "before_after.md").write_text(markdown(report))
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(markdown(report))
     print(markdown(report))
     return 0
 
