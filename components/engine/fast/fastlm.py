@@ -5,7 +5,8 @@ spends most of its work re-encoding the same prompt G times. `PrefixSharedLM` ru
 once, keeps their keys/values, and lets every completion row attend to its prompt's cache. Completion
 tokens are packed: only the tokens that predict a scored token (up to each row's EOS) go through the
 projections, the MLPs and the vocabulary head, so padding after an early EOS costs no matrix work;
-attention alone sees them padded per row (`attention.py`). The last completion token is never fed (its output
+attention alone arranges them in rows, padded only to the longest row of a bucket of rows of similar length
+(`attention.py`). The last completion token is never fed (its output
 predicts nothing we score). Log-probs come from `token_logprobs` (one-pass backward), with the
 sampling temperature applied to the hidden state rather than to the vocabulary-sized logits.
 Sampling uses the same pieces with a preallocated completion KV cache (`decoder.py`).
