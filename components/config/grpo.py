@@ -185,9 +185,9 @@ class GRPOConfig(*SETTINGS_RECORDS):
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
     prefix_sharing: bool = True
     """Sample and score through the prompt-once engine (components/engine/rollout/prefix_shared.py): each prompt
-    encoded once per group in sampling, reference and policy forwards. Llama/Qwen2/Qwen3/Mistral only, checked against
-    the Hugging Face forward at start; others fall back to the plain engine, as do several processes and per-group
-    sampling (those need the wrapped, N-independent forward)."""
+    encoded once per group in sampling, reference and policy forwards. The families of fast/families.py only (Llama,
+    Qwen2/3, Mistral, Gemma 2/3), checked against the Hugging Face forward at start; others fall back to the plain
+    engine, as do several processes and per-group sampling (those need the wrapped, N-independent forward)."""
     cuda_graphs: bool = True
     """With prefix sharing on a CUDA device, decode with every step captured as a CUDA graph
     (components/engine/rollout/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside the

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from components.engine.fast import check
+from components.engine.fast.families import SUPPORTED_MODEL_TYPES
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.pieces import FastOptions
 from components.engine.fast.rows import full_attention
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def checked_prefix_shared_lm(model: Any, vocab_size: int | None = None, max_length: int | None = None,

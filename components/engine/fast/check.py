@@ -73,7 +73,8 @@ def layer_kind(layer: Any) -> tuple:
 def representative_layers(lm: PrefixSharedLM) -> Iterator[int]:
     """The decoder holding only its first and last layers and the first layer of every other `layer_kind` while
     inside (both forwards run the decoder's `layers`, Hugging Face's up to `num_hidden_layers`, which the list is
-    never longer than); yields how many, and puts the whole list back on leaving."""
+    never longer than; `config.layer_types`, which Hugging Face's forward reads by position, follows the kept
+    layers); yields how many, and puts the whole list back on leaving."""
     decoder, layers = lm.pieces.decoder, lm.pieces.layers
     kinds, chosen = set(), []
     for index, layer in enumerate(layers):
@@ -84,11 +85,17 @@ def representative_layers(lm: PrefixSharedLM) -> Iterator[int]:
     if len(chosen) == len(layers):
         yield len(layers)
         return
+    config = decoder.config
+    types = getattr(config, "layer_types", None)  # Hugging Face's forward reads layer i's type at index i
     decoder.layers = torch.nn.ModuleList(chosen)
+    if types is not None:
+        config.layer_types = [types[next(i for i, layer in enumerate(layers) if layer is kept)] for kept in chosen]
     try:
         yield len(chosen)
     finally:
         decoder.layers = layers
+        if types is not None:
+            config.layer_types = types
 
 
 def _agrees(ours: torch.Tensor, theirs: torch.Tensor, scale: float = 1.0) -> bool:

@@ -152,7 +152,7 @@ class Decoder:
         Copies each layer's cache once, so the sampler calls it only when enough rows have finished."""
         self.buffers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.buffers]
         self.bias = self.bias.index_select(0, rows)
-        self.rope = Rotary(self.rope.cos.index_select(0, rows), self.rope.sin.index_select(0, rows))
+        self.rope = self.rope.select(rows)
         self.logits = self.logits.index_select(0, rows)
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:

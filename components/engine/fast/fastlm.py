@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family models that computes each distinct prompt once.
+"""A lean forward for decoder-only models (the families of `families.py`) that computes each distinct prompt once.
 
 GRPO scores G completions of the same prompt, so a plain forward over `[prompt; completion]` rows
 spends most of its work re-encoding the same prompt G times. `PrefixSharedLM` runs the prompt rows
@@ -35,7 +35,7 @@ from components.engine.models.rollouts import Rollouts
 
 
 class PrefixSharedLM:
-    """Prompt-once forward, log-probs and sampling over a Hugging Face Llama/Qwen2/Qwen3/Mistral model."""
+    """Prompt-once forward, log-probs and sampling over a Hugging Face model of a family in `families.py`."""
 
     def __init__(self, model: Any, options: FastOptions = FastOptions()):
         self.model, self.options = model, options

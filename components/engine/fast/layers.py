@@ -53,6 +53,31 @@ class Rotary:
         """The rotation of one decoding position (all positions are computed once per decoding run)."""
         return Rotary(*(t[:, :, offset:offset + 1] for t in (self.cos, self.sin)))
 
+    def select(self, rows: torch.Tensor) -> Rotary:
+        """The given rows' rotations."""
+        return Rotary(self.cos.index_select(0, rows), self.sin.index_select(0, rows))
+
+    def of_layer(self, layer: Any) -> Rotary:
+        """The rotation a decoder layer applies: one table for every layer."""
+        return self
+
+
+class LayerTypeRotary:
+    """One forward's rotary embeddings when each attention type has its own table (Gemma 3: local and global layers
+    rotate with different bases): a `Rotary` per type, each layer taking its own type's."""
+
+    def __init__(self, tables: dict[str, Rotary]):
+        self.tables = tables
+
+    def at(self, offset: int) -> LayerTypeRotary:
+        return LayerTypeRotary({kind: r.at(offset) for kind, r in self.tables.items()})
+
+    def select(self, rows: torch.Tensor) -> LayerTypeRotary:
+        return LayerTypeRotary({kind: r.select(rows) for kind, r in self.tables.items()})
+
+    def of_layer(self, layer: Any) -> Rotary:
+        return self.tables[layer.self_attn.layer_type]
+
 
 Linear = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight, bias) of a projection used as a plain matmul
 

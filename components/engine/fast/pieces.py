@@ -1,5 +1,6 @@
-"""The pieces of a Llama-family decoder layer that the prompt-once forward and its decoder compose, over the Hugging
-Face model's own submodules: norms, rotated q|k|v, attention, the rest of a layer, the vocabulary head.
+"""The pieces of a decoder layer that the prompt-once forward and its decoder compose, over the Hugging Face model's
+own submodules: norms, rotated q|k|v, attention, the rest of a layer, the vocabulary head. Written around Llama's
+layout; what another family does differently is its entry in `families.py`.
 
 Weights, gradients, optimizer state and LoRA adapters stay the Hugging Face model's. Each forward or decoding run
 concatenates q|k|v into one matrix (gradients flow back through the cat) and, without a gradient, merges LoRA as
@@ -16,7 +17,8 @@ from typing import Any, Literal
 
 import torch
 
-from components.engine.fast.layers import LayerWeights, Rotary, fuse_qkv, plain_linear, rope
+from components.engine.fast.families import family_of
+from components.engine.fast.layers import LayerTypeRotary, LayerWeights, Rotary, fuse_qkv, plain_linear, rope
 from components.engine.fast.matmul import linear as matmul_linear
 from components.engine.fast.rmsnorm import rms_norm
 
@@ -43,7 +45,7 @@ class FastOptions:
 
 
 class ModelPieces:
-    """A Hugging Face Llama/Qwen2/Qwen3/Mistral model's submodules and the operations composed from them."""
+    """A Hugging Face decoder's submodules (a family of `families.FAMILIES`) and the operations composed from them."""
 
     def __init__(self, model: Any, options: FastOptions):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: LoRA modules stay in
@@ -53,7 +55,11 @@ class ModelPieces:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.family = family_of(config)
+        attention = self.decoder.layers[0].self_attn
+        self.scaling = float(getattr(attention, "scaling", None) or self.head_dim ** -0.5)
+        self.attention_softcap = getattr(attention, "attn_logit_softcapping", None)  # Gemma 2: tanh-capped scores
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2: tanh-capped logits
         self.dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
 
     @property
@@ -75,8 +81,17 @@ class ModelPieces:
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.decoder.norm, x)
 
-    def positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary:
-        cos, sin = self.decoder.rotary_emb(x, position_ids)
+    def positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary | LayerTypeRotary:
+        """The rotary embedding of `position_ids` (one table, or one per attention type: `Family`)."""
+        if self.family is not None and self.family.rotary_per_layer_type:
+            kinds = sorted(set(self.decoder.config.layer_types))
+            return LayerTypeRotary({kind: self._rotary(self.decoder.rotary_emb(x, position_ids, kind))
+                                    for kind in kinds})
+        return self._rotary(self.decoder.rotary_emb(x, position_ids))
+
+    @staticmethod
+    def _rotary(cos_sin: tuple[torch.Tensor, torch.Tensor]) -> Rotary:
+        cos, sin = cos_sin
         return Rotary(cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads
 
     def rotates_as_complex(self, dtype: torch.dtype) -> bool:
@@ -132,9 +147,11 @@ class ModelPieces:
         backward is one cat, where slicing three tensors costs a zero-filled gradient per slice."""
         return torch.cat(self._qkv_parts(layer, fused, h, rotary), dim=1)
 
-    def _qkv_parts(self, layer: Any, fused: LayerWeights, h: torch.Tensor, rotary: Rotary) -> list[torch.Tensor]:
+    def _qkv_parts(self, layer: Any, fused: LayerWeights, h: torch.Tensor,
+                   rotary: Rotary | LayerTypeRotary) -> list[torch.Tensor]:
         """[rotated q|k, v] from the fused projection, else [q, k, v]; each [B, heads, L, d]."""
         attn = layer.self_attn
+        rotary = rotary.of_layer(layer)
         b, length, _ = h.shape
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = rotary.cos, rotary.sin
@@ -170,15 +187,20 @@ class ModelPieces:
         return attn_out.transpose(1, 2).reshape(b, length, self.num_heads * self.head_dim)
 
     def finish_layer(self, layer: Any, fused: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged)."""
-        x = x + (layer.self_attn.o_proj(attn_out) if fused.o is None else self.linear(attn_out, *fused.o))
-        h = self.norm(layer.post_attention_layernorm, x)
+        """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged). With sandwich norms
+        (`Family.sandwich_norms`) each sublayer's output is normed before its residual add."""
+        sandwich = self.family is not None and self.family.sandwich_norms
+        out = layer.self_attn.o_proj(attn_out) if fused.o is None else self.linear(attn_out, *fused.o)
+        x = x + (self.norm(layer.post_attention_layernorm, out) if sandwich else out)
+        h = self.norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if fused.gate_up is not None:
             gate, up = self.linear(h, fused.gate_up[0]), self.linear(h, fused.gate_up[1])
             hidden = mlp.act_fn(gate) * up
-            return x + (mlp.down_proj(hidden) if fused.down is None else self.linear(hidden, *fused.down))
-        return x + mlp(h)
+            out = mlp.down_proj(hidden) if fused.down is None else self.linear(hidden, *fused.down)
+        else:
+            out = mlp(h)
+        return x + (self.norm(layer.post_feedforward_layernorm, out) if sandwich else out)
 
     @staticmethod
     def bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,6 +228,8 @@ class ModelPieces:
         """
         b, heads, length, d = q.shape
         kv, rep = self.num_kv_heads, heads // self.num_kv_heads
+        if self.attention_softcap:
+            return self._softcapped_attend(q, keys, values, bias)
         if q.dtype not in (torch.float32, torch.float64):
             # Half precision: PyTorch's fused attention, which sums in float32 as Hugging Face's forward does; scores
             # rounded to bfloat16 before the softmax would be off by up to 1/8 at magnitudes near 30.
@@ -221,18 +245,33 @@ class ModelPieces:
         probs = self._softmax(torch.add(bias, scores, alpha=self.scaling)).view(b, kv, rep * length, -1)
         return (probs @ values).view(b, heads, length, d)
 
+    def _softcapped_attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           bias: torch.Tensor) -> torch.Tensor:
+        """`attend` with scores capped as `cap * tanh(scores / cap)` before the mask (Gemma 2), as Hugging Face's
+        eager attention computes it: products in the model's dtype, the softmax in float32."""
+        b, heads, length, d = q.shape
+        kv, rep, cap = self.num_kv_heads, heads // self.num_kv_heads, self.attention_softcap
+        scores = (q.reshape(b, kv, rep * length, d) @ keys.transpose(-1, -2)).view(b, kv, rep, length, -1)
+        scores = torch.tanh(scores * (self.scaling / cap)) * cap + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(b, kv, rep * length, -1)
+        return (probs @ values).view(b, heads, length, d)
+
     def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """Vocabulary logits / temperature; a bias-free head takes the division on the (much smaller) hidden state."""
+        """Vocabulary logits / temperature; a bias-free head without soft-capping takes the division on the (much
+        smaller) hidden state."""
         if temperature == 1.0:
             return self.head(hidden)
-        if type(self.lm_head) is torch.nn.Linear and self.lm_head.bias is None:
+        if type(self.lm_head) is torch.nn.Linear and self.lm_head.bias is None and not self.final_softcap:
             return self.head(hidden / temperature)
         return self.head(hidden) / temperature
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary head: `linear` (oneDNN for large products) for a plain `nn.Linear` without hooks, else
-        the module itself (so forward hooks on it still run)."""
+        the module itself (so forward hooks on it still run); capped as `cap * tanh(logits / cap)` where the model
+        caps its logits (Gemma 2)."""
         head = self.lm_head
         if type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
-            return self.linear(hidden, head.weight, head.bias)
-        return head(hidden)
+            out = self.linear(hidden, head.weight, head.bias)
+        else:
+            out = head(hidden)
+        return torch.tanh(out / self.final_softcap) * self.final_softcap if self.final_softcap else out

@@ -1,6 +1,7 @@
 """The prompt-once engine: `fast.PrefixSharedLM` (each prompt encoded once per group, completion tokens packed, LoRA
-merged for decoding) behind the rollout door. Llama-family models only, and only once its self-check against the
-Hugging Face forward has passed; `build` returns None (with one line saying why) otherwise."""
+merged for decoding) behind the rollout door. Models of a family it knows (fast/families.py) only, and only
+once its self-check against the Hugging Face forward has passed; `build` returns None (with one line saying why)
+otherwise."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def build(model: Any, tokens: SpecialTokens, vocab_size: int | None, max_length:
             f"{err}); using the plain Hugging Face forward", flush=True)
         return None
     if lm is None:
-        say(f"grpo: prefix sharing off: {type(model).__name__} is not a Llama-family model with full attention, no "
-            "attention dropout and log-probs and gradients that match Hugging Face's; using the plain forward",
+        say(f"grpo: prefix sharing off: {type(model).__name__} is not a model of a family the fast path knows "
+            "(fast/families.py) with full attention, no attention dropout and log-probs and gradients that match "
+            "Hugging Face's; using the plain forward",
             flush=True)
         return None
     return PrefixSharedEngine(lm, tokens)

@@ -50,11 +50,48 @@ def _qwen3():
                                         max_position_embeddings=64)).eval()
 
 
+def _with_random_norms(model):
+    """Gemma's norms scale by (1 + w) from w = 0: random w, so that a plain w (or none) would show."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def _gemma2():
+    """Gemma 2: scaled embeddings, (1 + w) norms around each sublayer, GeGLU, a query scale of its own, tanh-capped
+    scores and logits (caps small enough to matter here), alternating sliding-window and global layers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return _with_random_norms(Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, sliding_window=64, max_position_embeddings=64, attn_implementation="eager")))
+
+
+def _gemma3():
+    """Gemma 3 (text): Gemma 2's layout with per-head query/key norms, no soft-capping, and local layers rotating with
+    another base than global ones."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return _with_random_norms(Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=64,
+        attn_implementation="eager")))
+
+
 ARCHITECTURES = {
     "llama": lambda: _llama(),
     "llama-gqa-tied": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2-bias-gqa": _qwen2,
     "qwen3-qk-norm": _qwen3,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
 }
 
 
@@ -114,8 +151,8 @@ def test_logprobs_and_gradients_match_the_hugging_face_forward(arch, complex_rot
     model = ARCHITECTURES[arch]()
     fast = checked_prefix_shared_lm(model)
     assert fast is not None, f"{arch}: the self-check refused a supported architecture"
-    # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3 never does.
-    assert fast.pieces.rotates_as_complex(torch.float32) == (arch != "qwen3-qk-norm")
+    # float32 models without per-head q/k norms take the complex rotation (reordered q|k rows); Qwen3, Gemma 3 never.
+    assert fast.pieces.rotates_as_complex(torch.float32) == (arch not in ("qwen3-qk-norm", "gemma3"))
     fast = fast.with_options(complex_rotary=complex_rotary, attention_rows=attention_rows)
     rollout = _rollout(groups)
     ref_logp, ref_grads = _logprobs_and_grads(model, rollout, lambda r, t: completion_logprobs(model, r, t))
@@ -265,7 +302,7 @@ def test_no_token_sees_another_row():
     assert not torch.allclose(after[0, 6:], before[0, 6:])
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm", "gemma2", "gemma3"])
 def test_decoding_logits_match_a_full_forward_and_sampling_matches_the_plain_path(arch):
     model = ARCHITECTURES[arch]()
     fast = checked_prefix_shared_lm(model)
@@ -578,7 +615,7 @@ def test_short_softmax_rows_padded_for_speed_give_torch_softmax_and_its_gradient
     torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm"])
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen2-bias-gqa", "qwen3-qk-norm", "gemma2", "gemma3"])
 def test_chunked_head_and_checkpointed_layers_match_the_hugging_face_forward(monkeypatch, arch):
     """The long-completion memory levers (vocabulary head in chunks of 2 rows, each decoder layer recomputed in
     backward) on both paths: the same log-probs and gradients as the plain Hugging Face forward without them."""
