@@ -266,8 +266,10 @@ def test_sft_two_fsdp2_gloo_processes_equal_one_process(tmp_path, mlflow_store, 
     from components.stages.sft import train_sft
 
     # 50 rows in batches of 16: the last batch has 2 rows, one per rank. One epoch (4 steps) has that batch; the
-    # equality does not need more.
-    sft = ["task.n_sft=50", "task.n_train=40", "task.n_heldout=20", "threads=1", "sft.epochs=1", "sft.batch_size=16"]
+    # equality does not need more. Both through the plain forward, which a sharded model always takes (one process
+    # would otherwise take the prompt-once forward, whose sums round in another order).
+    sft = ["task.n_sft=50", "task.n_train=40", "task.n_heldout=20", "threads=1", "sft.epochs=1", "sft.batch_size=16",
+           "grpo.prefix_sharing=false"]
     one, two = two_roots(tmp_path, sft + ["sft.enabled=false"])
     a = train_sft(load_config(committed_params(), sft), Paths(root=one))
     b = train_sft(load_config(committed_params(), sft + ["distributed.nproc=2", "distributed.strategy=fsdp2"]),
