@@ -137,17 +137,19 @@ def learned_loss_sum(engine: RolloutEngine, batch: Rollouts) -> tuple[torch.Tens
     return -(logp * learned).sum(), float(learned.sum())
 
 
-def sft_engine(cfg: PipelineConfig, model, trainer, tokenizer, longest: int, completion: int,
+def sft_engine(cfg: PipelineConfig, model, trainer, tokenizer, mask: torch.Tensor, labels: torch.Tensor,
                ctx: DistContext) -> RolloutEngine:
     """The engine SFT's forwards go through: a sharded model's own forward (FSDP2), DDP's wrapper with several
-    processes, else the engine held-out evaluation uses (prompt-once where its self-check on rows of `longest`
-    tokens passes; SFT's stop check then reuses it)."""
+    processes, else the engine held-out evaluation uses (prompt-once where its self-check on rows as long as the
+    longest demonstration passes; SFT's stop check then reuses it)."""
     tokens = SpecialTokens.of(tokenizer)
     if ctx.lockstep:
         return plain_engine(model, tokens)
     if ctx.active:
         return through_trainer(plain_engine(model, tokens), trainer)
-    return evaluation_engine(model, tokenizer, completion, longest, prefix_sharing=cfg.grpo.prefix_sharing)
+    lengths = mask.sum(-1)
+    completion = int((lengths - (labels != -100).long().argmax(-1)).max())  # from the first learned token on
+    return evaluation_engine(model, tokenizer, completion, int(lengths.max()), prefix_sharing=cfg.grpo.prefix_sharing)
 
 
 def batch_loss(engine: RolloutEngine, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
@@ -214,9 +216,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
     optimizer = make_optimizer(model, s.learning_rate, s.weight_decay, device, fused=False)
     gen = torch.Generator().manual_seed(cfg.seed + 2)
     trainer = model if ctx.lockstep else wrap_ddp(model, ctx)
-    lengths = mask.sum(-1)
-    engine = sft_engine(cfg, model, trainer, tokenizer, int(lengths.max()),
-                        int((lengths - (labels != -100).long().argmax(-1)).max()), ctx)
+    engine = sft_engine(cfg, model, trainer, tokenizer, mask, labels, ctx)
     check = WarmStartCheck(cfg, paths, tokenizer) \
         if s.stop_at_reward is not None else None
     check_reward, stopped = None, False
