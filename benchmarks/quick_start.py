@@ -4,13 +4,17 @@ resident memory of its whole process tree, the lines it ends with). The README's
 its output block are generated from the result (benchmarks/render_results.py).
 
     python benchmarks/quick_start.py [WORKDIR]   # writes benchmarks/results/quick_start.json and .md
+    python benchmarks/quick_start.py --this-machines-sources   # a machine without PyPI: its own pip sources
 
 pip runs as on a machine nobody configured: no pip configuration file and no PIP_* setting of this machine (its
 mirrors, wheel folders or constraints), so packages come from PyPI and the CPU build of torch from the Makefile's
 TORCH_CPU_INDEX; pip's cache is a new, empty folder. Run it alone on the machine: the figures hold for the
 conditions it records beside them (the machine, the load average while it ran, where the packages came from).
 The rewards are those of the default on this CPU kind (README "What reproduced means"). The results name no path
-of this machine; a package source that is not a URL stops the script before it writes anything.
+of this machine; a package source that is not a URL stops the script before it writes anything, unless
+`--this-machines-sources` keeps this machine's pip sources (for a machine that cannot reach PyPI): each local one is
+then recorded as "a local package source", never by its path, and the README says the packages came from the
+measuring machine's own sources.
 """
 
 from __future__ import annotations
@@ -38,16 +42,20 @@ LAST_RESULT_LINE = "registered model:"
 
 # pip settings that are not package sources (how to reach them), kept from this machine's environment.
 PIP_TRANSPORT = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY", "PIP_RETRIES")
+# pip's package sources, kept only with --this-machines-sources.
+PIP_SOURCES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")
+LOCAL_SOURCE = "a local package source"
 
 
-def stranger_env(home: Path) -> dict[str, str]:
+def stranger_env(home: Path, keep_sources: bool = False) -> dict[str, str]:
     """This environment as a fresh shell on an unconfigured machine has it: no project venv on PATH, no tracking or
     Prefect server, a home of its own for Prefect, pip with its defaults (no configuration file, no PIP_* setting
-    but how to reach the network) and a new, empty cache."""
+    but how to reach the network, and with `keep_sources` where to find packages) and a new, empty cache."""
     venv_bin = str(ROOT / ".venv" / "bin")
+    kept = PIP_TRANSPORT + (PIP_SOURCES if keep_sources else ())
     env = {k: v for k, v in os.environ.items()
            if k not in ("VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PYTHONPATH")
-           and (not k.startswith("PIP_") or k in PIP_TRANSPORT)}
+           and (not k.startswith("PIP_") or k in kept)}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
     env["PREFECT_HOME"] = str(home / "prefect")
     env["PIP_CONFIG_FILE"] = os.devnull  # pip loads no configuration file at all
@@ -89,6 +97,11 @@ def package_sources(env: dict[str, str], cpu_torch: bool) -> list[str]:
 def local_sources(sources: list[str]) -> list[str]:
     """The package sources that are not URLs of a package index (a folder or file:// URL of this machine)."""
     return [s for s in sources if not s.startswith(("https://", "http://"))]
+
+
+def recorded_sources(sources: list[str]) -> list[str]:
+    """The sources as the results record them: URLs as they are, anything of this machine as `LOCAL_SOURCE`."""
+    return sorted({LOCAL_SOURCE if s in local_sources(sources) else s for s in sources})
 
 
 class TreePeak:
@@ -150,12 +163,12 @@ def machine() -> dict[str, Any]:
             "system": f"{platform.system()} {platform.machine()}"}
 
 
-def measure(work: Path) -> dict[str, Any]:
+def measure(work: Path, keep_sources: bool = False) -> dict[str, Any]:
     clone = work / "grpo-pipeline"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-    env = stranger_env(work)
+    env = stranger_env(work, keep_sources)
     sources = package_sources(env, cpu_torch=True)
-    if local_sources(sources):
+    if local_sources(sources) and not keep_sources:
         raise RuntimeError(f"pip would take packages from this machine ({', '.join(local_sources(sources))}), not "
                            "the default sources; the README's figures need those")
     cache_before = pip_cache_bytes(env)
@@ -170,12 +183,13 @@ def measure(work: Path) -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True,
                             text=True).stdout.strip()
     return {
-        "command": "python benchmarks/quick_start.py", "commit": commit, "machine": machine(),
+        "command": "python benchmarks/quick_start.py" + (" --this-machines-sources" if keep_sources else ""),
+        "commit": commit, "machine": machine(),
         "finished": time.strftime("%Y-%m-%d"), "python": python,
         "install": {"command": "make setup (fresh clone, new .venv)", "seconds": round(install_s),
                     "venv_gb": round(folder_bytes(clone / ".venv") / 1e9, 1), "torch": torch_line,
                     "pip_cache_gb_before": round(cache_before / 1e9, 1),
-                    "package_sources": package_sources(env, cpu_torch="CPU build" in torch_line),
+                    "package_sources": recorded_sources(package_sources(env, cpu_torch="CPU build" in torch_line)),
                     "load_average_1min": load(install_samples)},
         "run": {"command": "make run (the default, right after the install)", "seconds": round(run_s),
                 "peak_tree_gib": round(run_samples.peak / 2**30, 2), "load_average_1min": load(run_samples),
@@ -204,10 +218,12 @@ def markdown(r: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir", nargs="?", help="scratch folder (default: a new temporary one)")
+    parser.add_argument("--this-machines-sources", action="store_true",
+                        help="keep this machine's pip sources (a machine without PyPI); recorded without their paths")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="grpo-quick-start-"))
     work.mkdir(parents=True, exist_ok=True)
-    result = measure(work)
+    result = measure(work, args.this_machines_sources)
     (RESULTS / "quick_start.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / "quick_start.md").write_text(markdown(result))
     print(markdown(result))

@@ -359,7 +359,7 @@ def quick_start_figures() -> str:
     urls = [s for s in i["package_sources"] if s.startswith(("https://", "http://"))]
     sources = ", ".join(urls) if len(urls) == len(i["package_sources"]) else \
         "the measuring machine's own package mirrors, not the default sources"  # never a path of that machine
-    return (f"Measured by `python benchmarks/quick_start.py` ([quick_start.md](benchmarks/results/quick_start.md)) "
+    return (f"Measured by `{d['command']}` ([quick_start.md](benchmarks/results/quick_start.md)) "
             f"on {_cpu(d['machine'])}, {d['python']}, packages from {sources} (pip's cache "
             f"{cache}): the install took {i['seconds']} s ({load_text(i['load_average_1min'])}) and {i['venv_gb']} GB "
             f"in `.venv/` ({i['torch'].split(':')[0]}); the first run {r['seconds']} s "

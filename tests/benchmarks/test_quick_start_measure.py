@@ -39,3 +39,13 @@ def test_the_readme_names_no_path_of_the_measuring_machine(monkeypatch, tmp_path
     monkeypatch.setattr(rr, "RESULTS", tmp_path)
     text = quick_start_figures()
     assert "/opt" not in text and "file://" not in text and "own package mirrors, not the default sources" in text
+
+
+def test_this_machines_sources_are_kept_only_when_asked_and_recorded_without_their_paths(tmp_path, monkeypatch):
+    """A machine that cannot reach PyPI measures with its own sources, and the results never name them."""
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    assert "PIP_FIND_LINKS" not in qs.stranger_env(tmp_path)
+    env = qs.stranger_env(tmp_path, keep_sources=True)
+    assert env["PIP_FIND_LINKS"] == "/opt/wheels"
+    assert qs.recorded_sources(qs.package_sources(env, cpu_torch=True)) == [
+        "a local package source", "https://download.pytorch.org/whl/cpu", "https://pypi.org/simple"]
