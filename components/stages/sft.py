@@ -237,7 +237,7 @@ def _train_sft(cfg: PipelineConfig, paths: Paths, ctx: DistContext) -> dict:
                 optimizer.step()
                 step += 1
                 epoch_loss += loss_value * len(idx)
-                if False:
+                if check is not None and step % s.check_every == 0:
                     check_reward = check(model, lockstep)
                     run.log_metrics({"check_reward": check_reward}, step=step, flush=False)
                     if check_reward >= s.stop_at_reward:
