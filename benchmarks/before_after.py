@@ -140,6 +140,29 @@ def shown_command(argv: list[str], against_commit: str) -> str:
     return "python benchmarks/before_after.py " + " ".join(shown)
 
 
+def commit_of(tree: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def comparison_report(against: Path, work: Path, script: str) -> dict[str, Any]:
+    """Set up a two-checkout comparison (offline settings, a scratch MLflow store in `work`) and start its report:
+    the command as run (no path of this machine), both commits and the machine."""
+    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
+                       "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
+        os.environ.setdefault(key, value)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    import torch
+
+    from components.tracking.run_environment import cpu_model
+
+    command = shown_command(sys.argv[1:], commit_of(against)).replace("before_after.py", script)
+    return {"command": command, "commit": commit_of(ROOT), "against_commit": commit_of(against),
+            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
+                       f"torch {torch.__version__}", "rows": []}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", required=True, help="the other checkout (with its own .venv)")
@@ -157,26 +180,8 @@ def main() -> int:
                         help="replace only the rows measured, keeping the others of the results file (same pair of "
                              "commits' base and machine), each row with its own commit and command")
     args = parser.parse_args()
-    against = Path(args.against).resolve()
-    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
-                       "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
-        os.environ.setdefault(key, value)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    import torch
-
-    from components.tracking.run_environment import cpu_model
-
-    def commit(tree: Path) -> str:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
-                              text=True).stdout.strip()
-
-    report = {"command": shown_command(sys.argv[1:], commit(against)),  # no path of this machine
-              "commit": commit(ROOT),
-              "against_commit": commit(against),
-              "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
-                         f"torch {torch.__version__}", "rows": []}
+    against, work = Path(args.against).resolve(), Path(args.work)
+    report = comparison_report(against, work, "before_after.py")
     out = Path(args.out)
     json_path, md_path = out / f"{args.name}.json", out / f"{args.name}.md"
     earlier = json.loads(json_path.read_text()) if json_path.exists() else None
@@ -187,17 +192,24 @@ def main() -> int:
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         row = compare(name, against, args, work)
         report["rows"].append({**row, "commit": report["commit"], "command": report["command"]})
-    if args.update and earlier:
+    write_report(report, earlier if args.update else None, json_path, md_path, markdown)
+    return 0
+
+
+def write_report(report: dict[str, Any], earlier: dict[str, Any] | None, json_path: Path, md_path: Path,
+                 render: Any) -> None:
+    """Keep `earlier`'s rows that were not measured again (each with its own commit and command), in the order of
+    ROWS, then write the JSON and the page (`render`) and print the page."""
+    if earlier:
         fresh = {r["row"] for r in report["rows"]}
         kept = [{"commit": earlier["commit"], "command": earlier["command"], **r} for r in earlier["rows"]
                 if r["row"] not in fresh]
         order = {name: i for i, name in enumerate(ROWS)}
         report["rows"] = sorted(kept + report["rows"], key=lambda r: order.get(r["row"], len(order)))
-    out.mkdir(parents=True, exist_ok=True)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
-    print(markdown(report))
-    return 0
+    md_path.write_text(render(report))
+    print(render(report))
 
 
 if __name__ == "__main__":

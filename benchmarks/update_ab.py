@@ -167,7 +167,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    from benchmarks.before_after import shown_command
+    from benchmarks.before_after import comparison_report, write_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", required=True, help="the other checkout (with its own .venv, or this one's)")
@@ -181,38 +181,16 @@ def main() -> int:
     parser.add_argument("--name", default="update_ab", help="the results files' name")
     parser.add_argument("--update", action="store_true", help="replace only the rows measured")
     args = parser.parse_args()
-    against = Path(args.against).resolve()
-    for key, value in {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false",
-                       "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false"}.items():
-        os.environ.setdefault(key, value)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    import torch
-
-    from components.tracking.run_environment import cpu_model
-
-    def commit(tree: Path) -> str:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
-                              text=True).stdout.strip()
-
-    command = shown_command(sys.argv[1:], commit(against)).replace("before_after.py", "update_ab.py")
-    report = {"command": command, "commit": commit(ROOT), "against_commit": commit(against),
-              "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
-                         f"torch {torch.__version__}", "rows": []}
+    against, work = Path(args.against).resolve(), Path(args.work)
+    report = comparison_report(against, work, "update_ab.py")
     out = Path(args.out)
     json_path, md_path = out / f"{args.name}.json", out / f"{args.name}.md"
     earlier = json.loads(json_path.read_text()) if args.update and json_path.exists() else None
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         report["rows"].append({**compare(name, against, args, work), "commit": report["commit"],
                                "command": report["command"]})
-    if earlier and earlier["against_commit"] == report["against_commit"]:
-        fresh = {r["row"] for r in report["rows"]}
-        report["rows"] = [r for r in earlier["rows"] if r["row"] not in fresh] + report["rows"]
-    out.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
-    print(markdown(report))
+    same_pair = earlier is not None and earlier["against_commit"] == report["against_commit"]
+    write_report(report, earlier if same_pair else None, json_path, md_path, markdown)
     return 0
 
 
