@@ -129,7 +129,9 @@ RAGGED_CALLS = 4
 def length_buckets(lengths: torch.Tensor, key_width: int, calls: int = RAGGED_CALLS) -> list[torch.Tensor]:
     """Rows cut into at most `calls` buckets (each a tensor of row indices) of similar length, the cut whose padded
     attention work is least: a bucket costs its rows x its longest length x (`key_width` + that length) scores.
-    Exact (dynamic programming over the rows sorted by length, longest first); rows of length 0 are left out."""
+    Exact (dynamic programming over the rows sorted by length, longest first, on the CPU: a few small tensors);
+    rows of length 0 are left out. The buckets are on `lengths`' device."""
+    device, lengths = lengths.device, lengths.cpu()
     order = torch.argsort(lengths, descending=True, stable=True)
     order = order[lengths[order] > 0]
     m = len(order)
@@ -150,7 +152,7 @@ def length_buckets(lengths: torch.Tensor, key_width: int, calls: int = RAGGED_CA
         j = int(start[j])
         bounds.add(j)
     bounds = sorted(bounds)
-    return [order[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [order[a:b].to(device) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 @dataclass(frozen=True)
