@@ -80,16 +80,16 @@ def representative_layers(lm: PrefixSharedLM) -> Iterator[int]:
     for index, layer in enumerate(layers):
         kind = layer_kind(layer)
         if index in (0, len(layers) - 1) or kind not in kinds:
-            chosen.append(layer)
+            chosen.append(index)
             kinds.add(kind)
     if len(chosen) == len(layers):
         yield len(layers)
         return
     config = decoder.config
     types = getattr(config, "layer_types", None)  # Hugging Face's forward reads layer i's type at index i
-    decoder.layers = torch.nn.ModuleList(chosen)
+    decoder.layers = torch.nn.ModuleList(layers[i] for i in chosen)
     if types is not None:
-        config.layer_types = [types[next(i for i, layer in enumerate(layers) if layer is kept)] for kept in chosen]
+        config.layer_types = [types[i] for i in chosen]
     try:
         yield len(chosen)
     finally:

@@ -83,7 +83,7 @@ class ModelPieces:
 
     def positions(self, x: torch.Tensor, position_ids: torch.Tensor) -> Rotary | LayerTypeRotary:
         """The rotary embedding of `position_ids` (one table, or one per attention type: `Family`)."""
-        if self.family is not None and self.family.rotary_per_layer_type:
+        if self.family.rotary_per_layer_type:
             kinds = sorted(set(self.decoder.config.layer_types))
             return LayerTypeRotary({kind: self._rotary(self.decoder.rotary_emb(x, position_ids, kind))
                                     for kind in kinds})
@@ -189,7 +189,7 @@ class ModelPieces:
     def finish_layer(self, layer: Any, fused: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP; `attn_out` is [B, L, H * d] (heads merged). With sandwich norms
         (`Family.sandwich_norms`) each sublayer's output is normed before its residual add."""
-        sandwich = self.family is not None and self.family.sandwich_norms
+        sandwich = self.family.sandwich_norms
         out = layer.self_attn.o_proj(attn_out) if fused.o is None else self.linear(attn_out, *fused.o)
         x = x + (self.norm(layer.post_attention_layernorm, out) if sandwich else out)
         h = self.norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, x)

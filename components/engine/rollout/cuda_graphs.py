@@ -61,8 +61,8 @@ class CudaGraphEngine:
         lm = base.lm
         self.pieces = ModelPieces(lm.model, dataclasses.replace(lm.options, complex_rotary=False))
         family = self.pieces.family
-        if self.pieces.attention_softcap or (family is not None and family.rotary_per_layer_type):
-            raise ValueError(f"{family.name if family else 'this model'}: soft-capped attention scores and rotary "
+        if self.pieces.attention_softcap or family.rotary_per_layer_type:
+            raise ValueError(f"{family.name}: soft-capped attention scores and rotary "
                              "tables per attention type are not in the captured step")
         self.state: StaticState | None = None
         self.graphs: dict[tuple, Any] = {}
