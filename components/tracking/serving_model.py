@@ -58,6 +58,7 @@ class CompletionModel(PythonModel):
         self.template = config.get("template", "{prompt}")
         self.system = config.get("system")
         self.chat = bool(config.get("chat", False))
+        self.start = str(config.get("start") or "")  # plain prompts: the tokenizer's own start ("<bos>"), or ""
         self.tools = json.loads(config.get("tools") or "null") or None  # the schemas of the tools it was trained with
         self.model_name = str(config.get("model_name", "grpo-pipeline"))
 
@@ -68,7 +69,7 @@ class CompletionModel(PythonModel):
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
                        [{"role": "user", "content": text}]
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return f"{self.system}\n{text}" if self.system else text
+        return self.start + (f"{self.system}\n{text}" if self.system else text)
 
     def predict(self, context, model_input, params=None):
         if isinstance(model_input, dict):

@@ -21,12 +21,25 @@ def uses_chat_template(cfg: PromptConfig, tokenizer) -> bool:
     return cfg.chat_template == "always" or (cfg.chat_template == "auto" and has_template)
 
 
+def plain_text_start(tokenizer) -> str:
+    """The special tokens the tokenizer itself puts before plain text, as text ("<bos>" for Gemma's and Llama's
+    tokenizers, "" for most others): a base model read without the start it was trained with is read out of its
+    distribution. Prompts are encoded without special tokens (a chat template writes its own), so a plain prompt
+    carries this start in its text."""
+    probe = "1"
+    added = tokenizer(probe).input_ids
+    plain = tokenizer(probe, add_special_tokens=False).input_ids
+    starts = [k for k in range(len(added) - len(plain) + 1) if added[k:k + len(plain)] == plain]
+    return tokenizer.decode(added[:starts[0]]) if starts and starts[0] else ""
+
+
 class PromptFormatter:
     """Callable record -> model input text."""
 
     def __init__(self, cfg: PromptConfig, tokenizer):
         self.template, self.system, self.tokenizer = cfg.template, cfg.system, tokenizer
         self.chat = uses_chat_template(cfg, tokenizer)
+        self.start = "" if self.chat else plain_text_start(tokenizer)
 
     def __call__(self, record: dict[str, Any]) -> str:
         try:
@@ -37,11 +50,11 @@ class PromptFormatter:
             messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
                        [{"role": "user", "content": text}]
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return f"{self.system}\n{text}" if self.system else text
+        return self.start + (f"{self.system}\n{text}" if self.system else text)
 
     def settings(self) -> dict[str, Any]:
         """What the served model needs to format prompts identically."""
-        return {"template": self.template, "system": self.system, "chat": self.chat}
+        return {"template": self.template, "system": self.system, "chat": self.chat, "start": self.start}
 
 
 def longest_row(tokenizer: Any, format_prompt: Callable[[dict[str, Any]], str], records: Sequence[dict[str, Any]],

@@ -1,0 +1,32 @@
+"""Plain prompts carry the start the tokenizer itself puts before text (Gemma's `<bos>`), since every prompt is encoded
+without special tokens; tokenizers that add none, and chat templates, get nothing added."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from components.config import PromptConfig
+from components.engine.models.prompting import PromptFormatter
+
+
+def character_tokenizer(adds_bos: bool) -> PreTrainedTokenizerFast:
+    """A tokenizer over digits and '+=' whose post-processor adds `<bos>` to plain text as Gemma's does, or nothing."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate("0123456789+=")}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if adds_bos:
+        core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def test_a_plain_prompt_starts_as_the_tokenizer_starts_plain_text():
+    gemma_like, plain = character_tokenizer(adds_bos=True), character_tokenizer(adds_bos=False)
+    cfg = PromptConfig(template="{prompt}", chat_template="never")
+    text = PromptFormatter(cfg, gemma_like)({"prompt": "12+7="})
+    assert text == "<bos>12+7="
+    # encoded as the pipeline encodes prompts, it is what the tokenizer makes of the bare text
+    encoded = gemma_like(text, add_special_tokens=False).input_ids
+    assert encoded == gemma_like("12+7=").input_ids == [2, 4, 5, 13, 10, 14]
+    assert PromptFormatter(cfg, plain)({"prompt": "12+7="}) == "12+7="
+    assert PromptFormatter(cfg, gemma_like).settings()["start"] == "<bos>"  # the served model formats the same
