@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from components.config import ConfigError, apply_override, config_from_dict, read_params
+from components.config.loading import load_yaml
 from components.data.records import write_text_atomic
 from components.engine.rewards.rewards import check_rewards
 
@@ -68,7 +69,22 @@ def _roundtrip(text: str):
     yaml.indent(mapping=2, sequence=4, offset=2)  # params.yaml's own list style
     # `null` stays `null` (ruamel would write an empty value: a diff on every key that was null)
     yaml.representer.add_representer(type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
+    yaml.representer.add_representer(float, lambda rep, value: rep.represent_scalar("tag:yaml.org,2002:float",
+                                                                                     float_text(value)))
     return yaml, yaml.load(text)
+
+
+def float_text(value: float) -> str:
+    """A float as text every YAML reader takes for that float: Python's shortest repr, with the dot and exponent sign
+    YAML 1.1 readers need (`5e-05` -> `5.0e-05`, `1e+20` -> `1.0e+20`); `.inf`, `-.inf`, `.nan` as YAML spells them."""
+    if value != value:
+        return ".nan"
+    if value in (float("inf"), float("-inf")):
+        return ".inf" if value > 0 else "-.inf"
+    mantissa, e, exponent = repr(value).partition("e")
+    if e and "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + (f"e{'' if exponent[0] in '+-' else '+'}{exponent}" if e else "")
 
 
 def render_params(params_path: Path, overlays: list[Path], overrides: list[str]) -> str | None:
@@ -247,9 +263,7 @@ _MISSING = object()
 
 
 def yaml_load(text: str) -> dict[str, Any]:
-    import yaml
-
-    return yaml.safe_load(text) or {}
+    return load_yaml(text) or {}
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -14,6 +15,22 @@ import yaml
 
 from components.config.pipeline import PipelineConfig, validate_config
 from components.config.rules import ConfigError
+
+
+class ParamsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader reading numbers as YAML 1.2 does (DVC's parser): `1e-5` is a float, as `1.0e-5` is
+    (YAML 1.1 wants the dot and the exponent's sign, and reads `1e-5` as a string)."""
+
+
+ParamsLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """`text` as params.yaml is read everywhere in the pipeline (`ParamsLoader`)."""
+    return yaml.load(text, Loader=ParamsLoader)  # a SafeLoader subclass: builds plain data only
 
 
 def _type_name(tp: Any) -> str:
@@ -92,7 +109,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
 
 def _parse_scalar(text: str) -> Any:
     """Parse a `--set` value the way YAML would (`"0.1"` -> `0.1`, `"true"` -> `True`, `"null"` -> `None`)."""
-    return yaml.safe_load(text) if text.strip() else ""
+    return load_yaml(text) if text.strip() else ""
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -115,7 +132,7 @@ def read_params(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"{path}: params file does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(raw, dict):

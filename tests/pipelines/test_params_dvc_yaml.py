@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import yaml
 
+from components.config.loading import load_yaml
 from pipelines.params_io import BASE_FILE, check_dvc_reads, prepare_params
 
 from conftest import BIN, committed_params, copy_tracked, run
@@ -83,7 +84,7 @@ def dvc_read(repo) -> dict:
     """`dvc repro`, then the grpo params DVC read from params.yaml, as dvc.lock records them."""
     out = run([str(BIN / "dvc"), "repro"], repo, check=False)
     assert out.returncode == 0, out.stdout[-3000:]
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    lock = load_yaml((repo / "dvc.lock").read_text())  # as DVC reads it (YAML 1.2: `1e-05` is a float)
     return lock["stages"]["reads"]["params"]["params.yaml"]
 
 
@@ -124,3 +125,34 @@ def test_a_params_yaml_dvc_would_read_otherwise_is_refused_in_one_line_naming_th
     params.write_text(params.read_text().replace("shopcat.catalogue:price_of]", '"shopcat.catalogue:price_of"]'))
     check_dvc_reads(params)  # the quoted form, as the message says
     assert dvc_read(repo)["grpo.tools"] == TOOLS
+
+
+RATES = {  # how users write a small learning rate: --set in either notation, a --params file, a hand edit
+    "--set 0.00005": ([], ["grpo.learning_rate=0.00005"], None, 5e-05),
+    "--set 1e-5": ([], ["grpo.learning_rate=1e-5"], None, 1e-05),
+    "--params 2e-6": ("grpo: {learning_rate: 2e-6}\n", [], None, 2e-06),
+    "hand edit 3e-7": ([], [], "  learning_rate: 3e-7", 3e-07),
+}
+
+
+@pytest.mark.parametrize("form", list(RATES))
+def test_a_small_learning_rate_reaches_dvc_and_the_pipeline_as_the_same_number(repo, tmp_path, form):
+    """YAML 1.1 (PyYAML) reads `5e-05` and `1e-5` as strings, YAML 1.2 (DVC) as floats: the pipeline reads params
+    as DVC does, and writes a float so both read it as one (`5.0e-05`)."""
+    from components.config import load_config
+
+    overlay_text, overrides, edit, expected = RATES[form]
+    (repo / "dvc.yaml").write_text(DVC_YAML.replace("g.tools, g.environment", "g.learning_rate")
+                                   .replace("      - grpo.tools\n      - grpo.environment", "      - grpo.learning_rate"))
+    params = repo / "params.yaml"
+    if edit:
+        params.write_text(params.read_text().replace("  learning_rate: 0.0005", edit, 1))
+    overlays = []
+    if overlay_text:
+        overlays = [tmp_path / "mine.yaml"]
+        overlays[0].write_text(overlay_text)
+    prepare_params(repo, overlays, overrides, persist=False, described=form)
+    assert load_config(params).grpo.learning_rate == expected
+    assert dvc_read(repo)["grpo.learning_rate"] == expected, params.read_text()
+    if overrides:  # what the run wrote is a float to a YAML 1.1 reader too (a user's script, PyYAML's safe_load)
+        assert yaml.safe_load(params.read_text())["grpo"]["learning_rate"] == expected
