@@ -16,6 +16,7 @@ seed, so the baseline differs between seeds. Writes benchmarks/results/<result>.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -45,11 +46,11 @@ MODELS = {"gemma3": {"Gemma 3 270M (base)": [],
 DEFAULT_SEEDS = [1234, 1, 2]
 
 
-def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> dict[str, Any]:
+def one_seed(example: str, seed: int, work: Path, overrides: list[str] = (), log: str = "smollm2") -> dict[str, Any]:
     from benchmarks.pipeline_overhead import pipeline_run_measured
 
     sets = [x for o in [f"seed={seed}", *overrides] for x in ("--set", o)]
-    wall, peak = pipeline_run_measured(work, ["--params", example, *sets], work.parent / f"smollm2-seed-{seed}.log")
+    wall, peak = pipeline_run_measured(work, ["--params", example, *sets], work.parent / f"{log}-seed-{seed}.log")
     report = json.loads((work / "metrics" / "eval.json").read_text())
     steps = json.loads((work / "metrics" / "grpo.json").read_text())
     improvement = report["improvement"]
@@ -64,19 +65,12 @@ def one_seed(example: str, seed: int, work: Path, overrides: list[str] = ()) -> 
 
 
 def grpo_tokens_per_s(work: Path) -> float:
-    """Completion tokens sampled over the GRPO steps' seconds (generation, rewards and update), from the clone's
-    MLflow store (one point a step: the examples log `metrics_every: 1`)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    (run,) = client.search_runs(experiments, "metrics.`time/step_seconds` > 0")
-    history = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-               for key in ("time/step_seconds", "learning/completion_length", "rollout/sampled_completions")}
-    seconds = history["time/step_seconds"]
-    tokens = sum(history["learning/completion_length"][step] * history["rollout/sampled_completions"][step]
-                 for step in seconds)
-    return round(tokens / sum(seconds.values()), 1)
+    """Completion tokens sampled over the GRPO steps' seconds (generation, rewards and update), from the grpo
+    stage's own per-step table (plots/grpo_steps.csv; the examples log `metrics_every: 1`)."""
+    with (work / "plots" / "grpo_steps.csv").open() as table:
+        steps = list(csv.DictReader(table))
+    tokens = sum(float(s["completion_length"]) * float(s["sampled_completions"]) for s in steps)
+    return round(tokens / sum(float(s["step_seconds"]) for s in steps), 1)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -146,7 +140,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for i, (seed, model) in enumerate(runs, 1):
-        rows.append({"model": model, **one_seed(example, seed, Path(args.work) / "clone", overrides + models[model])})
+        rows.append({"model": model, **one_seed(example, seed, Path(args.work) / "clone", overrides + models[model],
+                                                     model.split()[0].lower())})
         r, elapsed = rows[-1], time.perf_counter() - started
         print(f"[{i}/{len(runs)}] {model}, seed {seed}: {r['before']:.3f} -> {r['after']:.3f}, improvement "
               f"{r['improvement']:+.3f} ({r['ci95_low']:+.3f} .. {r['ci95_high']:+.3f}), {r['wall_s']:.0f} s, "
