@@ -37,6 +37,10 @@ LEARNING_ROWS = [
                                  "over whole episodes (`make run-smollm2-calculator`)"),
     ("smollm2_calculator_no_tools_seeds", "the same prompts, model and budget without the tool (SFT on the answers "
                                           "alone): what one turn can do"),
+    ("gemma3_270m", '`"21+9=30\\n17+25="` first-number match after three worked sums; Gemma 3 270M, a base model '
+                    "(262k-token vocabulary) + LoRA (`make run-gemma3`)"),
+    ("gemma3_270m:SmolLM2-135M-Instruct", "the same prompts, budget and settings with SmolLM2-135M-Instruct, seeds "
+                                          "alternating with Gemma's"),
 ]
 SPEED_ROWS = {
     "smollm2-lora": "SmolLM2-135M-Instruct, LoRA rank 16",
@@ -105,7 +109,8 @@ def _memory(ours_mb: float, trl_mb: float) -> str:
 def learning_table() -> str:
     lines = ["| task, model | runs, machine | before GRPO | after GRPO | paired improvement | lowest 95% CI low | "
              "one run |", "|---|---|---|---|---|---|---|"]
-    for name, what in LEARNING_ROWS:
+    for entry, what in LEARNING_ROWS:
+        name, _, model = entry.partition(":")  # "file:model": a model measured beside the file's own
         d = _load(name)
         link = f"[{name}.md](benchmarks/results/{name}.md)"
         if name == "seed_spread":
@@ -116,11 +121,14 @@ def learning_table() -> str:
                      f"{s['seconds']['median']:.0f} s ({s['seconds']['min']:.0f} .. {s['seconds']['max']:.0f}), "
                      "stages' compute"]
         else:
-            s = d["summary"]
-            runs = f"{len(d['rows'])} seed{'s' if len(d['rows']) != 1 else ''}, {_cpu(d['machine'])}"
+            s = d["beside"][model] if model else d["summary"]
+            seeds = len({r["seed"] for r in d["rows"]})
+            runs = f"{seeds} seed{'s' if seeds != 1 else ''}, {_cpu(d['machine'])}"
             wall = s["wall_s"]  # "median (min .. max)" in seconds, or what a result file says instead
             cells = [s["before"], s["after"], s["improvement"], f"{s['lowest_ci95_low']:+.3f}",
                      f"{wall} s, whole run" if wall[:1].isdigit() else wall]
+            if "grpo_tokens_per_s" in s and "beside" in d:  # two models side by side: their speed and memory too
+                cells[-1] += f"; GRPO {s['grpo_tokens_per_s']} tokens/s, peak {s['peak_rss_mb']} MB"
         lines.append(f"| {what} | {runs} ({link}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
