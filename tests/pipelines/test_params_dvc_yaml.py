@@ -142,8 +142,9 @@ def test_a_small_learning_rate_reaches_dvc_and_the_pipeline_as_the_same_number(r
     from components.config import load_config
 
     overlay_text, overrides, edit, expected = RATES[form]
-    (repo / "dvc.yaml").write_text(DVC_YAML.replace("g.tools, g.environment", "g.learning_rate")
-                                   .replace("      - grpo.tools\n      - grpo.environment", "      - grpo.learning_rate"))
+    keyed = DVC_YAML.replace("g.tools, g.environment", "g.learning_rate")
+    keyed = keyed.replace("      - grpo.tools\n      - grpo.environment", "      - grpo.learning_rate")
+    (repo / "dvc.yaml").write_text(keyed)
     params = repo / "params.yaml"
     if edit:
         params.write_text(params.read_text().replace("  learning_rate: 0.0005", edit, 1))
