@@ -60,10 +60,6 @@ class CudaGraphEngine:
         self.max_length, self.check_every, self.compile_step = max_length, check_every, compile_step
         lm = base.lm
         self.pieces = ModelPieces(lm.model, dataclasses.replace(lm.options, complex_rotary=False))
-        family = self.pieces.family
-        if self.pieces.attention_softcap or family.rotary_per_layer_type:
-            raise ValueError(f"{family.name}: soft-capped attention scores and rotary "
-                             "tables per attention type are not in the captured step")
         self.state: StaticState | None = None
         self.graphs: dict[tuple, Any] = {}
         self.generator: torch.Generator | None = None  # what the fused loop draws from (`_own_generator`)

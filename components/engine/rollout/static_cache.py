@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from components.engine.fast.decoder import gather_columns, packed_columns
-from components.engine.fast.layers import LayerWeights, Rotary
+from components.engine.fast.layers import LayerTypeRotary, LayerWeights, Rotary
 from components.engine.fast.pieces import ModelPieces
 from components.engine.fast.prompts import encode_prompts
 from components.engine.models.rollouts import left_pad, positions_from_mask
@@ -86,8 +86,10 @@ class StaticState:
         self.caches = [(torch.zeros(capacity, kv, length, d, dtype=dtype, device=device),
                         torch.zeros(capacity, kv, length, d, dtype=dtype, device=device)) for _ in pieces.layers]
         self.bias = torch.full((capacity, 1, 1, 1, length), torch.finfo(dtype).min, dtype=dtype, device=device)
-        self.cos = torch.zeros(capacity, 1, max_new_tokens, d, dtype=dtype, device=device)
-        self.sin = torch.zeros_like(self.cos)
+        # each row's rotary table for its completion steps: one, or one per attention type (`Family`: Gemma 3)
+        kinds = sorted(set(pieces.decoder.config.layer_types)) if pieces.family.rotary_per_layer_type else [None]
+        self.cos = {kind: torch.zeros(capacity, 1, max_new_tokens, d, dtype=dtype, device=device) for kind in kinds}
+        self.sin = {kind: torch.zeros_like(table) for kind, table in self.cos.items()}
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)  # the token each row is fed next
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # t: the completion token drawn next
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column token t is written to
@@ -158,8 +160,9 @@ class StaticState:
         device = logits.device
         positions = self.context[:n].sum(-1)[:, None] + torch.arange(self.max_new_tokens, device=device)
         rotary = self.pieces.positions(hidden[:1, None, :], positions)
-        self.cos[:n].copy_(rotary.cos)
-        self.sin[:n].copy_(rotary.sin)
+        for kind, table in (rotary.tables if isinstance(rotary, LayerTypeRotary) else {None: rotary}).items():
+            self.cos[kind][:n].copy_(table.cos)
+            self.sin[kind][:n].copy_(table.sin)
         self.logits.zero_()
         self.logits[:n].copy_(logits)
         self.step.zero_()
@@ -219,7 +222,9 @@ class StaticState:
         pieces = self.pieces
         self.bias[:, ..., :keys].index_fill_(4, self.column, 0.0)  # token t becomes visible to every row
         x = pieces.embed(self.tokens[:rows, None])
-        rotary = Rotary(self.cos[:rows].index_select(2, self.step), self.sin[:rows].index_select(2, self.step))
+        tables = {kind: Rotary(self.cos[kind][:rows].index_select(2, self.step),
+                               self.sin[kind][:rows].index_select(2, self.step)) for kind in self.cos}
+        rotary = tables[None] if None in tables else LayerTypeRotary(tables)
         bias = self.bias[:rows, ..., :keys]
         for layer, fused, (kbuf, vbuf) in zip(pieces.layers, self.weights, self.caches):
             q, k, v = pieces.qkv(layer, fused, pieces.norm(layer.input_layernorm, x), rotary)
@@ -238,7 +243,7 @@ class StaticState:
         for kbuf, vbuf in self.caches:
             kbuf[:m] = kbuf.index_select(0, keep)
             vbuf[:m] = vbuf.index_select(0, keep)
-        for t in (self.bias, self.cos, self.sin, self.tokens, self.logits, self.open, self.row_of):
+        for t in (self.bias, *self.cos.values(), *self.sin.values(), self.tokens, self.logits, self.open, self.row_of):
             t[:m] = t.index_select(0, keep)
         self.open[m:] = False
         self.row_of[m:] = self.capacity
@@ -261,7 +266,7 @@ def attend(pieces: ModelPieces, q: torch.Tensor, keys: torch.Tensor, values: tor
     The fused call's output is read by `reshape`, never `view`: CUDA's memory-efficient and cuDNN kernels return it
     in a transposed layout ([B, H / Hkv, Hkv, d] in memory), which no view can merge into [B, H, 1, d].
     """
-    if q.dtype in (torch.float32, torch.float64):
+    if q.dtype in (torch.float32, torch.float64) or pieces.attention_softcap:  # soft-capped scores: plain products
         return pieces.attend(q, keys, values, bias)
     b, heads, _, d = q.shape
     kv = keys.shape[1]
