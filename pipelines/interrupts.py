@@ -4,7 +4,8 @@ run Cancelled, exit 130 (SIGINT) or 143 (SIGTERM), and say where to resume.
 A terminal's Ctrl-C reaches the CLI's process group: the CLI and the stage's launcher
 (`python -m components.runtime.launch`), which asks the stage to stop. The stage server and the temporary
 Prefect API run in sessions of their own, so they keep serving until the stage has reported. A
-SIGTERM (a scheduler, `kill`) reaches the CLI alone: it forwards it to the stage's launcher. The
+SIGTERM (a scheduler, `kill`) reaches the CLI alone: it forwards it to the stage's launcher; one sent to every
+process of the run (systemd, `pkill -f`) stops the stage the same way, and the temporary API ignores it. The
 stage raises where it was, writes nothing half-done (checkpoints and outputs are renamed into place),
 and reports `interrupted during grpo at step N; the last checkpoint is step M` (components/stages/cli.py).
 """

@@ -90,10 +90,13 @@ class TemporaryPrefectAPI:
         raise RuntimeError(f"the temporary Prefect API on port {self.port} did not start in {timeout_s:.0f} s")
 
     def request_stop(self) -> None:
-        """Ship the last logs and events, then ask the API to shut down without waiting for it."""
+        """Ship the last logs and events, then ask the API to shut down (SIGINT: it ignores SIGTERM) without waiting
+        for it."""
+        import signal
+
         detach_api_logging()
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            os.kill(self.process.pid, signal.SIGINT)
 
     def stop(self) -> None:
         self.request_stop()
@@ -126,13 +129,12 @@ class ForkedServer:
 
             from components.runtime.stage_server import die_with_parent
 
-            die_with_parent()  # it also holds the CLI's inherited run lock: it must not outlive the CLI
+            die_with_parent(signal.SIGINT)  # it also holds the CLI's inherited run lock: it must not outlive the CLI
             if os.getppid() != parent:  # the CLI exited before the death signal was armed
                 os._exit(0)
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             os.setsid()  # a terminal's Ctrl-C must not stop the API while the CLI still reports to it
-            for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn installs its own once it serves
-                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # uvicorn installs its own once it serves
             os.environ.update(settings)
             serve_prefect_api(port)
             code = 0
@@ -161,9 +163,6 @@ class ForkedServer:
                 raise subprocess.TimeoutExpired(f"temporary Prefect API (pid {self.pid})", timeout)
             time.sleep(0.01)
         return self.returncode
-
-    def terminate(self) -> None:
-        self._signal("SIGTERM")
 
     def kill(self) -> None:
         self._signal("SIGKILL")
@@ -197,13 +196,20 @@ def serve_prefect_api(port: int) -> None:
     (components.runtime.stage_server.imports_without_collection); the app is the same, built by Prefect's
     own factory.
     """
+    import signal
+
     from components.runtime.stage_server import imports_without_collection
 
     with imports_without_collection():
         import uvicorn
+        import uvicorn.server
         from prefect.server.api.server import create_app
 
         app = create_app()
+    # It stops when the CLI asks (SIGINT) or exits (the death signal): a SIGTERM meant for the run (`kill`, systemd
+    # stopping a service, `pkill -f grpo-pipeline`) reaches the CLI too, which ends the run through this API.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    uvicorn.server.HANDLED_SIGNALS = (signal.SIGINT,)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
 
 
@@ -272,6 +278,11 @@ def open_tracking_store(root: Path, experiment: str) -> threading.Thread:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve-prefect-api"] and len(sys.argv) == 3:
+        import signal
+
+        from components.runtime.stage_server import die_with_parent
+
+        die_with_parent(signal.SIGINT)
         serve_prefect_api(int(sys.argv[2]))
     else:
         sys.exit("usage: python -m pipelines.warmup serve-prefect-api PORT")

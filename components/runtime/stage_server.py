@@ -130,13 +130,14 @@ def level_path(path: str, level: int) -> str:
     return path if level == 0 else f"{path}.{level}"
 
 
-def die_with_parent() -> None:
-    """SIGTERM when the parent process exits (Linux): a level still importing stops with the server, and
-    the temporary Prefect API (forked from the CLI, pipelines/warmup.py) with the CLI."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """`sig` when the parent process exits (Linux): a level still importing stops with the server, and
+    the temporary Prefect API (forked from the CLI, pipelines/warmup.py; SIGINT, the one signal it stops on) with
+    the CLI."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # elsewhere: the level notices its parent is gone when it next looks (every 0.2 s)
 
@@ -214,6 +215,16 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
         caller_gone = not _send(conn, {"accepted": True, "pid": pid})
         conn.setblocking(False)
         exited = _exit_notifier(pid)
+        stop_asked: list[int] = []
+
+        def relay(signum: int, _frame: object) -> None:
+            # Told to stop while serving (a SIGTERM to every process of the run: systemd, `pkill -f`): the stage stops
+            # as it does on its caller's signal and its exit is reported; the server stops after that.
+            stop_asked.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+        stop = signal.signal(signal.SIGTERM, relay)
         try:
             while True:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -236,8 +247,11 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
                     os.kill(pid, int(wanted) if wanted.isdigit() else signal.SIGTERM)
                     caller_gone = caller_gone or not message
         finally:
+            signal.signal(signal.SIGTERM, stop)
             if exited is not None:
                 os.close(exited)
+            if stop_asked and callable(stop):
+                stop(stop_asked[0], None)
     finally:
         for fd in fds:
             os.close(fd)
