@@ -17,6 +17,8 @@ from components.engine.grpo.batch import one_process_round, sampling_params
 from components.engine.grpo.policy import Policy
 from components.engine.rewards.rewards import BUILTIN_REWARDS, RewardModel
 
+from conftest import tracked_files
+
 ROOT = Path(__file__).resolve().parents[3]
 RECORDS = [{"id": 0, "prompt": "1+1=", "answer": "2"}, {"id": 1, "prompt": "2+3=", "answer": "5"}]
 
@@ -107,8 +109,9 @@ def test_sfts_stop_check_scores_through_it(tiny, tmp_path):
 def test_no_caller_builds_reward_columns_of_its_own():
     """Only scoring.py calls `reward_columns`, and nothing but it passes `completion_token_lengths` to rewards."""
     callers = []
-    for path in [*(ROOT / "components").rglob("*.py"), *(ROOT / "pipelines").rglob("*.py"),
-                 *(ROOT / "benchmarks").rglob("*.py")]:
+    sources = [ROOT / rel for rel in tracked_files() if rel.endswith(".py")  # the project's, not a scratch clone's
+               and rel.startswith(("components/", "pipelines/", "benchmarks/"))]
+    for path in sources:
         if path.name in ("scoring.py", "records.py", "rewards.py"):
             continue
         tree = ast.parse(path.read_text())
