@@ -70,15 +70,16 @@ def _lora(quantize_base: str = "none", device: str = "cpu", dtype: torch.dtype =
     return model
 
 
-def _gemma(version: int, eos_bias: float = 0.4):
+def gemma(version: int, eos_bias: float = 0.4, seed: int = 0, **shape: Any):
     """A small random Gemma 2 (soft-capped scores and logits) or Gemma 3 (query/key norms, a rotary table per
-    attention type), its (1 + w) norms random too; `eos_bias` as in `_llama`."""
+    attention type) from `seed`, its (1 + w) norms random too; `eos_bias` as in `_llama`; `shape` overrides the
+    config's sizes (test_half_precision.py builds a wider one)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
-                 max_position_embeddings=64, initializer_range=0.1, attn_implementation="eager")
+                 max_position_embeddings=64, initializer_range=0.1, attn_implementation="eager") | shape
     model = (Gemma2ForCausalLM(Gemma2Config(**shape, attn_logit_softcapping=5.0, final_logit_softcapping=8.0))
              if version == 2 else Gemma3ForCausalLM(Gemma3TextConfig(
                  **shape, layer_types=["sliding_attention", "full_attention"])))
@@ -86,13 +87,14 @@ def _gemma(version: int, eos_bias: float = 0.4):
         for name, weight in model.named_parameters():
             if "norm" in name:
                 weight.normal_(0.0, 0.3)
-        model.lm_head.weight[3] += eos_bias * model.model.embed_tokens.weight.sum(0) / 8
+        if eos_bias:
+            model.lm_head.weight[3] += eos_bias * model.model.embed_tokens.weight.sum(0) / 8
     return model.eval()
 
 
 MODELS = {"llama": lambda: _llama(0.4), "llama-tied": lambda: _llama(0.4, tie_word_embeddings=True), "lora": _lora,
           "lora-nf4": lambda: _lora("nf4"),  # a 4-bit frozen base (grpo.lora.quantize_base)
-          "gemma2": lambda: _gemma(2), "gemma3": lambda: _gemma(3)}
+          "gemma2": lambda: gemma(2), "gemma3": lambda: gemma(3)}
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [4, 9, 6, 5]]  # different lengths: left padding
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_engines import gemma
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from components.engine.fast.check import _rounds_like_hugging_face, float32_weights
@@ -69,20 +70,8 @@ def _nf4_lora(seed: int) -> Any:
 def _gemma(version: int, seed: int) -> Any:
     """A random Gemma 2 (soft-capped scores and logits) or Gemma 3 (query/key norms, a rotary table per attention
     type) in bfloat16 from `seed`, its (1 + w) norms random too."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    shape = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-                 num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
-                 max_position_embeddings=64, initializer_range=0.1, attn_implementation="eager")
-    model = (Gemma2ForCausalLM(Gemma2Config(**shape, attn_logit_softcapping=5.0, final_logit_softcapping=8.0))
-             if version == 2 else Gemma3ForCausalLM(Gemma3TextConfig(
-                 **shape, layer_types=["sliding_attention", "full_attention"])))
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.normal_(0.0, 0.3)
-    return model.eval().to(torch.bfloat16)
+    return gemma(version, eos_bias=0.0, seed=seed, vocab_size=VOCAB, hidden_size=96, intermediate_size=128,
+                 num_attention_heads=6).to(torch.bfloat16)
 
 
 BUILDS: dict[str, Callable[[int], Any]] = {"grouped-query": lambda seed: _llama(False, seed),
