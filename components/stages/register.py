@@ -130,11 +130,12 @@ def log_params_file(run, params_path: Path) -> None:
     """The exact params (even if never committed) as `lineage/params.yaml`, secret-looking values redacted."""
     import yaml
 
+    from components.config.loading import load_yaml
     from components.tracking.runs import redact
 
     with tempfile.TemporaryDirectory() as tmp:
         safe = Path(tmp) / "params.yaml"
-        safe.write_text(yaml.safe_dump(redact(yaml.safe_load(params_path.read_text())), sort_keys=False))
+        safe.write_text(yaml.safe_dump(redact(load_yaml(params_path.read_text())), sort_keys=False))
         run.log_artifact(safe, "lineage")
 
 

@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 from components.config import ConfigError, load_config
+from components.config.loading import load_yaml
 from pipelines.operations import deploy, serve, setup, update_data
 from pipelines.params_io import merged_config
 
@@ -21,7 +20,7 @@ def _param_overrides(assignments: list[str]) -> dict[str, object]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--param {item}: expected KEY=VALUE, e.g. grpo.kl_beta=0.1")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = load_yaml(value)  # as params.yaml is read: `1e-5` is a number
     return out
 
 
