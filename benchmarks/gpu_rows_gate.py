@@ -59,9 +59,10 @@ def gate(args, say=print) -> dict[str, Any]:
 
     from benchmarks.gpu_rows_ours import Clock, grpo_config, random_prompts
     from benchmarks.shapes import SHAPES, random_model
-    from components.engine.rollout.base import SamplingParams, SpecialTokens
-    from components.engine.rollout.choose import EngineSettings, build_engine
+    from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
+    from components.engine.rollout.choose import build_engine
     from components.engine.rollout.cuda_graphs import CudaGraphEngine
+    from components.rollout_engines import engine_settings
 
     started = time.perf_counter()
     device, dtype, shape = torch.device(args.device), getattr(torch, args.dtype), args.long_shape
@@ -75,12 +76,12 @@ def gate(args, say=print) -> dict[str, Any]:
     model = random_model(shape, dtype, device).train()
     tokens = SpecialTokens(eos_id=vocab - 1, pad_id=vocab - 2)
     lines: list[str] = []
-    settings = EngineSettings(cuda_graphs=grpo_config("lora", GREEDY_STEPS).grpo.cuda_graphs, vocab_size=vocab,
-                              max_length=PROMPT_TOKENS + GREEDY_STEPS, completion_length=GREEDY_STEPS)
-    engine = build_engine(model, tokens, settings, say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
+    run = EngineRun(vocab_size=vocab, max_length=PROMPT_TOKENS + GREEDY_STEPS, completion_length=GREEDY_STEPS)
+    engine = build_engine(model, tokens, run, engine_settings(grpo_config("lora", GREEDY_STEPS).grpo),
+                          say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
     found.update(door_engine=engine.name, door_said=lines)
     if engine.name == "prefix_shared" and args.expect_mode != "graphs":  # a CPU rehearsal
-        engine = CudaGraphEngine(engine, args.expect_mode, settings.max_length, say=lines.append)
+        engine = CudaGraphEngine(engine, args.expect_mode, run.max_length, say=lines.append)
     found["mode"] = getattr(engine, "mode", None)
     if engine.name != "cuda_graphs" or found["mode"] != args.expect_mode:
         return _failed(found, started, f"the door gave {engine.name} ({found['mode']}), not cuda_graphs in "
@@ -98,7 +99,7 @@ def gate(args, say=print) -> dict[str, Any]:
                  capture_s=round((t1 - t0) - (t2 - t1), 3) if engine.graphs else None, mode_after=engine.mode)
     if engine.mode != args.expect_mode:
         return _failed(found, started, f"decoding fell back to {engine.mode}: {' | '.join(lines)}")
-    eager = CudaGraphEngine(engine.base, "eager", settings.max_length).sample(prompts, greedy)
+    eager = CudaGraphEngine(engine.base, "eager", run.max_length).sample(prompts, greedy)
     found["greedy_agree"] = bool(torch.equal(captured.completion_ids, eager.completion_ids)
                                  and torch.equal(captured.completion_ids, again.completion_ids))
     if not found["greedy_agree"]:

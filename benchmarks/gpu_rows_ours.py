@@ -89,9 +89,10 @@ class Ours:
         from components.engine.grpo.policy import Policy, attach_lora
         from components.engine.models.optim import make_optimizer
         from components.engine.models.quantize import nf4_count
-        from components.engine.rollout.base import SpecialTokens
-        from components.engine.rollout.choose import EngineSettings, build_engine
+        from components.engine.rollout.base import EngineRun, SpecialTokens
+        from components.engine.rollout.choose import build_engine
         from components.engine.rollout.cuda_graphs import CudaGraphEngine
+        from components.rollout_engines import engine_settings
 
         g = self.g = cfg.grpo
         self.loss, self.device = build_loss(g), device
@@ -104,12 +105,11 @@ class Ours:
         fit = fit_memory(g, model, prompt_tokens, reference is not None, say)
         self.checkpointing = fit.gradient_checkpointing
         self.tokens = tokens or SpecialTokens(eos_id=vocab - 1, pad_id=vocab - 2)
-        settings = EngineSettings(cuda_graphs=g.cuda_graphs, gradient_checkpointing=fit.gradient_checkpointing,
-                                  vocab_size=vocab, max_length=prompt_tokens + g.max_completion_length,
-                                  completion_length=g.max_completion_length)
-        engine = build_engine(model.train(), self.tokens, settings, say)
+        run = EngineRun(vocab_size=vocab, max_length=prompt_tokens + g.max_completion_length,
+                        completion_length=g.max_completion_length, gradient_checkpointing=fit.gradient_checkpointing)
+        engine = build_engine(model.train(), self.tokens, run, engine_settings(g), say)
         if engine_mode and engine.name == "prefix_shared":  # a CPU rehearsal: the graph engine's fused loop
-            engine = CudaGraphEngine(engine, engine_mode, settings.max_length, say=say)
+            engine = CudaGraphEngine(engine, engine_mode, run.max_length, say=say)
         self.model, self.engine_name = model, engine.name
         self.policy = Policy.of(None, model, engine, reference, g.lora.enabled, self.loss.uses_reference)
         self.optimizer = make_optimizer(model, g.learning_rate, g.weight_decay, device)

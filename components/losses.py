@@ -12,18 +12,14 @@ B sequences, T completion positions; `ratio` is [B, T] (token level) or [B, 1] (
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from components.records import read_record, rules_of, setting
+
 if TYPE_CHECKING:
     from torch import Tensor
-
-
-def setting(default: Any, rule: str, valid: Callable[[Any], bool]) -> Any:
-    """A field of a settings record: its default (the `grpo.*` key's) and the rule every configured value keeps."""
-    return dataclasses.field(default=default, metadata={"rule": (valid, rule)})
 
 
 # ---- settings records: each loss's own `grpo.*` keys. Fields only (GRPOConfig inherits them), named as their keys.
@@ -178,7 +174,7 @@ class Loss:
 
     def settings_from(self, config: Any) -> Any:
         """This loss's settings record, each field read from the attribute of the same name (`GRPOConfig`)."""
-        return self.settings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(self.settings)})
+        return read_record(self.settings, config)
 
 
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
@@ -197,15 +193,7 @@ SETTINGS_RECORDS: tuple[type, ...] = tuple(dict.fromkeys(loss.settings for loss 
 """Every entry's settings record, once each: `GRPOConfig` inherits their fields, so each field is a `grpo.*` key."""
 
 
-def settings_keys(record: type) -> list[str]:
-    """The `grpo.*` keys (field names) of a settings record."""
-    return [f.name for f in dataclasses.fields(record)]
-
-
 def setting_rules() -> Iterator[tuple[str, Callable[[Any], bool], str]]:
     """(key, valid, rule) for every field of every entry's settings record that keeps a rule."""
-    for record in SETTINGS_RECORDS:
-        for f in dataclasses.fields(record):
-            if "rule" in f.metadata:
-                yield f.name, *f.metadata["rule"]
+    return rules_of(SETTINGS_RECORDS)
 

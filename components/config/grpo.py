@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from components.config.rules import _require
-from components.losses import LOSSES, SETTINGS_RECORDS, LossName, setting_rules, settings_keys
+from components.losses import LOSSES, SETTINGS_RECORDS, LossName, setting_rules
+from components.records import settings_keys
+from components.rollout_engines import ENGINE_SETTINGS_RECORDS, engine_setting_rules
 
 
 @dataclass
@@ -101,11 +103,13 @@ class EpisodeConfig:
 
 
 @dataclass
-class GRPOConfig(*SETTINGS_RECORDS):
+class GRPOConfig(*SETTINGS_RECORDS, *ENGINE_SETTINGS_RECORDS):
     """The GRPO stage (DeepSeekMath 2402.03300; Dr. GRPO 2503.20783; DAPO 2503.14476; GSPO 2507.18071).
 
     The losses' own settings (`epsilon`, `epsilon_high`, `cispo_max_ratio`, `sapo_temperature_pos`, ...) are the
-    fields of each loss's settings record in components/losses.py, inherited here as `grpo.*` keys."""
+    fields of each loss's settings record in components/losses.py, and the rollout engines' (`prefix_sharing`,
+    `cuda_graphs`, `onednn_matmul`) those of each engine's record in components/rollout_engines.py, inherited here as
+    `grpo.*` keys."""
 
     algorithm: Literal["grpo", "reinforce"] = "grpo"
     """`grpo`, or the `reinforce` baseline: one sample per prompt, absolute reward, no KL (needs group_size 1)."""
@@ -183,21 +187,6 @@ class GRPOConfig(*SETTINGS_RECORDS):
     """Minibatches accumulated per optimizer step (0 = all of them: one step per pass)."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
-    prefix_sharing: bool = True
-    """Sample and score through the prompt-once engine (components/engine/rollout/prefix_shared.py): each prompt
-    encoded once per group in sampling, reference and policy forwards. The families of fast/families.py only (Llama,
-    Qwen2/3, Mistral, Gemma 2/3), checked against the Hugging Face forward at start; others fall back to the plain
-    engine, as do several processes and per-group sampling (those need the wrapped, N-independent forward)."""
-    cuda_graphs: bool = True
-    """With prefix sharing on a CUDA device, decode with every step captured as a CUDA graph
-    (components/engine/rollout/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside the
-    graph); a trial capture at start, and any capture that fails, turns it off with one line. False: the prompt-once
-    engine's host-driven loop. No effect on the CPU."""
-    onednn_matmul: bool = True
-    """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
-    (components/engine/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU vendor: the
-    gain is on AMD processors with AVX-512 (docs/performance.md has the figures). Rounding differs from PyTorch's own
-    products; false keeps those."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -243,16 +232,17 @@ class GRPOConfig(*SETTINGS_RECORDS):
 
 
 
-def _loss_keys_clash() -> list[str]:
-    """Keys two losses' settings records share, or one shares with GRPOConfig's own fields (the latter would win
-    silently, and the loss read another setting)."""
-    keys = [key for record in SETTINGS_RECORDS for key in settings_keys(record)]
+def _settings_keys_clash() -> list[str]:
+    """Keys two settings records (losses', engines') share, or one shares with GRPOConfig's own fields (the latter
+    would win silently, and the loss or engine read another setting)."""
+    keys = [key for record in (*SETTINGS_RECORDS, *ENGINE_SETTINGS_RECORDS) for key in settings_keys(record)]
     return sorted({key for key in keys if keys.count(key) > 1 or key in GRPOConfig.__annotations__})
 
 
-if _loss_keys_clash():
-    raise TypeError(f"loss settings keys {_loss_keys_clash()} are taken: each field of a loss's settings record "
-                    "(components/losses.py) is a grpo.* key of its own")
+if _settings_keys_clash():
+    raise TypeError(f"settings keys {_settings_keys_clash()} are taken: each field of a loss's or engine's settings "
+                    "record (components/losses.py, components/rollout_engines.py) is a grpo.* key of its own")
+
 
 def check_grpo(g: GRPOConfig) -> None:
     """grpo: every rule that needs only the grpo section (sizes, sampling, optimiser, KL, clipping, LoRA,
@@ -344,7 +334,7 @@ def _check_variants(g: GRPOConfig) -> None:
              f"has no meaning with grpo.loss_type: {g.loss_type}, which caps the weight at "
              f"grpo.{loss.replaces_epsilon_high} (TRL reads that cap from epsilon_high; set "
              f"{loss.replaces_epsilon_high} instead)")
-    for key, valid, rule in setting_rules():  # each loss's own settings, by the rules their records keep
+    for key, valid, rule in (*setting_rules(), *engine_setting_rules()):  # the losses' and engines' own settings
         _require(valid(getattr(g, key)), f"grpo.{key}", rule)
     _require(0 <= g.top_entropy_quantile <= 1, "grpo.top_entropy_quantile", "must be in [0, 1] (1 = every token)")
     _require(not (g.top_entropy_quantile < 1 and g.importance_sampling_level == "sequence"

@@ -8,7 +8,9 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from components.losses import LOSSES, SETTINGS_RECORDS, settings_keys
+from components.losses import LOSSES, SETTINGS_RECORDS
+from components.records import settings_keys
+from components.rollout_engines import neutral_engine_keys
 
 if TYPE_CHECKING:
     from components.config.pipeline import PipelineConfig
@@ -83,8 +85,8 @@ NOT_IN_FINGERPRINT = {"seed", "monitors", "evaluate.every", "evaluate.during_tra
 # new option does not retire the band (one away from its default is in the fingerprint like any other key).
 NEUTRAL_AT_DEFAULT = ("grpo.multi_objective_aggregation", "grpo.top_entropy_quantile", "grpo.rollout_correction",
                       "grpo.rollout_correction_max", "grpo.rollout_correction_min",
-                      "grpo.cuda_graphs",  # decoding on a GPU only: the band was measured on the CPU
-                      "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode")
+                      "grpo.lora.quantize_base", "grpo.tools", "grpo.environment", "grpo.episode",
+                      *(f"grpo.{key}" for key in neutral_engine_keys()))  # engines the band was not measured with
 
 
 def default_fingerprint(cfg: PipelineConfig) -> str:

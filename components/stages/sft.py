@@ -44,6 +44,7 @@ from components.engine.parallel.distributed import (
 from components.engine.rewards.rewards import RewardError, RewardModel
 from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
 from components.engine.rollout.choose import evaluation_engine, plain_engine, through_trainer
+from components.rollout_engines import engine_settings
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run
 
@@ -149,7 +150,7 @@ def sft_engine(cfg: PipelineConfig, model, trainer, tokenizer, mask: torch.Tenso
         return through_trainer(plain_engine(model, tokens), trainer)
     lengths = mask.sum(-1)
     completion = int((lengths - (labels != -100).long().argmax(-1)).max())  # from the first learned token on
-    return evaluation_engine(model, tokenizer, completion, int(lengths.max()), prefix_sharing=cfg.grpo.prefix_sharing)
+    return evaluation_engine(model, tokenizer, completion, int(lengths.max()), engine_settings(cfg.grpo))
 
 
 def batch_loss(engine: RolloutEngine, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,

@@ -32,6 +32,7 @@ from components.engine.models.prompting import PromptFormatter
 from components.engine.models.rollouts import Episode, Message, Rollouts, left_pad
 from components.engine.rollout.base import RolloutEngine, SamplingParams
 from components.engine.rollout.choose import evaluation_engine
+from components.rollout_engines import engine_settings
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ def for_evaluation(cfg: PipelineConfig, model: Any, tokenizer: Any, max_new_toke
     otherwise or for a sharded model (`stop_together`)."""
     play = play_of(cfg, tokenizer, max_new_tokens)
     longest = play.longest_prompt(records) + max_new_tokens if records else max_new_tokens
-    engine = evaluation_engine(model, tokenizer, max_new_tokens, longest, stop_together=stop_together,
-                               prefix_sharing=cfg.grpo.prefix_sharing)
+    engine = evaluation_engine(model, tokenizer, max_new_tokens, longest, engine_settings(cfg.grpo),
+                               stop_together=stop_together)
     return Generation(engine, play, tokenizer)
 
 

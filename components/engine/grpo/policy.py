@@ -23,9 +23,10 @@ from components.engine.environments.generation import Generation, play_of
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
 from components.engine.models.rollouts import Rollouts
-from components.engine.rollout.base import Decoding, RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.choose import EngineSettings, build_engine, plain_engine, through_trainer
+from components.engine.rollout.base import Decoding, EngineRun, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import build_engine, plain_engine, through_trainer
 from components.engine.rollout.turns import Reencoding
+from components.rollout_engines import engine_settings
 
 
 def attach_lora(model, lora: LoRAConfig):
@@ -164,12 +165,11 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     play = play_of(cfg, tokenizer, g.max_completion_length)  # single turns or episodes: the engine is sized from it
     prompt_tokens = play.longest_prompt((records or [])[:256])
     memory = fit_memory(g, model, prompt_tokens, reference is not None, say)
-    settings = EngineSettings(
-        prefix_sharing=g.prefix_sharing, cuda_graphs=g.cuda_graphs, onednn_matmul=g.onednn_matmul,
-        gradient_checkpointing=memory.gradient_checkpointing, vocab_size=len(tokenizer),
-        max_length=play.longest_prompt(records) + play.limits.max_tokens if records else None,
-        completion_length=g.max_completion_length, wrapped=wrapped, stop_together=stop_together)
-    engine = build_engine(model.train(), SpecialTokens.of(tokenizer), settings, say)
+    run = EngineRun(vocab_size=len(tokenizer),
+                    max_length=play.longest_prompt(records) + play.limits.max_tokens if records else None,
+                    completion_length=g.max_completion_length, gradient_checkpointing=memory.gradient_checkpointing,
+                    wrapped=wrapped, stop_together=stop_together)
+    engine = build_engine(model.train(), SpecialTokens.of(tokenizer), run, engine_settings(g), say)
     policy = Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference,
                        generation=Generation(engine, play, tokenizer))
     return policy, memory

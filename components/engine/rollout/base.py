@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +36,19 @@ class SpecialTokens:
         return cls(tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    """What every engine may read about the run it serves (its own switches are its settings record,
+    components/rollout_engines.py)."""
+
+    vocab_size: int | None = None  # the tokenizer's (a self-check draws ids below it)
+    max_length: int | None = None  # the longest prompt + completion row the run will see (None: the context)
+    completion_length: int = 4  # `grpo.max_completion_length`
+    gradient_checkpointing: bool = False  # training forwards recompute each layer in backward
+    wrapped: bool = False  # forwards must go through a wrapper (DDP, FSDP2) or be the same for any process count
+    stop_together: Callable[[bool], bool] | None = None  # sharded models decode in lockstep (FSDP2)
+
+
 class Decoding(Protocol):
     """One decoding run over a batch of prompts that may go on for several turns (an episode's): each row's context
     stays encoded between turns, so what a tool or environment answers is appended to it, never re-encoded with the
@@ -55,9 +68,9 @@ class Decoding(Protocol):
 
 
 class RolloutEngine(Protocol):
-    """Generates completions and scores them with one model. Implementations: hf.py (the plain Hugging Face
-    forward, the reference the others are tested against), prefix_shared.py (the CPU prompt-once path),
-    cuda_graphs.py (captured decoding on a CUDA device)."""
+    """Generates completions and scores them with one model. Implementations: the entries of
+    components/rollout_engines.py (hf.py, the plain Hugging Face forward the others are tested against;
+    prefix_shared.py, the prompt-once path; cuda_graphs.py, captured decoding on a CUDA device)."""
 
     name: str
 

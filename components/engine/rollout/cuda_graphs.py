@@ -37,11 +37,12 @@ import torch
 
 from components.engine.fast.pieces import ModelPieces
 from components.engine.models.rollouts import Rollouts, left_pad
-from components.engine.rollout.base import SamplingParams
+from components.engine.rollout.base import EngineRun, SamplingParams
 from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.engine.rollout.static_cache import KEY_BLOCK, StaticState, distinct_index_writes, key_bucket, row_bucket
 from components.engine.rollout.token_loop import decode
+from components.rollout_engines import CudaGraphs
 
 Mode = Literal["graphs", "eager", "token_loop"]
 CHECK_EVERY = 8  # decode steps between the host's looks at which rows are open (each look waits for the GPU)
@@ -342,3 +343,18 @@ def build(base: PrefixSharedEngine, max_length: int | None, say: Callable[..., N
             "decoding with the prompt-once engine", flush=True)
         return None
     return engine
+
+
+def build_for_run(base: PrefixSharedEngine, tokens: Any, run: EngineRun, settings: CudaGraphs,
+                  say: Callable[..., None] = print) -> CudaGraphEngine | None:
+    """Over the prompt-once engine, when `cuda_graphs` is on and its model is on a CUDA device (a trial capture
+    decides, `build`), else None."""
+    if not settings.cuda_graphs or next(base.lm.model.parameters()).device.type != "cuda":
+        return None
+    return build(base, run.max_length, say)
+
+
+def conformance(base: PrefixSharedEngine, tokens: Any, run: EngineRun) -> CudaGraphEngine:
+    """Uncaptured on any device: the host-driven loop over the fixed-shape state, which draws the plain path's tokens
+    (the fused step and its captures have their own tests: tests/engine/rollout/test_cuda_graphs.py)."""
+    return CudaGraphEngine(base, "token_loop", run.max_length)

@@ -12,7 +12,7 @@ import torch
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.modeling import layer_checkpointing
 from components.engine.models.rollouts import Rollouts, left_pad, positions_from_mask
-from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
 from components.engine.rollout.turns import LoopDecoding
 
 
@@ -56,6 +56,17 @@ class HFEngine:
         """This engine with gradient forwards through `trainer` (DDP's wrapper around this model)."""
         return HFEngine(self.model, self.tokens, trainer=trainer, gradient_checkpointing=self.gradient_checkpointing,
                         stop_together=self.stop_together)
+
+
+def build_for_run(model: Any, tokens: SpecialTokens, run: EngineRun, settings: Any,
+                  say: Callable[..., None] = print) -> HFEngine:
+    """Always: any causal LM, device and process count (the registry's fallback)."""
+    return HFEngine(model, tokens, gradient_checkpointing=run.gradient_checkpointing, stop_together=run.stop_together)
+
+
+def conformance(model: Any, tokens: SpecialTokens, run: EngineRun) -> HFEngine:
+    """The reference itself (the suite checks the others against it, and its row layout like theirs)."""
+    return HFEngine(model, tokens)
 
 
 class HFDecoder:

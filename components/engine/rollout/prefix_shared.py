@@ -14,8 +14,9 @@ from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.pieces import FastOptions
 from components.engine.models.rollouts import Rollouts
-from components.engine.rollout.base import SamplingParams, SpecialTokens
+from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
 from components.engine.rollout.turns import LoopDecoding
+from components.rollout_engines import PrefixSharing
 
 
 class PrefixSharedEngine:
@@ -63,3 +64,21 @@ def build(model: Any, tokens: SpecialTokens, vocab_size: int | None, max_length:
             flush=True)
         return None
     return PrefixSharedEngine(lm, tokens)
+
+
+def build_for_run(model: Any, tokens: SpecialTokens, run: EngineRun, settings: PrefixSharing,
+                  say: Callable[..., None] = print) -> PrefixSharedEngine | None:
+    """The checked prompt-once engine when `prefix_sharing` is on and the forwards need no wrapper (several
+    processes, per-group sampling: those need the wrapped, N-independent forward), else None."""
+    if not settings.prefix_sharing or run.wrapped:
+        return None
+    return build(model, tokens, run.vocab_size, run.max_length, run.completion_length, settings.onednn_matmul,
+                 run.gradient_checkpointing, say)
+
+
+def conformance(model: Any, tokens: SpecialTokens, run: EngineRun) -> PrefixSharedEngine:
+    """The checked engine at the default settings; refusing a model the suite gives it is a failure."""
+    engine = build_for_run(model, tokens, run, PrefixSharing())
+    if engine is None:
+        raise AssertionError(f"the prompt-once engine refused {type(model).__name__}, a model it supports")
+    return engine

@@ -99,9 +99,9 @@ def test_the_engine_is_sized_from_the_longest_episode_row(tmp_path, monkeypatch)
     built = []
     real_build = policy_module.build_engine
 
-    def recording_build(model, tokens, settings, say=print):
-        built.append(settings)
-        return real_build(model, tokens, settings, say)
+    def recording_build(model, tokens, run, settings, say=print):
+        built.append(run)
+        return real_build(model, tokens, run, settings, say)
 
     monkeypatch.setattr(policy_module, "build_engine", recording_build)
     policy, _ = policy_module.build_policy(cfg, start, torch.device("cpu"), records, with_reference=False)

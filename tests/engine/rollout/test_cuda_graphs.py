@@ -253,11 +253,12 @@ def test_captured_sampling_replays_the_generator_as_the_eager_step():
 
 @pytest.mark.gpu
 def test_the_door_chooses_captured_decoding_on_a_gpu():
-    from components.engine.rollout.choose import EngineSettings, build_engine
+    from components.engine.rollout.base import EngineRun
+    from components.engine.rollout.choose import build_engine
 
     lines: list[str] = []
-    engine = build_engine(_on_cuda(_llama(0.4)), TOKENS, EngineSettings(vocab_size=VOCAB, max_length=30,
-                                                                         completion_length=12),
+    engine = build_engine(_on_cuda(_llama(0.4)), TOKENS, EngineRun(vocab_size=VOCAB, max_length=30,
+                                                                    completion_length=12),
                           say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
     assert engine.name == "cuda_graphs", lines
 

@@ -1,8 +1,9 @@
 """Every rollout engine against the plain Hugging Face one, through the door the algorithm uses.
 
-Each test runs once per engine in `ENGINES`: the same generator state must give the same tokens, masks and sampler
-log-probs as the plain path (greedy and sampled, with finished rows, LoRA adapters and the row layout), and the
-engine's log-probs must be the plain forward's. The next engine is one module and one entry here.
+Each test runs once per entry of components/rollout_engines.py, built by its module's `conformance`: the same generator
+state must give the same tokens, masks and sampler log-probs as the plain path (greedy and sampled, with finished
+rows, LoRA adapters and the row layout), and the engine's log-probs must be the plain forward's. A new engine's entry
+puts it here; nothing in this file names one.
 """
 
 from __future__ import annotations
@@ -15,30 +16,23 @@ import pytest
 import torch
 
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.rollout import cuda_graphs, prefix_shared
-from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine
+from components.engine.rollout.base import EngineRun, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import conformance_engine
+from components.rollout_engines import ENGINES as ENTRIES
 
 VOCAB = 24
 TOKENS = SpecialTokens(eos_id=3, pad_id=0)
 
 
-def _prefix_shared(model: Any, tokens: SpecialTokens) -> RolloutEngine:
-    engine = prefix_shared.build(model, tokens, VOCAB, max_length=30, completion_length=12)
-    assert engine is not None, "the prompt-once engine refused a model it supports"
-    return engine
+RUN = EngineRun(vocab_size=VOCAB, max_length=30, completion_length=12)
+PLAIN = next(iter(ENTRIES))  # the registry's fallback, the reference the others are checked against
 
 
-def _cuda_graphs(model: Any, tokens: SpecialTokens) -> RolloutEngine:
-    """On the CPU the CUDA-graph engine decodes uncaptured, through the token loop over its fixed-shape state."""
-    return cuda_graphs.CudaGraphEngine(_prefix_shared(model, tokens), mode="token_loop", max_length=30)
+def _builder(name: str) -> Callable[[Any, SpecialTokens], RolloutEngine]:
+    return lambda model, tokens: conformance_engine(model, tokens, RUN, name)
 
 
-ENGINES: dict[str, Callable[[Any, SpecialTokens], RolloutEngine]] = {
-    "hf": lambda model, tokens: HFEngine(model, tokens),
-    "prefix_shared": _prefix_shared,
-    "cuda_graphs": _cuda_graphs,
-}
+ENGINES: dict[str, Callable[[Any, SpecialTokens], RolloutEngine]] = {name: _builder(name) for name in ENTRIES}
 
 
 def _llama(eos_bias: float = 0.0, **extra):
@@ -106,11 +100,11 @@ def _sample(name: str, model: Any, params: SamplingParams, seed: int = 5):
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
 @pytest.mark.parametrize("model_name", list(MODELS))
-@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "hf"])
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != PLAIN])
 def test_the_same_seed_gives_the_plain_paths_tokens(engine, model_name, greedy):
     model = MODELS[model_name]()
     params = SamplingParams(n=4, max_new_tokens=10, temperature=0.9, greedy=greedy)
-    plain, plain_gen = _sample("hf", model, params)
+    plain, plain_gen = _sample(PLAIN, model, params)
     ours, our_gen = _sample(engine, model, params)
     lengths = plain.completion_mask.sum(-1)
     assert greedy or lengths.min() < lengths.max(), "every row ended at the same step: finished rows never tested"
@@ -152,7 +146,7 @@ def test_rollouts_own_their_group_layout_and_sampler_logprobs(engine):
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_logprobs_and_gradients_are_the_plain_forwards(engine):
     model = _llama(0.4).train()
-    rollouts, _ = _sample("hf", model, SamplingParams(n=2, max_new_tokens=6))
+    rollouts, _ = _sample(PLAIN, model, SamplingParams(n=2, max_new_tokens=6))
     weights = torch.linspace(-1, 1, len(rollouts))[:, None] * rollouts.completion_mask
 
     def logprobs_and_grads(score: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]):
@@ -177,7 +171,7 @@ def test_an_engine_over_another_model_scores_with_that_model(engine):
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.01)
-    rollouts, _ = _sample("hf", model, SamplingParams(n=2, max_new_tokens=6))
+    rollouts, _ = _sample(PLAIN, model, SamplingParams(n=2, max_new_tokens=6))
     ours = ENGINES[engine](model, TOKENS).over(reference).logprobs(rollouts, 1.0)[0]
     mask = rollouts.completion_mask.bool()
     torch.testing.assert_close(ours[mask], completion_logprobs(reference, rollouts)[0][mask], atol=1e-5, rtol=1e-5)

@@ -22,9 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from components.engine.fast.check import _rounds_like_hugging_face, float32_weights
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.rollouts import left_pad
-from components.engine.rollout import cuda_graphs, prefix_shared
-from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine
+from components.engine.rollout import cuda_graphs
+from components.engine.rollout.base import EngineRun, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.choose import conformance_engine
+from components.rollout_engines import ENGINES as ENTRIES
 
 VOCAB, STEPS = 32, 16
 TOKENS = SpecialTokens(eos_id=3, pad_id=0)
@@ -106,18 +107,21 @@ MODELS = {name: functools.partial(_chosen, name)
           for name in ("grouped-query", "grouped-query-tied", "gemma2", "gemma3")}
 
 
-def _prefix_shared(model: Any) -> prefix_shared.PrefixSharedEngine:
-    engine = prefix_shared.build(model, TOKENS, VOCAB, max_length=40, completion_length=STEPS)
-    assert engine is not None, "the prompt-once engine's self-check refused a bfloat16 model"
-    return engine
+RUN = EngineRun(vocab_size=VOCAB, max_length=40, completion_length=STEPS)
 
 
-ENGINES: dict[str, Callable[[Any], RolloutEngine]] = {
-    "hf": lambda model: HFEngine(model, TOKENS),
-    "prefix_shared": _prefix_shared,
-    "cuda_graphs-token_loop": lambda model: cuda_graphs.CudaGraphEngine(_prefix_shared(model), "token_loop", 40),
-    "cuda_graphs-eager": lambda model: cuda_graphs.CudaGraphEngine(_prefix_shared(model), "eager", 40),
-}
+def _builder(name: str) -> Callable[[Any], RolloutEngine]:
+    return lambda model: conformance_engine(model, TOKENS, RUN, name)
+
+
+def _fused_step(model: Any) -> RolloutEngine:
+    """The CUDA-graph engine's fused step run eagerly: what a GPU captures, checked uncaptured."""
+    return cuda_graphs.CudaGraphEngine(conformance_engine(model, TOKENS, RUN, "prefix_shared"), "eager", 40)
+
+
+ENGINES: dict[str, Callable[[Any], RolloutEngine]] = {name: _builder(name) for name in ENTRIES} | {
+    "cuda_graphs-eager": _fused_step}
+PLAIN = next(iter(ENTRIES))
 
 
 def _reference(model: Any) -> tuple[torch.Tensor, float]:
@@ -222,7 +226,7 @@ def _transposed_layout(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "hf"])
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != PLAIN])
 def test_decoding_reads_a_transposed_attention_output(monkeypatch, engine, backend):
     """The layout CUDA's masked half-precision kernels return, under each backend: the same tokens as Hugging Face's
     `generate` (run before the layout is forced), for SmolLM2's 3 query heads per key/value head."""
@@ -255,12 +259,13 @@ def test_a_4bit_base_in_bfloat16_stays_nf4_through_every_engine():
 def test_the_door_captures_bfloat16_grouped_query_decoding_on_a_gpu():
     """On the card, the shape and dtype of the bug this file guards against: the door must choose captured decoding
     (no fallback) and decode `generate`'s greedy tokens, as the same fused loop does uncaptured."""
-    from components.engine.rollout.choose import EngineSettings, build_engine
+    from components.engine.rollout.base import EngineRun
+    from components.engine.rollout.choose import build_engine
 
     model = MODELS["grouped-query"]("cuda")
     reference = _generate(model)
     lines: list[str] = []
-    engine = build_engine(model, TOKENS, EngineSettings(vocab_size=VOCAB, max_length=40, completion_length=STEPS),
+    engine = build_engine(model, TOKENS, EngineRun(vocab_size=VOCAB, max_length=40, completion_length=STEPS),
                           say=lambda *a, **_k: lines.append(" ".join(map(str, a))))
     assert engine.name == "cuda_graphs" and engine.mode == "graphs", lines
     captured = engine.sample(PROMPTS, GREEDY).completion_ids
