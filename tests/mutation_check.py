@@ -36,6 +36,8 @@ VARIANT_TESTS = ["tests/engine/grpo/test_against_trl.py", "tests/engine/grpo/tes
                  "tests/engine/rollout/test_draw.py", "tests/engine/environments/test_episodes.py",
                  "tests/engine/environments/test_generation.py"]
 VARIANT_PREFIXES = ("cispo:", "sapo:", "gdpo:", "entropy mask:", "on-policy gap:", "diversity:", "episode:")
+# The engine table's test (a copy of the project with an engine added), run first for the engine door's mutations.
+ENGINE_TESTS, ENGINE_PREFIXES = ["tests/engine/rollout/test_engine_entries.py"], ("engines:",)
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS: list[tuple[str, str, str, str]] = [
@@ -340,10 +342,15 @@ MUTATIONS: list[tuple[str, str, str, str]] = [
      "    if False:"),
     # a loss's own settings: from the config to its entry, under their rules
     ("cispo: the entry's settings record left at its defaults, not read from the config", "components/losses.py",
-     "return self.settings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(self.settings)})",
+     "return read_record(self.settings, config)",
      "return self.settings()"),
     ("cispo: a loss setting's rule never applied", "components/config/grpo.py",
      '_require(valid(getattr(g, key)), f"grpo.{key}", rule)', '_require(True, f"grpo.{key}", rule)'),
+    # an engine's own settings: from the config to its entry, the door trying every entry
+    ("engines: the run's engine settings ignored, each entry at its defaults", "components/engine/rollout/choose.py",
+     "settings = engine_settings() | dict(settings or {})", "settings = engine_settings()"),
+    ("engines: the door tries only the built-in entries", "components/engine/rollout/choose.py",
+     "for entry in reversed(ENGINES.values()):", "for entry in reversed(list(ENGINES.values())[:3]):"),
     # episodes: the loss sees only the model's tokens
     ("episode: tool tokens counted as the model's", "components/engine/models/rollouts.py",
      "return real if self.model_mask is None else real & self.model_mask.bool()", "return real"),
@@ -382,7 +389,8 @@ def run_mutation(name: str, rel: str, old: str, new: str) -> tuple[str, float]:
     path.write_text(source.replace(old, new))
     started = time.perf_counter()
     try:
-        tests = VARIANT_TESTS + TESTS if name.startswith(VARIANT_PREFIXES) else TESTS
+        tests = (VARIANT_TESTS if name.startswith(VARIANT_PREFIXES) else []) + (
+            ENGINE_TESTS if name.startswith(ENGINE_PREFIXES) else []) + TESTS
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                               cwd=ROOT, capture_output=True, text=True, timeout=1800)
     finally:
