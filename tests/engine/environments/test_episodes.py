@@ -311,7 +311,7 @@ def test_tools_and_an_environment_together_are_refused():
 
 
 def test_episodes_through_every_engine_draw_the_plain_engines_tokens():
-    """A real (tiny, random) model plays tool episodes through the plain and the prompt-once engine: the same
+    """A real (tiny, random) model plays tool episodes through every engine of the table: the same
     turns, tool answers and masks for one seed, and the sampler's log-probs of the model's tokens are the model's."""
     tokenizer = chat_tokenizer()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -322,21 +322,23 @@ def test_episodes_through_every_engine_draw_the_plain_engines_tokens():
                                          max_position_embeddings=512)).eval()
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] += 0.3 * model.model.embed_tokens.weight.sum(0)
-    from components.engine.rollout import prefix_shared
-    from components.engine.rollout.base import SpecialTokens
-    from components.engine.rollout.hf import HFEngine
+    from components.engine.rollout.base import EngineRun, SpecialTokens
+    from components.engine.rollout.choose import conformance_engine
+    from components.rollout_engines import ENGINES
 
     tokens = SpecialTokens.of(tokenizer)
-    engines = {"hf": HFEngine(model, tokens),
-               "prefix_shared": prefix_shared.build(model, tokens, len(tokenizer), 200, 40)}
+    run = EngineRun(vocab_size=len(tokenizer), max_length=200, completion_length=40)
     out = {}
-    for name, engine in engines.items():
-        out[name] = _runner(tokenizer, max_tokens=60).run(engine, [{"prompt": "3+4?"}, {"prompt": "9+9?"}],
+    for name in ENGINES:  # every entry of the engine table, the plain one first
+        out[name] = _runner(tokenizer, max_tokens=60).run(conformance_engine(model, tokens, run, name),
+                                                          [{"prompt": "3+4?"}, {"prompt": "9+9?"}],
                                                           SamplingParams(n=3, max_new_tokens=60),
                                                           torch.Generator().manual_seed(1))
-    assert torch.equal(out["hf"].completion_ids, out["prefix_shared"].completion_ids)
-    assert torch.equal(out["hf"].written, out["prefix_shared"].written)
-    rollouts = out["hf"]
+    plain = out[next(iter(ENGINES))]
+    for name, rollouts in out.items():
+        assert torch.equal(rollouts.completion_ids, plain.completion_ids), name
+        assert torch.equal(rollouts.written, plain.written), name
+    rollouts = plain
     written = rollouts.written
     logp, _ = completion_logprobs(model, rollouts)
     torch.testing.assert_close(rollouts.sampling_logp[written], logp[written], atol=1e-5, rtol=1e-5)
