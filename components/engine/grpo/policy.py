@@ -23,9 +23,9 @@ from components.engine.environments.generation import Generation, play_of
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
 from components.engine.models.rollouts import Rollouts
-from components.engine.rollout.base import Decoding, EngineRun, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.rollout.adapters_off import AdaptersOff
+from components.engine.rollout.base import EngineRun, RolloutEngine, SamplingParams, SpecialTokens
 from components.engine.rollout.choose import build_engine, plain_engine, through_trainer
-from components.engine.rollout.turns import Reencoding
 from components.rollout_engines import engine_settings
 
 
@@ -49,31 +49,6 @@ def attach_lora(model, lora: LoRAConfig):
                                                target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     adapters_in_model_dtype(adapted)  # a half-precision model's adapters run in its dtype (kept float32)
     return adapted
-
-
-class AdaptersOff:
-    """An engine with its model's LoRA adapters switched off: the frozen base, which is a LoRA run's reference."""
-
-    name = "adapters_off"
-
-    def __init__(self, engine: RolloutEngine, model: Any):
-        self.engine, self.model = engine, model
-
-    def start(self, prompts: Sequence[Sequence[int]], continuing: bool = False) -> Decoding:
-        return Reencoding(self, prompts)
-
-    def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
-        with self.model.disable_adapter():
-            return self.engine.sample(prompts, params, generator)
-
-    def logprobs(self, rollouts: Rollouts, temperature: float,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with self.model.disable_adapter():
-            return self.engine.logprobs(rollouts, temperature, with_entropy)
-
-    def over(self, model: Any) -> RolloutEngine:
-        return AdaptersOff(self.engine.over(model), model)
 
 
 def raw_prompt(record: dict[str, Any]) -> str:
