@@ -157,3 +157,27 @@ def test_a_small_learning_rate_reaches_dvc_and_the_pipeline_as_the_same_number(r
     assert dvc_read(repo)["grpo.learning_rate"] == expected, params.read_text()
     if overrides:  # what the run wrote is a float to a YAML 1.1 reader too (a user's script, PyYAML's safe_load)
         assert yaml.safe_load(params.read_text())["grpo"]["learning_rate"] == expected
+
+
+def test_deploy_params_and_the_registered_lineage_read_small_numbers_as_numbers(tmp_path):
+    """`grpo-pipeline deploy --param grpo.learning_rate=1e-5` and register's redacted `lineage/params.yaml` read
+    `1e-5` as params.yaml is read (YAML 1.2: a number), not as the string YAML 1.1 makes of it; a secret-looking value
+    is still redacted in the lineage copy."""
+    from components.stages.register import log_params_file
+    from pipelines.commands.operations import _param_overrides
+
+    assert _param_overrides(["grpo.learning_rate=1e-5", "grpo.steps=3"]) == {"grpo.learning_rate": 1e-05,
+                                                                             "grpo.steps": 3}
+
+    class Run:  # what log_params_file asks of an MLflow run: the artifact it logs, read as logged
+        logged: dict = {}
+
+        def log_artifact(self, path, folder):
+            self.logged[folder] = yaml.safe_load(open(path).read())
+
+    params = tmp_path / "params.yaml"
+    params.write_text("grpo:\n  learning_rate: 1e-5\ntracking:\n  api_token: hunter2\n")
+    run = Run()
+    log_params_file(run, params)
+    assert run.logged["lineage"]["grpo"]["learning_rate"] == 1e-05
+    assert run.logged["lineage"]["tracking"]["api_token"] != "hunter2"
