@@ -70,9 +70,7 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             endings = reading.endings if len(rollouts) == len(batch.rewards.total) else None
             report = {"parameters": count_parameters(policy.model), "completions": batch.sampled,
                       **reward_summary(batch.rewards, endings), "loss": float(out.loss),
-                      "kl": float(out.kl), "examples": [{"prompt": records[i]["prompt"],
-                                                         "completion": completions[j * rollouts.group_size]}
-                                                        for j, i in enumerate(schedule.indices(0)[:3])]}
+                      "kl": float(out.kl), "examples": examples(batch.records, completions, rollouts.group_size)}
         finally:
             if previous_uri is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -81,6 +79,14 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
     print(f"dry run: config, data and model valid; one rollout of {report['completions']} completions, "
           f"{report['reward_said']}, loss {report['loss']:+.4f}; nothing was trained or written")
     return report
+
+
+def examples(records: Sequence[dict[str, Any]], completions: Sequence[str], group_size: int,
+             count: int = 3) -> list[dict[str, str]]:
+    """The first `count` kept groups' prompts, each with its group's first completion (dynamic sampling keeps some
+    groups only: each group's own record, not the step's schedule)."""
+    return [{"prompt": record["prompt"], "completion": completions[k * group_size]}
+            for k, record in enumerate(records[:count])]
 
 
 def reward_summary(rewards: RewardResult, endings: Sequence[str] | None) -> dict[str, Any]:

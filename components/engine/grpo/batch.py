@@ -77,6 +77,7 @@ class ScoredGroups:
     rewards: RewardResult  # what is logged: the weighted sum (`total`) and each reward's scores
     advantage_rewards: list[float]  # what the advantages are formed from (NaN: no reward scored the completion)
     reward_seconds: float  # time in the reward functions (kept apart from generation in the step timings)
+    records: tuple[dict[str, Any], ...]  # each group's record, group for group
 
     def informative_groups(self) -> list[int]:
         """Groups whose scored rewards are not all equal (DAPO: the others have zero advantage)."""
@@ -85,7 +86,8 @@ class ScoredGroups:
     def keep(self, groups: Sequence[int]) -> ScoredGroups:
         rows = self.rollouts.group_rows(groups)
         return ScoredGroups(self.rollouts.select(rows), select_rewards(self.rewards, rows),
-                            [self.advantage_rewards[r] for r in rows], self.reward_seconds)
+                            [self.advantage_rewards[r] for r in rows], self.reward_seconds,
+                            tuple(self.records[k] for k in groups))
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Batch:
     rewards: RewardResult  # the first round's rewards, every group: what the reward curves show
     sampled: int  # completions sampled, refills included
     reward_seconds: float
+    records: tuple[dict[str, Any], ...]  # each kept group's record, group for group (dynamic sampling drops some)
 
 
 RoundSampler = Callable[[int, list[int], int], list[ScoredGroups]]  # (step, record indices, round) -> its groups
@@ -120,7 +123,7 @@ def collect_batch(sample_round: RoundSampler, schedule: PromptSchedule, step: in
     kept = [part for part in kept if len(part.rollouts)] or [first[0].keep([])]
     return Batch(concat_rollouts([part.rollouts for part in kept], pad_id),
                  [x for part in kept for x in part.advantage_rewards], merge_rewards([p.rewards for p in first]),
-                 sampled, reward_seconds)
+                 sampled, reward_seconds, tuple(r for part in kept for r in part.records))
 
 
 def groups_in(parts: Sequence[ScoredGroups]) -> int:
@@ -194,9 +197,10 @@ def score_groups(policy: Policy, parts: list[Rollouts], records: list[dict[str, 
     totals = advantage_rewards(scored, g, group_size)
     out, start = [], 0
     for part in parts:
-        rows = list(range(start, start + len(part)))
+        rows, first_group = list(range(start, start + len(part))), start // group_size
         out.append(ScoredGroups(part, select_rewards(scored, rows) if len(parts) > 1 else scored,
-                                totals[start:start + len(part)], seconds if start == 0 else 0.0))
+                                totals[start:start + len(part)], seconds if start == 0 else 0.0,
+                                tuple(records[first_group:first_group + part.num_groups])))
         start += len(part)
     return out
 
@@ -238,4 +242,5 @@ def merge_rewards(parts: Sequence[RewardResult]) -> RewardResult:
 
 def on_device(groups: ScoredGroups, device: torch.device | str) -> ScoredGroups:
     """The groups' tensors on `device`; their reward time dropped (see `per_group_round`)."""
-    return ScoredGroups(groups.rollouts.map(lambda t: t.to(device)), groups.rewards, groups.advantage_rewards, 0.0)
+    return ScoredGroups(groups.rollouts.map(lambda t: t.to(device)), groups.rewards, groups.advantage_rewards, 0.0,
+                        groups.records)

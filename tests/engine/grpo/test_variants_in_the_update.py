@@ -202,6 +202,14 @@ def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny
     batch = collect_batch(rounds, PromptSchedule(8, 4, 0), 0, g, tok.pad_token_id)
     rollout = batch.rollouts
     assert len(rollout) and rollout.sampling_logp.shape == rollout.completion_ids.shape
+    # Each kept group's record is the one its rows were sampled from (groups dropped and refilled in between).
+    assert len(batch.records) == rollout.num_groups
+    for k, record in enumerate(batch.records):
+        row = k * rollout.group_size
+        assert rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist() == \
+            encode_prompts(tok, [record["prompt"]])[0], k
+    kept = [records.index(record) for record in batch.records]
+    assert kept != PromptSchedule(8, 4, 0).indices(0), "no group was dropped: the records' order tests nothing"
     with torch.no_grad():
         expected, _ = completion_logprobs(model, rollout, g.temperature)
     mask = rollout.completion_mask.bool()
