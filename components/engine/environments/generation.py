@@ -10,6 +10,7 @@ is decided where the service is built (`for_run`, `for_evaluation`), never by it
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,17 +144,31 @@ def play_of(cfg: PipelineConfig, tokenizer: Any, max_tokens: int) -> Play:
     return SingleTurn(tokenizer, PromptFormatter(cfg.prompt, tokenizer), limits)
 
 
+_EVALUATION_GENERATIONS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Generation]] = \
+    weakref.WeakKeyDictionary()
+
+
 def for_evaluation(cfg: PipelineConfig, model: Any, tokenizer: Any, max_new_tokens: int,
                    records: Sequence[dict[str, Any]], stop_together: Callable[[bool], bool] | None = None
                    ) -> Generation:
     """Generation of held-out evaluation, pass@k and SFT's stop check over `model` as it is now: the prompt-once
     engine where its self-check on rows as long as `records`' passes (`choose.evaluation_engine`), the plain one
-    otherwise or for a sharded model (`stop_together`)."""
+    otherwise or for a sharded model (`stop_together`).
+
+    Built once per model and records: the held-out probe and SFT's stop check ask again with the same model, records
+    and settings at every check, and sizing the engine reads every record's prompt (an environment's play resets
+    one environment per record for it)."""
+    key = (cfg, tokenizer, max_new_tokens, records, stop_together)
+    cached = _EVALUATION_GENERATIONS.get(model)
+    if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1]
     play = play_of(cfg, tokenizer, max_new_tokens)
     longest = play.longest_prompt(records) + max_new_tokens if records else max_new_tokens
     engine = evaluation_engine(model, tokenizer, max_new_tokens, longest, engine_settings(cfg.grpo),
                                stop_together=stop_together)
-    return Generation(engine, play, tokenizer)
+    generation = Generation(engine, play, tokenizer)
+    _EVALUATION_GENERATIONS[model] = (key, generation)
+    return generation
 
 
 def conversation_encoder(cfg: PipelineConfig, tokenizer: Any) -> Callable[[dict[str, Any], list[Message]],

@@ -111,6 +111,29 @@ def test_the_engine_is_sized_from_the_longest_episode_row(tmp_path, monkeypatch)
     assert rollouts.input_ids.shape[1] <= built[0].max_length
 
 
+def test_the_longest_prompt_is_read_once_per_run_and_per_evaluation_set(tmp_path, monkeypatch):
+    """Sizing an engine reads every record's prompt (a tool or environment play resets one environment per record):
+    building the policy reads them once, and the held-out probe and SFT's stop check, which ask for the same
+    records' generation at every check, read them at their first check only."""
+    from components.engine.environments import episodes
+    from components.engine.environments.generation import for_evaluation
+    from components.engine.grpo.policy import build_policy
+
+    cfg, start = _tool_run(tmp_path)
+    records = [{"id": i, "prompt": f"What is {i} * 12?", "answer": str(12 * i)} for i in range(1, 9)]
+    reads = []
+    real = episodes.Episodes.longest_prompt
+    monkeypatch.setattr(episodes.Episodes, "longest_prompt", lambda play, rows: reads.append(len(rows)) or real(
+        play, rows))
+    policy, _ = build_policy(cfg, start, torch.device("cpu"), records, with_reference=False)
+    assert reads == [8]
+    heldout = records[:4]
+    first = for_evaluation(cfg, policy.model, policy.tokenizer, 40, heldout)
+    assert for_evaluation(cfg, policy.model, policy.tokenizer, 40, heldout) is first and reads == [8, 4]
+    assert for_evaluation(cfg, policy.model, policy.tokenizer, 20, heldout) is not first  # another budget
+    assert reads == [8, 4, 4]
+
+
 def test_completion_length_counts_the_models_tokens_in_training_and_evaluation():
     """`completion_length` is the model's tokens (EOS included) in the step metrics as in evaluation;
     `episode_length` every token after the prompt and `environment_tokens` the tool's, beside it."""
