@@ -25,13 +25,14 @@ from typing import Any
 from components.config import PipelineConfig
 from components.data.records import dir_md5
 from components.engine.environments import calls, chat
+from components.engine.models import prompt_text
 from components.engine.models.modeling import adapter_base, resolve_model_dir
 from components.tracking import chat_request
 
 SERVING_MODULE = Path(__file__).with_name("serving_model.py")
 SERVED_PACKAGE = "grpo_served"
 SERVED_MODULES = {"chat.py": Path(chat.__file__), "calls.py": Path(calls.__file__),
-                  "chat_request.py": Path(chat_request.__file__)}
+                  "chat_request.py": Path(chat_request.__file__), "prompt_text.py": Path(prompt_text.__file__)}
 PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "pandas"]
 ADAPTER_PIP_REQUIREMENTS = PIP_REQUIREMENTS + ["peft"]
 

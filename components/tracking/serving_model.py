@@ -9,10 +9,10 @@ training's call parser: an OpenAI `chat.completion` with the calls in `tool_call
 (components/tracking/chat_request.py). Without `tools` it offers the tools the model was trained with.
 
 Self-contained: it imports only torch and transformers (and peft for a LoRA adapter), plus the package `grpo_served`
-the model ships (standard-library copies of the pipeline's chat layout, call parser and request format), so the
-logged model runs without this repository. A LoRA adapter version names its base (`base_model_uri` in the model
-config, a registered version): loading it loads that base version from the same tracking server and applies the
-adapter.
+the model ships (standard-library copies of the pipeline's prompt rendering, chat layout, call parser and request
+format), so the logged model runs without this repository. A LoRA adapter version names its base (`base_model_uri`
+in the model config, a registered version): loading it loads that base version from the same tracking server and
+applies the adapter.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ class CompletionModel(PythonModel):
 
     def load_context(self, context):
         # The shipped package (MLflow's code_paths), imported before a LoRA adapter's base version adds its own.
-        from grpo_served import calls, chat, chat_request
+        from grpo_served import calls, chat, chat_request, prompt_text
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.calls, self.layout, self.requests = calls, chat, chat_request
+        self.calls, self.layout, self.requests, self.prompt_text = calls, chat, chat_request, prompt_text
         model_dir = context.artifacts["model_dir"]
         config = context.model_config or {}
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -63,13 +63,9 @@ class CompletionModel(PythonModel):
         self.model_name = str(config.get("model_name", "grpo-pipeline"))
 
     def format(self, record: dict) -> str:
-        """The same formatting the pipeline trained with (components/engine/models/prompting.py)."""
-        text = self.template.format(**record)
-        if self.chat:
-            messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-                       [{"role": "user", "content": text}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.start + (f"{self.system}\n{text}" if self.system else text)
+        """Training's own rendering (components/engine/models/prompt_text.py, shipped), with its settings."""
+        return self.prompt_text.render(record, self.template, self.system, self.chat, self.start,
+                                       self.tokenizer.apply_chat_template)
 
     def predict(self, context, model_input, params=None):
         if isinstance(model_input, dict):

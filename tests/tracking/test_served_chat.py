@@ -158,8 +158,9 @@ def test_the_model_ships_trainings_own_layout_and_parser_needing_only_the_standa
     assert {p.name for p in shipped.glob("*.py")} == {"__init__.py", *SERVED_MODULES}
     for name, source in SERVED_MODULES.items():
         assert (shipped / name).read_bytes() == source.read_bytes(), name
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import grpo_served.chat, grpo_served.calls, "
-             "grpo_served.chat_request; import json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    imports = ", ".join(f"{SERVED_PACKAGE}.{Path(name).stem}" for name in SERVED_MODULES)
+    probe = (f"import sys; sys.path.insert(0, sys.argv[1]); import {imports}; import json; "
+             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     loaded_modules = json.loads(subprocess.run([sys.executable, "-I", "-c", probe, str(shipped.parent)], check=True,
                                                capture_output=True, text=True).stdout)
     assert not {"components", "torch", "transformers", "mlflow", "numpy", "pandas"} & set(loaded_modules)

@@ -12,6 +12,7 @@ from typing import Any
 
 from components.config import PromptConfig
 from components.data.records import DataError
+from components.engine.models.prompt_text import render
 
 
 def uses_chat_template(cfg: PromptConfig, tokenizer) -> bool:
@@ -43,17 +44,13 @@ class PromptFormatter:
 
     def __call__(self, record: dict[str, Any]) -> str:
         try:
-            text = self.template.format(**record)
+            return render(record, self.template, self.system, self.chat, self.start,
+                          self.tokenizer.apply_chat_template)
         except KeyError as err:
             raise DataError(f"prompt.template uses field {err} that record {record.get('id')!r} does not have") from err
-        if self.chat:
-            messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-                       [{"role": "user", "content": text}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.start + (f"{self.system}\n{text}" if self.system else text)
 
     def settings(self) -> dict[str, Any]:
-        """What the served model needs to format prompts identically."""
+        """What the served model hands `prompt_text.render` (which it ships) to format prompts identically."""
         return {"template": self.template, "system": self.system, "chat": self.chat, "start": self.start}
 
 

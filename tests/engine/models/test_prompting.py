@@ -30,3 +30,30 @@ def test_a_plain_prompt_starts_as_the_tokenizer_starts_plain_text():
     assert encoded == gemma_like("12+7=").input_ids == [2, 4, 5, 13, 10, 14]
     assert PromptFormatter(cfg, plain)({"prompt": "12+7="}) == "12+7="
     assert PromptFormatter(cfg, gemma_like).settings()["start"] == "<bos>"  # the served model formats the same
+
+
+def test_the_served_model_formats_with_trainings_own_rendering():
+    """The served model renders a prompt with the file it ships (`prompt_text`) and the formatter's settings: the
+    same text as training's formatter, plain (with the tokenizer's start and a system line) and through a chat
+    template; and it keeps no rendering of its own."""
+    import inspect
+
+    from components.engine.models import prompt_text
+    from components.tracking.serving_model import CompletionModel
+
+    chat = character_tokenizer(adds_bos=False)
+    chat.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+    cases = [(PromptConfig(template="{prompt}", chat_template="never"), character_tokenizer(adds_bos=True)),
+             (PromptConfig(template="Q: {prompt}", system="Add.", chat_template="never"), chat),
+             (PromptConfig(template="Q: {prompt}", system="Add.", chat_template="always"), chat)]
+    for cfg, tokenizer in cases:
+        formatter = PromptFormatter(cfg, tokenizer)
+        served = CompletionModel()
+        served.prompt_text, served.tokenizer = prompt_text, tokenizer
+        for key, value in formatter.settings().items():
+            setattr(served, key, value)
+        record = {"prompt": "12+7=", "answer": "19"}
+        assert served.format(record) == formatter(record), cfg
+    assert formatter(record) == "[system]Add.[user]Q: 12+7=[assistant]"
+    source = inspect.getsource(CompletionModel.format)
+    assert "apply_chat_template(messages" not in source and ".format(**" not in source
