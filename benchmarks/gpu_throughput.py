@@ -27,7 +27,7 @@ def qwen2_half_billion():
 
 def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, new_tokens: int = 256) -> dict[str, Any]:
     from components.engine.fast.build import checked_prefix_shared_lm
-    from components.engine.models.rollouts import Rollouts
+    from components.engine.models.rollouts import Turn
     from components.engine.rollout.draw import sample_from
 
     model = qwen2_half_billion()
@@ -52,7 +52,7 @@ def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, n
     gen_seconds = time.perf_counter() - t0
     completion = torch.stack(tokens, 1)
     rows = prompts * group_size
-    rollout = Rollouts(prompt_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0), completion,
+    rollout = Turn(prompt_ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0), completion,
                       torch.ones_like(completion), torch.zeros(rows, dtype=torch.bool, device="cuda"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times = []

@@ -77,7 +77,7 @@ def step_metrics(batch: Batch, stats: UpdateStats, trajectory: Trajectory, lr: f
         metrics["logprob_gap_max"] = stats.gap_max
     metrics.update(stats.correction.metrics())  # rollout_correction/*: none with the correction off
     metrics.update({f"reward/{k}/mean": v for k, v in batch.rewards.component_means().items()})
-    metrics.update(episode_metrics(rollout.episodes or ()))
+    metrics.update(episode_metrics(rollout.episodes))
     return metrics
 
 

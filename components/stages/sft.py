@@ -30,7 +30,7 @@ from components.engine.models.modeling import (
 )
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.models.rollouts import Turn, left_pad
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -102,7 +102,7 @@ def _demonstrations(cfg: PipelineConfig, paths: Paths, tokenizer) -> tuple[torch
 
 
 def demonstration_rollouts(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor,
-                           pad_id: int) -> Rollouts:
+                           pad_id: int) -> Turn:
     """Rows of right-padded demonstrations (`encode_sft`) as the rollouts every engine scores: a row's tokens before
     its first learned one are its prompt (left-padded), the rest its completion (right-padded), the learned tokens
     the model's (`model_mask`: a worked conversation's tool answers stay in the context, out of the loss). Widths
@@ -125,11 +125,11 @@ def demonstration_rollouts(ids: torch.Tensor, mask: torch.Tensor, labels: torch.
         completion_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         completion_mask[i, :len(tokens)] = 1
         model_mask[i, :len(tokens)] = scored
-    return Rollouts(prompt_ids, prompt_mask, completion_ids, completion_mask,
+    return Turn(prompt_ids, prompt_mask, completion_ids, completion_mask,
                     torch.zeros(len(completions), dtype=torch.bool, device=ids.device), model_mask=model_mask)
 
 
-def learned_loss_sum(engine: RolloutEngine, batch: Rollouts) -> tuple[torch.Tensor, float]:
+def learned_loss_sum(engine: RolloutEngine, batch: Turn) -> tuple[torch.Tensor, float]:
     """(summed cross-entropy of the learned tokens, their count), through the engine's log-probs: the prompt-once
     engine encodes a prefix the rows share (a system prompt, a tool schema) once and feeds no padding through its
     projections; the plain one is Hugging Face's forward."""

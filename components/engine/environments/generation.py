@@ -88,11 +88,11 @@ class Generation:
             sampled = decoding.turn(turn_params, generator)
         episodes = tuple(finish(self.play, row) for row in rows)
         if all(e.turns <= 1 for e in episodes):  # nothing was appended: the first turn is the whole rollout
-            return dataclasses.replace(first, episodes=episodes)
+            return Rollouts.played(first, episodes)
         return self._rollouts(prompts, episodes, params.n, first.completion_ids.device)
 
     def read(self, rollouts: Rollouts) -> Reading:
-        episodes = rollouts.episodes or ()
+        episodes = rollouts.episodes
         texts = [e.answer for e in episodes]
         return Reading(texts, self.play.columns(episodes), [self.play.transcript(e) for e in episodes],
                        [self.play.ending(e) for e in episodes])
@@ -131,7 +131,7 @@ class Generation:
         return Rollouts(prompt_ids, prompt_mask, grid(lambda e: e.ids, pad, torch.long),
                         grid(lambda e: [1] * len(e.ids), 0, torch.long), truncated, n,
                         grid(lambda e: e.sampling_logp, 0.0, torch.float32),
-                        grid(lambda e: e.model_mask, 0, torch.long), episodes)
+                        grid(lambda e: e.model_mask, 0, torch.long), episodes=episodes)
 
 
 def play_of(cfg: PipelineConfig, tokenizer: Any, max_tokens: int) -> Play:

@@ -36,7 +36,7 @@ class Completions:
     @classmethod
     def of(cls, rollouts: Rollouts, reading: Reading) -> Completions:
         """The rows of one `Generation.run` and its `Generation.read`."""
-        episodes = rollouts.episodes or ()
+        episodes = rollouts.episodes
         return cls(list(reading.texts), {k: list(v) for k, v in reading.columns.items()}, list(reading.transcripts),
                    [e.model_tokens for e in episodes], [len(e.ids) for e in episodes],
                    [bool(x) for x in ~rollouts.truncated])

@@ -29,7 +29,7 @@ import torch
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.rows import SHARED_PREFIX_MIN
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 
 MAX_CHECK_LENGTH = 1024  # self-check rows are this long at most (the attention rules hold at any length)
 SHARED_CHECK_LENGTH = 2 * SHARED_PREFIX_MIN + 4  # the shared-prefix batch's prompts: long enough to share, no longer
@@ -170,7 +170,7 @@ def trains_like_reference_forward(lm: PrefixSharedLM, vocab_size: int) -> bool:
     is off for the check only, so both forwards compute the same function."""
     prompt, mask, completion, completion_mask = check_batch(lm, vocab_size, 5, 4, shared_head=0)
     rows = torch.tensor([0, 1, 2, 3, 4, 0], device=prompt.device)  # the last row repeats the first
-    checked = Rollouts(prompt[rows], mask[rows], completion[rows], completion_mask[rows],
+    checked = Turn(prompt[rows], mask[rows], completion[rows], completion_mask[rows],
                        torch.zeros(len(rows), dtype=torch.bool, device=prompt.device))
     weights = torch.linspace(-1.0, 1.0, len(rows), device=prompt.device)[:, None] * checked.completion_mask
     layers = lm.pieces.layers
@@ -226,7 +226,7 @@ def check_batch(lm: PrefixSharedLM, vocab_size: int, prompt_length: int, complet
 def _values(logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]], batch: tuple) -> torch.Tensor:
     """A forward's log-probs and entropies of the batch's real completion tokens, side by side."""
     prompt, mask, completion, completion_mask = batch
-    checked = Rollouts(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
+    checked = Turn(prompt, mask, completion, completion_mask, torch.zeros(len(completion), dtype=torch.bool))
     logp, entropy = logprobs(checked, with_entropy=True)
     real = completion_mask.bool()
     return torch.cat([logp[real], entropy[real]])

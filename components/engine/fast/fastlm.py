@@ -31,7 +31,7 @@ from components.engine.fast.pieces import FastOptions, ModelPieces
 from components.engine.fast.prompts import encode, prompt_pass
 from components.engine.fast.rows import distinct_rows
 from components.engine.models.logprobs import head_token_logprobs
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 
 
 class PrefixSharedLM:
@@ -95,7 +95,7 @@ class PrefixSharedLM:
         hidden = self.pieces.final_norm(torch.cat([x[0, w - 1:u * w:w], x[0, u * w:]]))
         return hidden[:u].index_select(0, rows), hidden[u:], fed
 
-    def completion_logprobs(self, rollouts: Rollouts, temperature: float = 1.0,
+    def completion_logprobs(self, rollouts: Turn, temperature: float = 1.0,
                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`models.logprobs.completion_logprobs` computed prompt-once and packed: log-probs [N, T] of the completion
         tokens (and their entropies), which are 0 where `completion_mask` is 0 (the plain path scores those too)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from components.engine.models.rollouts import Rollouts, positions_from_mask
+from components.engine.models.rollouts import Turn, positions_from_mask
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -120,7 +120,7 @@ def decoder_and_head(model) -> tuple[Any, Any] | None:
     return decoder, head
 
 
-def completion_logprobs(model, rollouts: Rollouts, temperature: float = 1.0,
+def completion_logprobs(model, rollouts: Turn, temperature: float = 1.0,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [N, T] of the completion tokens under `model` (logits scaled by temperature),
     and with `with_entropy` the entropy [N, T] of each next-token distribution (no gradient).

@@ -10,7 +10,8 @@ of the loss (`model_mask`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Self
 
 import torch
 
@@ -53,8 +54,10 @@ class Episode:
 
 
 @dataclass(frozen=True)
-class Rollouts:
-    """Sampled completions with everything the loss needs; never written to (a change makes a new one)."""
+class Turn:
+    """Rows of tokens with everything a loss needs: what an engine draws in a turn (`RolloutEngine.sample`,
+    `Decoding.turn`), or rows to score (SFT's demonstrations, a self-check's); never written to (a change makes a new
+    one). `Rollouts` are played rows: these, each with its episode."""
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
@@ -64,10 +67,13 @@ class Rollouts:
     group_size: int = 1  # G completions per prompt: the layout of the rows
     sampling_logp: torch.Tensor | None = None  # [N, T] each drawn token's log-prob as the sampler saw it (0 elsewhere)
     model_mask: torch.Tensor | None = None  # [N, T] 1 on the tokens the model wrote (None: every completion token)
-    episodes: tuple[Episode, ...] | None = None  # per row, its episode (None: an engine's turn, not yet played)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    def token_fields(self) -> dict[str, Any]:
+        """The rows' fields as `Turn` has them (a played row's episode left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(Turn)}
 
     @property
     def written(self) -> torch.Tensor:
@@ -91,32 +97,32 @@ class Rollouts:
     def group_of_row(self, row: int) -> int:
         return row // self.group_size
 
-    # ---- new rollouts from this one
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Rollouts:
+    # ---- new rows from these (of the same type: played rows keep their episodes)
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
         """Every tensor through `fn` (device, copies; `select` for rows)."""
         def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 
-        return Rollouts(fn(self.prompt_ids), fn(self.prompt_mask), fn(self.completion_ids), fn(self.completion_mask),
-                        fn(self.truncated), self.group_size, maybe(self.sampling_logp), maybe(self.model_mask),
-                        self.episodes)
+        return replace(self, prompt_ids=fn(self.prompt_ids), prompt_mask=fn(self.prompt_mask),
+                       completion_ids=fn(self.completion_ids), completion_mask=fn(self.completion_mask),
+                       truncated=fn(self.truncated), sampling_logp=maybe(self.sampling_logp),
+                       model_mask=maybe(self.model_mask))
 
-    def clone(self) -> Rollouts:
+    def clone(self) -> Self:
         """Fresh copies; made outside `torch.inference_mode`, they are ordinary tensors autograd can save."""
         return self.map(torch.clone)
 
-    def select(self, rows: Sequence[int]) -> Rollouts:
+    def select(self, rows: Sequence[int]) -> Self:
         """The given rows (same padding widths); itself when they are all rows in order (no copies)."""
         if list(rows) == list(range(len(self))):
             return self
-        picked = self.map(lambda t: t[list(rows)])
-        return picked if self.episodes is None else replace(picked, episodes=tuple(self.episodes[r] for r in rows))
+        return self.map(lambda t: t[list(rows)])
 
-    def select_groups(self, groups: Sequence[int]) -> Rollouts:
+    def select_groups(self, groups: Sequence[int]) -> Self:
         """The rows of the given groups (whole groups keep the layout)."""
         return self.select(self.group_rows(groups))
 
-    def trimmed(self) -> Rollouts:
+    def trimmed(self) -> Self:
         """Without trailing completion columns that are padding in every row (decoding in lockstep runs past a
         group's EOS)."""
         used = self.completion_mask.any(0).nonzero()
@@ -146,6 +152,28 @@ class Rollouts:
             return 0.0
         rows = torch.cat([self.prompt_ids * self.prompt_mask, self.completion_ids * self.completion_mask], dim=1)
         return torch.unique(rows, dim=0).shape[0] / len(self)
+
+
+@dataclass(frozen=True)
+class Rollouts(Turn):
+    """Played rows (`Generation.run`): an engine's turns answered by the play, each row with its episode (a single
+    turn is the episode of one turn). Training, evaluation and the tables read these."""
+
+    episodes: tuple[Episode, ...] = field(kw_only=True)  # per row, its episode
+
+    def __post_init__(self) -> None:
+        if len(self.episodes) != len(self):
+            raise ValueError(f"rollouts of {len(self)} rows with {len(self.episodes)} episodes: one a row")
+
+    @classmethod
+    def played(cls, turn: Turn, episodes: Sequence[Episode]) -> Rollouts:
+        """`turn`'s rows, each with its episode."""
+        return cls(**turn.token_fields(), episodes=tuple(episodes))
+
+    def select(self, rows: Sequence[int]) -> Rollouts:
+        if list(rows) == list(range(len(self))):
+            return self
+        return Rollouts.played(Turn(**self.token_fields()).select(rows), [self.episodes[r] for r in rows])
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -178,9 +206,9 @@ def encode_prompts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return [[t for t, real in zip(ids, mask) if real] for ids, mask in zip(batch.input_ids, batch.attention_mask)]
 
 
-def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
-    """Stack rollouts of one group size and different widths: prompts re-padded on the left, completions on the
-    right."""
+def concat_rollouts(parts: Sequence[Turn], pad_id: int) -> Turn:
+    """Stack rows of one group size and different widths: prompts re-padded on the left, completions on the right;
+    played rows (`Rollouts`) keep their episodes."""
     if len(parts) == 1:
         return parts[0]
     sizes = {r.group_size for r in parts}
@@ -198,19 +226,20 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     sampled = [r.sampling_logp is not None for r in parts]
     if any(sampled) and not all(sampled):  # a part lost its sampler log-probs: say so, not a silent on-policy check
         raise ValueError("concat_rollouts: some rollouts carry the sampler's log-probs and some do not")
-    if len({r.episodes is None for r in parts}) != 1:
-        raise ValueError("concat_rollouts: some rollouts are episodes and some are not")
+    played = {isinstance(r, Rollouts) for r in parts}
+    if len(played) != 1:
+        raise ValueError("concat_rollouts: some rollouts are played (episodes) and some are not")
     masked = any(r.model_mask is not None for r in parts)
-    return Rollouts(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
-                    prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
-                    completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
-                    completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
-                    truncated=torch.cat([r.truncated for r in parts]), group_size=sizes.pop(),
-                    sampling_logp=torch.cat([right(r.sampling_logp, c_width, 0) for r in parts])
-                    if all(sampled) else None,
-                    model_mask=torch.cat([right(r.completion_mask if r.model_mask is None else r.model_mask,
-                                                c_width, 0) for r in parts]) if masked else None,
-                    episodes=None if parts[0].episodes is None else tuple(e for r in parts for e in r.episodes))
+    rows = Turn(prompt_ids=torch.cat([left(r.prompt_ids, p_width, pad_id) for r in parts]),
+                prompt_mask=torch.cat([left(r.prompt_mask, p_width, 0) for r in parts]),
+                completion_ids=torch.cat([right(r.completion_ids, c_width, pad_id) for r in parts]),
+                completion_mask=torch.cat([right(r.completion_mask, c_width, 0) for r in parts]),
+                truncated=torch.cat([r.truncated for r in parts]), group_size=sizes.pop(),
+                sampling_logp=torch.cat([right(r.sampling_logp, c_width, 0) for r in parts])
+                if all(sampled) else None,
+                model_mask=torch.cat([right(r.completion_mask if r.model_mask is None else r.model_mask,
+                                            c_width, 0) for r in parts]) if masked else None)
+    return Rollouts.played(rows, [e for r in parts for e in r.episodes]) if played.pop() else rows
 
 
 def decode_completions(tokenizer, rollouts: Rollouts) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 from components.engine.rollout.base import Decoding, RolloutEngine, SamplingParams
 from components.engine.rollout.turns import Reencoding
 
@@ -25,11 +25,11 @@ class AdaptersOff:
         return Reencoding(self, prompts)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
+               generator: torch.Generator | None = None) -> Turn:
         with self.model.disable_adapter():
             return self.engine.sample(prompts, params, generator)
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
+    def logprobs(self, rollouts: Turn, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.model.disable_adapter():
             return self.engine.logprobs(rollouts, temperature, with_entropy)

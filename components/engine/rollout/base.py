@@ -1,4 +1,4 @@
-"""What every rollout engine takes and returns: `SamplingParams` in, `Rollouts` out, behind `RolloutEngine`."""
+"""What every rollout engine takes and returns: `SamplingParams` in, `Turn` out, behind `RolloutEngine`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Decoding(Protocol):
     stays encoded between turns, so what a tool or environment answers is appended to it, never re-encoded with the
     conversation before it. Made by `RolloutEngine.start`."""
 
-    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Turn:
         """The next turn of every open row, drawn as `RolloutEngine.sample` draws (the same generator use): the first
         turn `params.n` rows per prompt, prompt-major, with the prompts as the rollouts' prompt part; a later turn one
         row per row kept by `extend`, in order, with an empty prompt part."""
@@ -80,12 +80,12 @@ class RolloutEngine(Protocol):
         ...
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
+               generator: torch.Generator | None = None) -> Turn:
         """`params.n` completions of each prompt (token ids), prompt-major: `start(prompts).turn(params, generator)`.
         With the same generator state every engine draws the same tokens as the plain path (greedy, or sampled)."""
         ...
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
+    def logprobs(self, rollouts: Turn, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [N, T] of the completion tokens at `temperature` (0 where `completion_mask` is 0) and, with
         `with_entropy`, each position's entropy (no gradient). With gradients enabled they flow to the weights."""

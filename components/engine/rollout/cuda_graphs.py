@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from components.engine.fast.pieces import ModelPieces
-from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.models.rollouts import Turn, left_pad
 from components.engine.rollout.base import EngineRun, SamplingParams
 from components.engine.rollout.draw import draw
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
@@ -72,10 +72,10 @@ class CudaGraphEngine:
         return StaticDecoding(self, prompts, continuing)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
+               generator: torch.Generator | None = None) -> Turn:
         return self.start(prompts).turn(params, generator)
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
+    def logprobs(self, rollouts: Turn, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.base.logprobs(rollouts, temperature, with_entropy)
 
@@ -100,7 +100,7 @@ class CudaGraphEngine:
     # ---------------------------------------------------------------------------- the fused (captured) loop
     def _fused_decode(self, state: StaticState, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       params: SamplingParams, generator: torch.Generator | None, continuing: bool,
-                      first: bool) -> Rollouts:
+                      first: bool) -> Turn:
         """Every step fused (draw, record, feed); in `graphs` mode each (rows, keys) shape is captured first (for a
         continuing run every key block up to the state's length, with the first turn: a capture between turns would
         overwrite the live state)."""
@@ -223,10 +223,10 @@ class StaticDecoding:
         device = next(engine.base.lm.model.parameters()).device
         self.prompt_ids, self.prompt_mask = left_pad(prompts, engine.tokens.pad_id, device)
         self.n: int | None = None  # rows of the turn to come (None: the first has not run)
-        self.last: Rollouts | None = None
+        self.last: Turn | None = None
         self.fed_all = True  # whether the last turn fed every token it drew (the token loop leaves its last step's)
 
-    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Turn:
         engine, first = self.engine, self.n is None
         with torch.inference_mode():
             if first:
@@ -311,7 +311,7 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def _rollouts(state: StaticState, n: int, steps: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-              params: SamplingParams, eos: int) -> Rollouts:
+              params: SamplingParams, eos: int) -> Turn:
     """Rollouts from the recorded tokens, cut to the longest completion, masked as the token loop masks them."""
     tokens, logp = state.outputs(n, steps)
     is_eos = tokens == eos
@@ -320,7 +320,7 @@ def _rollouts(state: StaticState, n: int, steps: int, prompt_ids: torch.Tensor, 
     width = int(mask.sum(-1).max()) if n else 0
     tokens, mask, is_eos = tokens[:, :width], mask[:, :width], is_eos[:, :width]
     g = params.n
-    return Rollouts(prompt_ids=prompt_ids.repeat_interleave(g, 0), prompt_mask=prompt_mask.repeat_interleave(g, 0),
+    return Turn(prompt_ids=prompt_ids.repeat_interleave(g, 0), prompt_mask=prompt_mask.repeat_interleave(g, 0),
                     completion_ids=tokens, completion_mask=mask, truncated=~is_eos.any(-1), group_size=g,
                     sampling_logp=None if params.greedy else logp[:, :width] * mask)
 

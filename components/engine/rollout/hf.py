@@ -11,7 +11,7 @@ import torch
 
 from components.engine.models.logprobs import completion_logprobs
 from components.engine.models.modeling import layer_checkpointing
-from components.engine.models.rollouts import Rollouts, left_pad, positions_from_mask
+from components.engine.models.rollouts import Turn, left_pad, positions_from_mask
 from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
 from components.engine.rollout.turns import LoopDecoding
 
@@ -39,10 +39,10 @@ class HFEngine:
                             torch.no_grad, stop_together=self.stop_together)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
+               generator: torch.Generator | None = None) -> Turn:
         return self.start(prompts).turn(params, generator)
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
+    def logprobs(self, rollouts: Turn, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         module = self.trainer if self.trainer is not None and torch.is_grad_enabled() else self.model
         with layer_checkpointing(self.model, self.gradient_checkpointing):

@@ -13,7 +13,7 @@ import torch
 from components.engine.fast.build import checked_prefix_shared_lm
 from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.pieces import FastOptions
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
 from components.engine.rollout.turns import LoopDecoding
 from components.rollout_engines import PrefixSharing
@@ -34,10 +34,10 @@ class PrefixSharedEngine:
                             continuing, torch.inference_mode, clone=True)
 
     def sample(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Rollouts:
+               generator: torch.Generator | None = None) -> Turn:
         return self.start(prompts).turn(params, generator)
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
+    def logprobs(self, rollouts: Turn, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.lm.completion_logprobs(rollouts, temperature, with_entropy)
 

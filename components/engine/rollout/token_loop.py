@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 from components.engine.rollout.base import SamplingParams, SpecialTokens
 from components.engine.rollout.draw import draw
 
@@ -25,7 +25,7 @@ class StepDecoder(Protocol):
 
 def decode(decoder: StepDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
            tokens: SpecialTokens, generator: torch.Generator | None,
-           stop_together: Callable[[bool], bool] | None = None) -> Rollouts:
+           stop_together: Callable[[bool], bool] | None = None) -> Turn:
     """`params.n` completions of each left-padded prompt ([B, P]) from `decoder`, prompt-major.
 
     Only rows that have not emitted EOS draw a token, so every decoder consumes the generator alike.
@@ -62,6 +62,6 @@ def decode(decoder: StepDecoder, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     # Mask: every token up to and including the first EOS (all tokens when there is none).
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     completion_mask = (~after_eos).long()
-    return Rollouts(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=drawn_tokens,
+    return Turn(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=drawn_tokens,
                     completion_mask=completion_mask, truncated=~is_eos.any(-1), group_size=group_size,
                     sampling_logp=None if sampling_logp is None else sampling_logp[:, :length] * completion_mask)

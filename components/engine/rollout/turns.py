@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.models.rollouts import Turn, left_pad
 from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
 from components.engine.rollout.token_loop import StepDecoder, decode
 
@@ -47,9 +47,9 @@ class LoopDecoding:
         self.clone, self.stop_together = clone, stop_together
         self.prompt_ids, self.prompt_mask = left_pad(prompts, tokens.pad_id, device)
         self.decoder: ContinuingDecoder | None = None
-        self.last: Rollouts | None = None  # the last turn, as drawn
+        self.last: Turn | None = None  # the last turn, as drawn
 
-    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Turn:
         with self.mode():
             if self.decoder is None:
                 self.decoder = self.make_decoder(self.prompt_ids, self.prompt_mask, params.n, params.max_new_tokens,
@@ -81,9 +81,9 @@ class Reencoding:
     def __init__(self, engine: RolloutEngine, prompts: Sequence[Sequence[int]]):
         self.engine, self.prompts = engine, [list(p) for p in prompts]
         self.contexts: list[list[int]] | None = None  # each row's context before its last turn
-        self.last: Rollouts | None = None
+        self.last: Turn | None = None
 
-    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Rollouts:
+    def turn(self, params: SamplingParams, generator: torch.Generator | None = None) -> Turn:
         if self.contexts is None:
             self.last = self.engine.sample(self.prompts, params, generator)
             self.contexts = [self.prompts[self.last.group_of_row(row)] for row in range(len(self.last))]

@@ -19,7 +19,7 @@ from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import build_trajectory, loss_mask
 from components.engine.grpo.update import policy_updates
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import Rollouts, left_pad
+from components.engine.models.rollouts import Turn, left_pad
 from components.engine.rollout.base import SamplingParams
 from components.engine.rollout.turns import Reencoding
 from components.losses import LOSSES
@@ -41,7 +41,7 @@ class ScriptedEngine:
     def start(self, prompts, continuing=False):
         return Reencoding(self, prompts)
 
-    def sample(self, prompts, params: SamplingParams, generator=None) -> Rollouts:
+    def sample(self, prompts, params: SamplingParams, generator=None) -> Turn:
         text = self.turns[min(self.calls, len(self.turns) - 1)]
         self.calls += 1
         turn = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
@@ -50,7 +50,7 @@ class ScriptedEngine:
         ids, mask = left_pad(rows, self.tokenizer.pad_token_id)
         completion = torch.tensor([turn] * len(rows))
         logp = -torch.arange(1, len(turn) + 1, dtype=torch.float32).repeat(len(rows), 1) / 10
-        return Rollouts(ids, mask, completion, torch.ones_like(completion), completion[:, -1] != 3, params.n, logp)
+        return Turn(ids, mask, completion, torch.ones_like(completion), completion[:, -1] != 3, params.n, logp)
 
     def logprobs(self, rollouts, temperature, with_entropy=False):
         raise NotImplementedError
@@ -212,7 +212,7 @@ class FirstTurnPerRow(ScriptedEngine):
         super().__init__(tokenizer, [first[-1]])
         self.first = list(first)
 
-    def sample(self, prompts, params: SamplingParams, generator=None) -> Rollouts:
+    def sample(self, prompts, params: SamplingParams, generator=None) -> Turn:
         if self.calls:
             return super().sample(prompts, params, generator)
         self.calls += 1
@@ -225,7 +225,7 @@ class FirstTurnPerRow(ScriptedEngine):
         completion = torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
         written = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         truncated = torch.tensor([eos not in r for r in rows])
-        return Rollouts(ids, mask, completion, written, truncated, params.n, -written.float() / 10)
+        return Turn(ids, mask, completion, written, truncated, params.n, -written.float() / 10)
 
 
 @pytest.mark.parametrize("factory, cut_score", [("guess_number", 0.5), ("guess_number_scoring_cuts", -0.5)])

@@ -16,7 +16,7 @@ from components.engine.fast.fastlm import PrefixSharedLM
 from components.engine.fast.pieces import ModelPieces
 from components.engine.fast.rows import distinct_rows, group_rows_extra_work
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 from components.engine.rollout.base import SamplingParams, SpecialTokens
 from components.engine.rollout.hf import HFEngine
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
@@ -95,7 +95,7 @@ ARCHITECTURES = {
 }
 
 
-def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollouts:
+def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Turn:
     """Three distinct left-padded prompts repeated as `rows` (groups), right-padded completions.
 
     The default groups have unequal sizes (the gathered cache path); (0, 0, 1, 1, 2, 2) gives equal
@@ -112,10 +112,10 @@ def _rollout(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollouts:
     completion_mask = torch.ones_like(completions)
     completion_mask[1, 3:] = 0
     completions = completions * completion_mask
-    return Rollouts(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
+    return Turn(prompts[rows], prompt_mask[rows], completions, completion_mask, torch.zeros(6, dtype=torch.bool))
 
 
-def _logprobs_and_grads(model, rollout: Rollouts, logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _logprobs_and_grads(model, rollout: Turn, logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Completion log-probs from `logprobs(rollout, 0.7)` and the gradients of a fixed weighted sum of them."""
     weights = torch.linspace(-1, 1, len(rollout))[:, None] * rollout.completion_mask
     model.zero_grad()
@@ -128,14 +128,14 @@ TOKENS = SpecialTokens(eos_id=3, pad_id=0)
 
 
 def _sample(model, prompts: torch.Tensor, mask: torch.Tensor, n: int, max_new_tokens: int,
-            generator: torch.Generator, fast: PrefixSharedLM | None = None) -> Rollouts:
+            generator: torch.Generator, fast: PrefixSharedLM | None = None) -> Turn:
     """Rollouts of left-padded prompt ids through the plain engine, or the prompt-once one over `fast`."""
     engine = HFEngine(model, TOKENS) if fast is None else PrefixSharedEngine(fast, TOKENS)
     prompt_lists = [row[m.bool()].tolist() for row, m in zip(prompts, mask)]
     return engine.sample(prompt_lists, SamplingParams(n=n, max_new_tokens=max_new_tokens), generator)
 
 
-def _assert_same_logprobs_and_grads(rollout: Rollouts, fast, reference) -> None:
+def _assert_same_logprobs_and_grads(rollout: Turn, fast, reference) -> None:
     (fast_logp, fast_grads), (ref_logp, ref_grads) = fast, reference
     mask = rollout.completion_mask.bool()
     assert torch.allclose(fast_logp[mask], ref_logp[mask], atol=1e-5)
@@ -253,7 +253,7 @@ def test_length_buckets_by_hand():
     assert as_sets(length_buckets(torch.tensor([4, 4, 4]), 2, calls=3)) == [{0, 1, 2}]  # nothing to save: one call
 
 
-def _ragged_episodes() -> Rollouts:
+def _ragged_episodes() -> Turn:
     """EOS-ragged rows (1 to 11 scored tokens of one prompt's group) and a multi-turn row whose middle tokens (a
     tool's answer) are context, not the model's."""
     gen = torch.Generator().manual_seed(3)
@@ -268,7 +268,7 @@ def _ragged_episodes() -> Rollouts:
         completion_mask[row, :length] = 1
     model_mask = completion_mask.clone()
     model_mask[3, 4:8] = 0  # row 3: a model turn, a tool's answer, a model turn
-    return Rollouts(prompts[rows], prompt_mask[rows], completions * completion_mask, completion_mask,
+    return Turn(prompts[rows], prompt_mask[rows], completions * completion_mask, completion_mask,
                     torch.zeros(6, dtype=torch.bool), group_size=3, model_mask=model_mask)
 
 
@@ -516,7 +516,7 @@ def test_shared_prefix_length_by_hand():
     assert shared_prefix_length(ids[:1], mask[:1]) == 0  # one prompt: nothing to share
 
 
-def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Rollouts:
+def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> Turn:
     """Three left-padded prompts whose real tokens share their first 10 (a system prompt, say)."""
     gen = torch.Generator().manual_seed(2)
     head = torch.randint(4, VOCAB, (10,), generator=gen)
@@ -533,7 +533,7 @@ def _rollout_with_shared_prefix(rows: tuple[int, ...] = (0, 0, 1, 1, 1, 2)) -> R
     completion_mask[1, 2:] = 0
     completion_mask[-2, 4:] = 0
     completions = completions * completion_mask
-    return Rollouts(prompts[rows], prompt_mask[rows], completions, completion_mask,
+    return Turn(prompts[rows], prompt_mask[rows], completions, completion_mask,
                     torch.zeros(len(rows), dtype=torch.bool))
 
 

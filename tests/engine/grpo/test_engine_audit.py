@@ -19,7 +19,7 @@ from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory, loss_mask
 from components.engine.grpo.update import UpdatePlan, old_logprobs, policy_updates
 from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import Rollouts
+from components.engine.models.rollouts import Turn
 from components.engine.rewards.rewards import RewardModel
 from components.engine.rollout.base import SamplingParams, SpecialTokens
 from components.engine.rollout.prefix_shared import PrefixSharedEngine
@@ -115,7 +115,7 @@ def test_prompts_with_equal_ids_but_another_mask_are_not_merged():
     prompt = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7]])
     prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     completion = torch.tensor([[3, 4, 5], [3, 4, 5]])
-    rollout = Rollouts(prompt, prompt_mask, completion, torch.ones_like(completion), torch.zeros(2, dtype=torch.bool))
+    rollout = Turn(prompt, prompt_mask, completion, torch.ones_like(completion), torch.zeros(2, dtype=torch.bool))
     ours = fast.completion_logprobs(rollout)[0]
     reference = completion_logprobs(model, rollout)[0]
     assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
@@ -211,7 +211,7 @@ def test_unscored_rows_count_in_no_normaliser(tiny_model):
 def test_loss_mask_drops_unscored_and_truncated_rows():
     completion_mask = torch.ones(4, 3, dtype=torch.long)
     completion_mask[3, 2] = 0
-    rollout = Rollouts(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
+    rollout = Turn(torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.long),
                        torch.zeros(4, 3, dtype=torch.long), completion_mask, torch.tensor([False, True, False, False]))
     scorable = torch.tensor([True, True, False, True])
     assert loss_mask(rollout, scorable, mask_truncated=False).tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0], [1, 1, 0]]

@@ -221,11 +221,11 @@ def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny
 
 
 def test_a_rollout_without_sampler_logprobs_is_not_concatenated_silently():
-    from components.engine.models.rollouts import Rollouts, concat_rollouts
+    from components.engine.models.rollouts import Turn, concat_rollouts
 
     ids, mask = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
-    a = Rollouts(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))
-    b = Rollouts(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool))
+    a = Turn(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))
+    b = Turn(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="sampler's log-probs"):
         concat_rollouts([a, b], 0)
     assert concat_rollouts([a, a], 0).sampling_logp.shape == (2, 2)
