@@ -251,7 +251,7 @@ def mean_prompt_tokens(cfg, root: Path, limit: int = 256) -> float:
     from components.engine.environments.generation import play_of
     from components.engine.models.modeling import load_tokenizer
 
-    play = play_of(cfg, load_tokenizer(root / "models" / "sft"), cfg.grpo.max_completion_length)
+    play = play_of(cfg, load_tokenizer(root / "models" / "sft"))
     prompts, _ = play.start(read_jsonl(split_path(root / "data" / "prepared", "train"))[:limit], 1)
     return statistics.mean(len(ids) for ids in prompts)
 
@@ -373,7 +373,7 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
     model = load_model(root / "models" / "sft", torch.device("cpu")).train()
     records = read_jsonl(split_path(root / "data" / "prepared", "train"))
     # The allocator setting our grpo stage makes for this row (grpo.fit_memory), so both get the same one.
-    longest = play_of(cfg, tokenizer, cfg.grpo.max_completion_length).longest_prompt(records[:256])
+    longest = play_of(cfg, tokenizer).longest_prompt(records[:256])
     configure_allocator(estimate_step_memory(ModelShape.of(model), cfg.grpo, longest,
                                              cfg.grpo.kl_beta > 0).largest_activation)
     distinct: list[float] = []

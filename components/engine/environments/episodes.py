@@ -7,11 +7,11 @@ Two plays, one contract (`Play`), so the generation loop (generation.py) never a
   the first messages, rendered once per group by the chat template; `step(turn)` answers each model turn, until it
   ends the episode or a limit does.
 
-Limits: `max_turns` model turns; `max_tokens` tokens after the prompt, model and environment together (TRL's
-`max_completion_length` for tool episodes: an answer that would not fit is dropped and the episode ends there); a
-tool or environment call's seconds (`timeout_s`). An episode a limit ends is cut: the environment is asked for its
-reward (`on_cut(reason)`, when it has that method), else it scores `cut_reward`, so it takes part in its group's
-comparison like any other.
+Limits: `max_turns` model turns; the call's token budget (`SamplingParams.max_new_tokens`, the only one: tokens after
+the prompt, model and environment together, TRL's `max_completion_length` for tool episodes: an answer that would not
+fit is dropped and the episode ends there); a tool or environment call's seconds (`timeout_s`). An episode a limit
+ends is cut: the environment is asked for its reward (`on_cut(reason)`, when it has that method), else it scores
+`cut_reward`, so it takes part in its group's comparison like any other.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ class EnvironmentFailed(StageFailed):
     (checkpoints kept)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EpisodeLimits:
+    """What ends an episode besides its environment (the token budget is the call's: `take_turn`'s `budget`)."""
+
     max_turns: int = 4
-    max_tokens: int = 256  # tokens after the prompt, the model's and the answers' together
     timeout_s: float = 10.0
     failure_share: float = 0.5  # more than this share of a turn's episodes failing stops the stage
     cut_reward: float = 0.0  # the environment reward of an episode a limit ended, when the environment gives none
@@ -218,12 +219,12 @@ class Episodes:
         return max((len(self.chat.prompt_ids(self._reset(r)[1])) for r in records), default=1)
 
 
-def take_turn(play: Play, row: Row, ids: list[int], logp: list[float], eos_id: int, decode: Callable[[list[int]], str]
-              ) -> None:
-    """Append the model's turn to `row` (cut to the row's token budget); let the environment answer, unless the
-    turn was cut off or a limit ends the episode first. The answer's ids are left in `row.answer`."""
+def take_turn(play: Play, row: Row, ids: list[int], logp: list[float], eos_id: int, decode: Callable[[list[int]], str],
+              budget: int) -> None:
+    """Append the model's turn to `row` (cut to `budget`, the row's tokens after its prompt); let the environment
+    answer, unless the turn was cut off or a limit ends the episode first. The answer's ids are left in `row.answer`."""
     limits = play.limits
-    ids = ids[: limits.max_tokens - len(row.ids)]
+    ids = ids[: budget - len(row.ids)]
     row.ids, row.model, row.logp = row.ids + ids, row.model + [1] * len(ids), row.logp + logp[: len(ids)]
     row.turns += 1
     text = decode([t for t in ids if t != eos_id])
@@ -245,7 +246,7 @@ def take_turn(play: Play, row: Row, ids: list[int], logp: list[float], eos_id: i
         row.done, row.cut = True, "turns"
         return
     answer = play.answer_ids(step.messages)
-    if len(row.ids) + len(answer) >= limits.max_tokens:  # no room for the answer and a turn after it
+    if len(row.ids) + len(answer) >= budget:  # no room for the answer and a turn after it
         row.done, row.cut = True, "tokens"
         return
     row.messages += step.messages

@@ -30,7 +30,7 @@ from components.engine.environments.episodes import (
 )
 from components.engine.environments.spec import episode_spec
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import Episode, Message, Rollouts, left_pad
+from components.engine.models.rollouts import Episode, Message, Rollouts, Turn, left_pad
 from components.engine.rollout.base import RolloutEngine, SamplingParams
 from components.engine.rollout.choose import evaluation_engine
 from components.rollout_engines import engine_settings
@@ -56,36 +56,34 @@ class Generation:
     def single_turn(cls, engine: RolloutEngine, tokenizer: Any,
                     format_prompt: Callable[[dict[str, Any]], str]) -> Generation:
         """Single turns of `format_prompt(record)`, as long as the sampling parameters allow (hand-built policies)."""
-        return cls(engine, SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1, max_tokens=1 << 30)),
-                   tokenizer)
+        return cls(engine, SingleTurn(tokenizer, format_prompt, EpisodeLimits(max_turns=1)), tokenizer)
 
     def with_engine(self, engine: RolloutEngine) -> Generation:
         return Generation(engine, self.play, self.tokenizer)
 
-    def longest_row(self, records: Sequence[dict[str, Any]]) -> int:
+    def longest_row(self, records: Sequence[dict[str, Any]], budget: int) -> int:
         """The most tokens a row of `records` can hold: its prompt (tool schemas and system message included) and
-        the tokens after it (the model's turns and the answers: `max_tokens`). Engines are sized from it."""
-        return self.play.longest_prompt(records) + self.play.limits.max_tokens
+        the `budget` after it (the model's turns and the answers). Engines are sized from it."""
+        return self.play.longest_prompt(records) + budget
 
     def run(self, records: Sequence[dict[str, Any]], params: SamplingParams,
             generator: torch.Generator | None = None) -> Rollouts:
-        """`params.n` rows of each record, prompt-major, each played to its end."""
-        limits = self.play.limits
+        """`params.n` rows of each record, prompt-major, each played to its end; `params.max_new_tokens` is each
+        row's token budget after its prompt (the model's turns and the answers together), the only one."""
+        budget = params.max_new_tokens
         prompts, rows = self.play.start(records, params.n)
-        decoding = self.engine.start(prompts, continuing=limits.max_turns > 1)
-        turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limits.max_tokens))
-        first = sampled = decoding.turn(turn_params, generator)
+        decoding = self.engine.start(prompts, continuing=self.play.limits.max_turns > 1)
+        first = sampled = decoding.turn(params, generator)
         playing = list(range(len(rows)))
         while True:
-            self._take_turns([rows[i] for i in playing], sampled)
+            self._take_turns([rows[i] for i in playing], sampled, budget)
             going = [k for k, i in enumerate(playing) if not rows[i].done]
             if not going:
                 break
-            room = max(limits.max_tokens - len(rows[playing[k]].ids) for k in going)
+            room = max(budget - len(rows[playing[k]].ids) for k in going)
             decoding.extend(going, [rows[playing[k]].answer for k in going], room)
             playing = [playing[k] for k in going]
-            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(params.max_new_tokens, room))
-            sampled = decoding.turn(turn_params, generator)
+            sampled = decoding.turn(dataclasses.replace(params, n=1, max_new_tokens=room), generator)
         episodes = tuple(finish(self.play, row) for row in rows)
         if all(e.turns <= 1 for e in episodes):  # nothing was appended: the first turn is the whole rollout
             return Rollouts.played(first, episodes)
@@ -97,7 +95,7 @@ class Generation:
         return Reading(texts, self.play.columns(episodes), [self.play.transcript(e) for e in episodes],
                        [self.play.ending(e) for e in episodes])
 
-    def _take_turns(self, rows: list[Row], sampled: Rollouts) -> None:
+    def _take_turns(self, rows: list[Row], sampled: Turn, budget: int) -> None:
         eos = self.tokenizer.eos_token_id
         lengths = sampled.completion_mask.sum(-1).tolist()
         ids = sampled.completion_ids.tolist()
@@ -108,7 +106,7 @@ class Generation:
 
         for k, row in enumerate(rows):
             n = lengths[k]
-            take_turn(self.play, row, ids[k][:n], logp[k][:n] if logp is not None else [0.0] * n, eos, decode)
+            take_turn(self.play, row, ids[k][:n], logp[k][:n] if logp is not None else [0.0] * n, eos, decode, budget)
         reasons = failed(rows)
         share = self.play.limits.failure_share
         if rows and len(reasons) > share * len(rows):
@@ -134,13 +132,13 @@ class Generation:
                         grid(lambda e: e.model_mask, 0, torch.long), episodes=episodes)
 
 
-def play_of(cfg: PipelineConfig, tokenizer: Any, max_tokens: int) -> Play:
+def play_of(cfg: PipelineConfig, tokenizer: Any) -> Play:
     """The run's play: its episodes (`grpo.tools`, `grpo.environment`) or single turns, `max_tokens` after each
     prompt."""
     spec = episode_spec(cfg)
     if spec is not None:
-        return spec.play(tokenizer, max_tokens)
-    limits = EpisodeLimits(max_turns=1, max_tokens=max_tokens, cut_reward=cfg.grpo.episode.cut_reward)
+        return spec.play(tokenizer)
+    limits = EpisodeLimits(max_turns=1, cut_reward=cfg.grpo.episode.cut_reward)
     return SingleTurn(tokenizer, PromptFormatter(cfg.prompt, tokenizer), limits)
 
 
@@ -162,7 +160,7 @@ def for_evaluation(cfg: PipelineConfig, model: Any, tokenizer: Any, max_new_toke
     cached = _EVALUATION_GENERATIONS.get(model)
     if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
         return cached[1]
-    play = play_of(cfg, tokenizer, max_new_tokens)
+    play = play_of(cfg, tokenizer)
     longest = play.longest_prompt(records) + max_new_tokens if records else max_new_tokens
     engine = evaluation_engine(model, tokenizer, max_new_tokens, longest, engine_settings(cfg.grpo),
                                stop_together=stop_together)

@@ -4,7 +4,6 @@ made per tokenizer (training, evaluation and SFT's stop check each have theirs).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,14 +26,13 @@ class EpisodeSpec:
     prompt: PromptConfig
     limits: EpisodeLimits
 
-    def play(self, tokenizer: Any, max_tokens: int) -> Episodes:
-        """The episodes through `tokenizer`'s chat template, `max_tokens` after each prompt; a tokenizer without one
-        is refused in one line."""
+    def play(self, tokenizer: Any) -> Episodes:
+        """The episodes through `tokenizer`'s chat template; a tokenizer without one is refused in one line."""
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{self.name}: episodes need a model whose tokenizer has a chat template (an episode's "
                               "turns are told apart by it); this model's has none")
         chat = self.chat(tokenizer)
-        limits = dataclasses.replace(self.limits, max_tokens=max_tokens)
+        limits = self.limits
         if self.factory is not None:
             return Episodes(chat, self.factory, limits, self.name)
         first, tools = self.first_messages(chat), self.tools
@@ -81,7 +79,7 @@ def episode_spec(cfg: PipelineConfig) -> EpisodeSpec | None:
     g = cfg.grpo
     if not (g.tools or g.environment):
         return None
-    limits = EpisodeLimits(g.episode.max_turns, g.max_completion_length, g.episode.timeout_s,
+    limits = EpisodeLimits(max_turns=g.episode.max_turns, timeout_s=g.episode.timeout_s,
                            cut_reward=g.episode.cut_reward)
     if g.environment:
         return EpisodeSpec((), load_environment_factory(g.environment), g.environment, cfg.prompt, limits)

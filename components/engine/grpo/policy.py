@@ -137,10 +137,10 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
     elif with_reference:
         reference = load_policy_model(cfg, g.reference.path, device) if g.reference.path else copy.deepcopy(model)
         reference.eval().requires_grad_(False)
-    play = play_of(cfg, tokenizer, g.max_completion_length)  # single turns or episodes: the engine is sized from it
+    play = play_of(cfg, tokenizer)  # single turns or episodes: the engine is sized from it
     longest_prompt = play.longest_prompt(records or [])  # once: an environment's play resets one per record
     memory = fit_memory(g, model, longest_prompt, reference is not None, say)
-    run = EngineRun(vocab_size=len(tokenizer), max_length=longest_prompt + play.limits.max_tokens if records else None,
+    run = EngineRun(vocab_size=len(tokenizer), max_length=longest_prompt + g.max_completion_length if records else None,
                     completion_length=g.max_completion_length, gradient_checkpointing=memory.gradient_checkpointing,
                     wrapped=wrapped, stop_together=stop_together)
     engine = build_engine(model.train(), SpecialTokens.of(tokenizer), run, engine_settings(g), say)

@@ -72,20 +72,20 @@ class Runner:
         return Generation(None, self.play, self.tokenizer).read(rollouts)
 
 
-def _runner(tokenizer, tools=("add",), max_turns=4, max_tokens=400, timeout_s=1.0, cut_reward=0.0):
+def _runner(tokenizer, tools=("add",), max_turns=4, timeout_s=1.0, cut_reward=0.0):
     chat = ChatFormat(tokenizer, [t.schema for t in load_tools([f"{FIXTURES}:{n}" for n in tools])])
     loaded = load_tools([f"{FIXTURES}:{n}" for n in tools])
 
     def first(record):
         return [{"role": "user", "content": record["prompt"]}]
 
-    limits = EpisodeLimits(max_turns, max_tokens, timeout_s, cut_reward=cut_reward)
+    limits = EpisodeLimits(max_turns=max_turns, timeout_s=timeout_s, cut_reward=cut_reward)
     return Runner(Episodes(chat, lambda: ToolEnvironment(loaded, first, timeout_s, tokenizer), limits), tokenizer)
 
 
 def _environment_runner(tokenizer, name, limits=None, describe="environment"):
     return Runner(Episodes(ChatFormat(tokenizer), load_environment_factory(f"{FIXTURES}:{name}"),
-                           limits or EpisodeLimits(4, 400, 1.0), describe), tokenizer)
+                           limits or EpisodeLimits(max_turns=4, timeout_s=1.0), describe), tokenizer)
 
 
 def test_an_episode_is_laid_out_as_its_conversation_with_only_the_models_tokens_marked():
@@ -195,12 +195,11 @@ def test_limits_end_episodes_and_say_which():
     turns = _runner(tokenizer, max_turns=2).run(ScriptedEngine(tokenizer, [CALL]), [{"prompt": "3+4?"}],
                                                 SamplingParams(n=1, max_new_tokens=400))
     assert turns.episodes[0].cut == "turns" and turns.episodes[0].turns == 2 and turns.truncated.all()
-    tokens = _runner(tokenizer, max_tokens=len(CALL) + 10).run(ScriptedEngine(tokenizer, [CALL, "7"]),
-                                                               [{"prompt": "3+4?"}],
-                                                               SamplingParams(n=1, max_new_tokens=400))
+    tokens = _runner(tokenizer).run(ScriptedEngine(tokenizer, [CALL, "7"]), [{"prompt": "3+4?"}],
+                                    SamplingParams(n=1, max_new_tokens=len(CALL) + 10))
     assert tokens.episodes[0].cut == "tokens" and tokens.written.all()  # the answer that did not fit is dropped
-    short = _runner(tokenizer, max_tokens=10).run(ScriptedEngine(tokenizer, [CALL]), [{"prompt": "3+4?"}],
-                                                  SamplingParams(n=1, max_new_tokens=400))
+    short = _runner(tokenizer).run(ScriptedEngine(tokenizer, [CALL]), [{"prompt": "3+4?"}],
+                                   SamplingParams(n=1, max_new_tokens=10))
     assert short.episodes[0].cut == "tokens" and short.completion_ids.shape[1] == 10
 
 
@@ -238,7 +237,7 @@ def test_episodes_cut_by_a_limit_are_scored_and_compared(factory, cut_score):
     from components.engine.rewards.rewards import RewardModel
 
     tokenizer = chat_tokenizer()
-    limits = EpisodeLimits(max_turns=3, max_tokens=12, timeout_s=1.0, cut_reward=0.5)
+    limits = EpisodeLimits(max_turns=3, timeout_s=1.0, cut_reward=0.5)
     runner = _environment_runner(tokenizer, factory, limits)
     engine = FirstTurnPerRow(tokenizer, ["7", "$", "$", "$"])  # a hit, then three that ramble past the budget
     rollouts = runner.run(engine, [{"prompt": "?"}], SamplingParams(n=4, max_new_tokens=12))
@@ -252,8 +251,8 @@ def test_episodes_cut_by_a_limit_are_scored_and_compared(factory, cut_score):
 
 def test_a_turn_limit_cut_is_scored_too():
     tokenizer = chat_tokenizer()
-    runner = _environment_runner(tokenizer, "guess_number_scoring_cuts", EpisodeLimits(2, 400, 1.0))
-    rollouts = runner.run(ScriptedEngine(tokenizer, ["1"]), [{"prompt": "?"}], SamplingParams(n=1, max_new_tokens=9))
+    runner = _environment_runner(tokenizer, "guess_number_scoring_cuts", EpisodeLimits(max_turns=2, timeout_s=1.0))
+    rollouts = runner.run(ScriptedEngine(tokenizer, ["1"]), [{"prompt": "?"}], SamplingParams(n=1, max_new_tokens=400))
     assert rollouts.episodes[0].cut == "turns" and rollouts.episodes[0].reward == -0.25
 
 
@@ -274,8 +273,8 @@ def test_a_tool_that_fails_is_an_error_in_the_conversation_not_a_crashed_step():
 def test_an_environment_is_played_turn_by_turn_and_its_reward_kept():
     tokenizer = chat_tokenizer()
     runner = _environment_runner(tokenizer, "echo")
-    rollouts = runner.run(ScriptedEngine(tokenizer, ["hi", "bye"]), [{"prompt": "Ana"}], SamplingParams(n=1,
-                                                                                                       max_new_tokens=9))
+    rollouts = runner.run(ScriptedEngine(tokenizer, ["hi", "bye"]), [{"prompt": "Ana"}],
+                          SamplingParams(n=1, max_new_tokens=400))
     episode = rollouts.episodes[0]
     assert [m["content"] for m in episode.messages] == ["hi", "HI", "bye"] and episode.reward == 1.0
     assert runner.read(rollouts).columns["environment_reward"] == [1.0]
@@ -330,10 +329,9 @@ def test_episodes_through_every_engine_draw_the_plain_engines_tokens():
     run = EngineRun(vocab_size=len(tokenizer), max_length=200, completion_length=40)
     out = {}
     for name in ENGINES:  # every entry of the engine table, the plain one first
-        out[name] = _runner(tokenizer, max_tokens=60).run(conformance_engine(model, tokens, run, name),
-                                                          [{"prompt": "3+4?"}, {"prompt": "9+9?"}],
-                                                          SamplingParams(n=3, max_new_tokens=60),
-                                                          torch.Generator().manual_seed(1))
+        out[name] = _runner(tokenizer).run(conformance_engine(model, tokens, run, name),
+                                           [{"prompt": "3+4?"}, {"prompt": "9+9?"}],
+                                           SamplingParams(n=3, max_new_tokens=60), torch.Generator().manual_seed(1))
     plain = out[next(iter(ENGINES))]
     for name, rollouts in out.items():
         assert torch.equal(rollouts.completion_ids, plain.completion_ids), name

@@ -106,7 +106,7 @@ def test_the_engine_is_sized_from_the_longest_episode_row(tmp_path, monkeypatch)
     monkeypatch.setattr(policy_module, "build_engine", recording_build)
     policy, _ = policy_module.build_policy(cfg, start, torch.device("cpu"), records, with_reference=False)
     single_turn = longest_row(policy.tokenizer, PromptFormatter(cfg.prompt, policy.tokenizer), records, 40)
-    assert built[0].max_length == policy.generation.longest_row(records) > single_turn + 100  # the tools' schema
+    assert built[0].max_length == policy.generation.longest_row(records, 40) > single_turn + 100  # the tools' schema
     rollouts = policy.sample(records[:2], SamplingParams(n=2, max_new_tokens=40), torch.Generator().manual_seed(0))
     assert rollouts.input_ids.shape[1] <= built[0].max_length
 
