@@ -111,7 +111,8 @@ class Ours:
         if engine_mode and engine.name == "prefix_shared":  # a CPU rehearsal: the graph engine's fused loop
             engine = CudaGraphEngine(engine, engine_mode, run.max_length, say=say)
         self.model, self.engine_name = model, engine.name
-        self.policy = Policy.of(None, model, engine, reference, g.lora.enabled, self.loss.uses_reference)
+        self.policy = Policy.of(None, model, engine, reference, g.lora.enabled, self.loss.uses_reference,
+                                temperature=g.temperature)
         self.optimizer = make_optimizer(model, g.learning_rate, g.weight_decay, device)
         self.generator = torch.Generator(device=device).manual_seed(1)
         self.clock = Clock(device)
@@ -147,7 +148,7 @@ class Ours:
         t1 = self.clock()
         advantages = torch.randn(len(rollouts), generator=self.generator, device=self.device)
         plan = UpdatePlan.of(len(rollouts), rollouts.group_size, g)
-        ref = reference_logprobs(policy, rollouts, plan, g.temperature) if self.loss.uses_reference else None
+        ref = reference_logprobs(policy, rollouts, plan) if self.loss.uses_reference else None
         t2 = self.clock()
         scorable = torch.ones(len(rollouts), dtype=torch.bool, device=self.device)
         stats = policy_updates(policy, self.optimizer, Trajectory(rollouts, advantages,

@@ -89,7 +89,7 @@ def worker(start: Path, overrides: list[str], steps: int, threads: int, device: 
         t1 = clock()
         advantages = torch.randn(len(rollout), generator=generator, device=dev)
         plan = UpdatePlan.of(len(rollout), rollout.group_size, g)
-        ref_logp = reference_logprobs(policy, rollout, plan, g.temperature) if loss.uses_reference else None
+        ref_logp = reference_logprobs(policy, rollout, plan) if loss.uses_reference else None
         t2 = clock()
         policy_updates(policy, optimizer, Trajectory(rollout, advantages, rollout.completion_mask.float(),
                                                      torch.ones(len(rollout), dtype=torch.bool, device=dev), ref_logp),

@@ -63,7 +63,7 @@ def worker(spec: dict[str, Any]) -> None:
     for k in range(spec["sets"]):
         rollouts = policy.sample(records[k * per_set:(k + 1) * per_set], sampling_params(g), generator)
         plan = UpdatePlan.of(len(rollouts), rollouts.group_size, g)
-        ref = reference_logprobs(policy, rollouts, plan, g.temperature) if loss.uses_reference else None
+        ref = reference_logprobs(policy, rollouts, plan) if loss.uses_reference else None
         advantages = torch.randn(len(rollouts), generator=generator)
         scorable = torch.ones(len(rollouts), dtype=torch.bool)
         sets.append((Trajectory(rollouts, advantages, rollouts.written.float(), scorable, ref), plan))

@@ -60,10 +60,10 @@ def dry_run(cfg: PipelineConfig) -> dict[str, Any]:
             batch = collect_batch(sample_round, schedule, 0, g, policy.tokenizer.pad_token_id)
             rollouts = batch.rollouts
             with torch.no_grad():
-                ref = policy.reference_logprobs(rollouts, g.temperature) if loss.uses_reference else None
+                ref = policy.reference_logprobs(rollouts) if loss.uses_reference else None
                 trajectory = build_trajectory(rollouts, batch.advantage_rewards, loss, g.mask_truncated_completions,
                                               ref)
-                logp, _ = policy.logprobs(rollouts, g.temperature)
+                logp, _ = policy.logprobs(rollouts)
                 out = loss(logp, logp, trajectory.advantages, trajectory.loss_mask, ref_logp=ref)
             reading = policy.generation.read(rollouts)
             completions = reading.transcripts

@@ -141,12 +141,12 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
             reward_failures, t_sampled, rollouts = 0, time.perf_counter(), batch.rollouts
             plan = UpdatePlan.of(len(rollouts), rollouts.group_size, g, ctx)
             # 2. the reference's log-probs, once per step, only when the loss has a KL term
-            ref_logp = reference_logprobs(policy, rollouts, plan, g.temperature, ctx) \
+            ref_logp = reference_logprobs(policy, rollouts, plan, ctx) \
                 if loss.uses_reference and len(rollouts) else None
             t_reference = time.perf_counter()
             # 3. the step's trajectory: advantages (a completion no reward scored: 0, and out of the loss) and,
             #    when the weights move within the step, the sampling weights' log-probs
-            old_logp = old_logprobs(policy, rollouts, plan, g.temperature, ctx) \
+            old_logp = old_logprobs(policy, rollouts, plan, ctx) \
                 if plan.needs_old_logprobs and len(rollouts) else None
             trajectory = build_trajectory(rollouts, batch.advantage_rewards, loss, g.mask_truncated_completions,
                                           ref_logp, old_logp)

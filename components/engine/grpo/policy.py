@@ -67,6 +67,7 @@ class Policy:
     reference_engine: RolloutEngine | None = None  # scores with the reference (None: no KL term)
     lora: bool = False
     trainer: Any | None = None  # the module gradient forwards go through (DDP's wrapper); None: `model`
+    temperature: float = 1.0  # what `logprobs` and `reference_logprobs` score at: the sampler's (`grpo.temperature`)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -77,10 +78,10 @@ class Policy:
     def of(cls, tokenizer: Any, model: Any, engine: RolloutEngine | None = None, reference: Any | None = None,
            lora: bool = False, with_reference: bool = True,
            format_prompt: Callable[[dict[str, Any]], str] = raw_prompt,
-           generation: Generation | None = None) -> Policy:
+           generation: Generation | None = None, temperature: float = 1.0) -> Policy:
         """A policy over `model` with `engine` (default: the plain Hugging Face one) generating single turns of
         `format_prompt` (or `generation` over that engine) and, when `with_reference`, the reference engine that goes
-        with it: LoRA's adapters off, or the same engine over `reference`."""
+        with it: LoRA's adapters off, or the same engine over `reference`; scoring at `temperature`."""
         engine = engine if engine is not None else plain_engine(model, SpecialTokens.of(tokenizer))
         generation = generation or Generation.single_turn(engine, tokenizer, format_prompt)
         reference_engine = None
@@ -88,7 +89,8 @@ class Policy:
             reference_engine = AdaptersOff(engine, model)
         elif with_reference and reference is not None:
             reference_engine = engine.over(reference)
-        return cls(tokenizer, model, generation.with_engine(engine), reference, reference_engine, lora)
+        return cls(tokenizer, model, generation.with_engine(engine), reference, reference_engine, lora,
+                   temperature=temperature)
 
     @property
     def train_module(self) -> Any:
@@ -105,17 +107,17 @@ class Policy:
         """`params.n` rows of each record, each played to its end (`Generation.run`)."""
         return self.generation.run(records, params, generator)
 
-    def logprobs(self, rollouts: Rollouts, temperature: float,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Completion log-probs (and entropies) under the policy; with gradients enabled, through the trainer."""
-        return self.engine.logprobs(rollouts, temperature, with_entropy)
+    def logprobs(self, rollouts: Rollouts, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Completion log-probs (and entropies) under the policy at its `temperature`; with gradients enabled,
+        through the trainer."""
+        return self.engine.logprobs(rollouts, self.temperature, with_entropy)
 
-    def reference_logprobs(self, rollouts: Rollouts, temperature: float) -> torch.Tensor:
+    def reference_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Under inference_mode; cloned outside it so the loss can use the result."""
         if self.reference_engine is None:
             raise ValueError("this policy has no reference (the loss has no KL term)")
         with torch.inference_mode():
-            logp = self.reference_engine.logprobs(rollouts, temperature)[0]
+            logp = self.reference_engine.logprobs(rollouts, self.temperature)[0]
         return logp.clone()
 
 
@@ -145,7 +147,7 @@ def build_policy(cfg: PipelineConfig, start_dir: Path, device: torch.device, rec
                     wrapped=wrapped, stop_together=stop_together)
     engine = build_engine(model.train(), SpecialTokens.of(tokenizer), run, engine_settings(g), say)
     policy = Policy.of(tokenizer, model, engine, reference, g.lora.enabled, with_reference,
-                       generation=Generation(engine, play, tokenizer))
+                       generation=Generation(engine, play, tokenizer), temperature=g.temperature)
     return policy, memory
 
 

@@ -120,14 +120,14 @@ def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOCon
             for j, k in enumerate(step):
                 rows, last = plan.mine[k], j == len(step) - 1
                 if not rows:  # no group of this minibatch on this process: a zero loss keeps DDP in step
-                    zero_loss_backward(lambda r: policy.logprobs(r, g.temperature)[0], policy.train_module,
+                    zero_loss_backward(lambda r: policy.logprobs(r)[0], policy.train_module,
                                        trajectory.rollouts.select(plan.minibatches[k][:1]), last)
                     continue
                 part = trajectory.select(rows)
                 num_tokens = loss_fn.token_count(n_tokens, float(part.loss_mask.sum()))
                 with no_sync(policy.train_module, skip=not last):
                     out, scaled = forward_backward(policy, part, loss_fn, n_seq, num_tokens, share, iteration == 0,
-                                                   g.temperature, ctx, stats)
+                                                   ctx, stats)
                 step_loss = step_loss + scaled.detach()
                 record(stats, out, share, len(rows), len(trajectory))
             optimizer_step(policy, optimizer, step_loss, g.max_grad_norm, ctx, stats)
@@ -135,13 +135,13 @@ def policy_updates(policy: Policy, optimizer, trajectory: Trajectory, g: GRPOCon
 
 
 def forward_backward(policy: Policy, part: Trajectory, loss_fn: GRPOLoss, n_seq: float, num_tokens: float,
-                     share: float, first_pass: bool, temperature: float, ctx: DistContext,
+                     share: float, first_pass: bool, ctx: DistContext,
                      stats: UpdateStats) -> tuple[LossOutput, torch.Tensor]:
     """The loss of a minibatch (this process's rows of it) and its backward; the first pass also records the
     tokens' entropy and log-prob. Several processes: DDP averages gradients, so each scales its part of the
     global sum by the number of processes."""
     t0 = time.perf_counter()
-    logp, entropy = policy.logprobs(part.rollouts, temperature, with_entropy=first_pass or loss_fn.masks_by_entropy)
+    logp, entropy = policy.logprobs(part.rollouts, with_entropy=first_pass or loss_fn.masks_by_entropy)
     if part.old_logp is None:  # the weights that sampled: the on-policy check compares its log-probs here
         record_gap(stats, logp.detach(), part.rollouts)
     old_logp = part.old_logp if part.old_logp is not None else logp.detach()
@@ -243,14 +243,14 @@ def logprobs_of_rows(score: Callable[[Rollouts], torch.Tensor], rollouts: Rollou
 
 
 @torch.no_grad()
-def old_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan, temperature: float,
+def old_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan,
                  ctx: DistContext = DistContext()) -> torch.Tensor:
     """The sampling weights' log-probs of this process's rows, minibatch by minibatch, before any update."""
-    return logprobs_of_rows(lambda rows: policy.logprobs(rows, temperature)[0], rollouts, plan.mine, ctx.lockstep)
+    return logprobs_of_rows(lambda rows: policy.logprobs(rows)[0], rollouts, plan.mine, ctx.lockstep)
 
 
-def reference_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan, temperature: float,
+def reference_logprobs(policy: Policy, rollouts: Rollouts, plan: UpdatePlan,
                        ctx: DistContext = DistContext()) -> torch.Tensor:
     """The reference's log-probs of the rows this process trains on, in one forward (zeros elsewhere)."""
-    return logprobs_of_rows(lambda rows: policy.reference_logprobs(rows, temperature), rollouts, [plan.my_rows],
+    return logprobs_of_rows(lambda rows: policy.reference_logprobs(rows), rollouts, [plan.my_rows],
                             ctx.lockstep)

@@ -178,7 +178,7 @@ def test_the_loss_the_kl_and_the_entropy_see_only_the_models_tokens():
                        max_grad_norm=1e9)
         loss, model = build_loss(g), copy.deepcopy(base)
         policy = Policy.of(tokenizer, model, reference=reference)
-        ref = policy.reference_logprobs(rollouts, 1.0)
+        ref = policy.reference_logprobs(rollouts)
         trajectory = build_trajectory(rollouts, [1.0, 0.0, -1.0, 0.5], loss, False, ref)
         stats = policy_updates(policy, torch.optim.SGD(model.parameters(), lr=0.0), trajectory, g, loss)
         logp, entropy = completion_logprobs(model, rollouts, 1.0, with_entropy=True)

@@ -150,3 +150,23 @@ def test_completion_length_counts_the_models_tokens_in_training_and_evaluation()
     assert metrics["environment_tokens"] == len(answer)
     assert metrics["episode_model_token_frac"] == pytest.approx(model_tokens / (model_tokens + len(answer)))
     assert metrics["turns_per_episode"] == 2 and metrics["tool_calls_per_episode"] == 1
+
+
+def test_the_policy_scores_at_the_temperature_the_run_samples_at(tmp_path):
+    """`grpo.temperature` is read once, into the policy the run builds: its log-probs, the reference's and the update's
+    are taken at it (no caller passes it again)."""
+    from components.engine.grpo.policy import build_policy
+    from components.engine.models.logprobs import completion_logprobs
+
+    cfg, start = _tool_run(tmp_path)
+    cfg.grpo.temperature = 0.7
+    records = [{"id": i, "prompt": f"What is {i} * 12?", "answer": str(12 * i)} for i in range(1, 3)]
+    policy, _ = build_policy(cfg, start, torch.device("cpu"), records, with_reference=False)
+    rollouts = policy.sample(records, SamplingParams(n=2, max_new_tokens=40, temperature=0.7),
+                             torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = policy.logprobs(rollouts)[0]
+        at_run, at_one = (completion_logprobs(policy.model, rollouts, t)[0] for t in (0.7, 1.0))
+    written = rollouts.written
+    torch.testing.assert_close(ours[written], at_run[written], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours[written], at_one[written], atol=1e-3)

@@ -464,7 +464,7 @@ def test_grpo_updates_are_the_same_with_and_without_prefix_sharing():
         model = copy.deepcopy(base).train()
         engine = PrefixSharedEngine(PrefixSharedLM(model), TOKENS) if shared else HFEngine(model, TOKENS)
         policy = Policy.of(None, model, engine, reference)
-        ref_logp = policy.reference_logprobs(rollout, 1.0)
+        ref_logp = policy.reference_logprobs(rollout)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         stats = policy_updates(policy, opt, Trajectory(rollout, advantages, rollout.completion_mask,
                                                          torch.ones(len(rollout), dtype=torch.bool), ref_logp), g)

@@ -298,7 +298,7 @@ def test_reference_logprobs_come_from_the_frozen_reference(tiny_model):
             moved = completion_logprobs(model, rollout)[0]
         real = rollout.completion_mask.bool()  # the prompt-once forward scores real tokens only (0 after EOS)
         assert not torch.allclose(frozen[real], moved[real], atol=1e-3), "the policy did not move"
-        assert torch.allclose(policy.reference_logprobs(rollout, 1.0)[real], frozen[real], atol=1e-4)
+        assert torch.allclose(policy.reference_logprobs(rollout)[real], frozen[real], atol=1e-4)
 
 
 def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
@@ -324,7 +324,7 @@ def test_first_pass_ratio_is_exactly_one_with_mu_2(tiny_model):
         policy_updates(policy, torch.optim.SGD(model.parameters(), lr=1.0),
                        Trajectory(rollout, torch.linspace(-1, 1, len(rollout)), rollout.completion_mask,
                                   torch.ones(len(rollout), dtype=torch.bool),
-                                  old_logp=old_logprobs(policy, rollout, plan, g.temperature)), g)
+                                  old_logp=old_logprobs(policy, rollout, plan)), g)
     finally:
         objectives.policy_loss = original
     assert seen[0] == pytest.approx(1.0, abs=1e-6)

@@ -198,11 +198,11 @@ def test_lora_refuses_missing_modules_and_trains_only_adapters(tiny_model):
     rollout = _rollout(tok, model)
     g = GRPOConfig(group_size=4, prompts_per_step=4, kl_beta=0.1)
     policy = Policy.of(tok, model.train(), lora=True)
-    ref = policy.reference_logprobs(rollout, 1.0)
+    ref = policy.reference_logprobs(rollout)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
         policy_updates(policy, opt, trajectory(rollout, torch.linspace(-1, 1, len(rollout)), ref_logp=ref), g)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # The reference (adapters disabled) is still the untouched base model.
-    assert torch.allclose(policy.reference_logprobs(rollout, 1.0), completion_logprobs(base, rollout)[0], atol=1e-6)
+    assert torch.allclose(policy.reference_logprobs(rollout), completion_logprobs(base, rollout)[0], atol=1e-6)

@@ -19,6 +19,6 @@ def trajectory(rollouts: Rollouts, advantages: torch.Tensor, mask: torch.Tensor 
     old_logp = None
     if policy is not None and g is not None:
         plan = UpdatePlan.of(len(rollouts), rollouts.group_size, g)
-        old_logp = old_logprobs(policy, rollouts, plan, g.temperature) if plan.needs_old_logprobs else None
+        old_logp = old_logprobs(policy, rollouts, plan) if plan.needs_old_logprobs else None
     return Trajectory(rollouts, advantages, rollouts.completion_mask if mask is None else mask,
                       torch.ones(len(rollouts), dtype=torch.bool) if scorable is None else scorable, ref_logp, old_logp)
