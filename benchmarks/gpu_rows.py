@@ -49,6 +49,7 @@ import json
 import platform
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -297,7 +298,7 @@ def run(args) -> dict[str, Any]:
     seed_everything(cfg.seed, cfg.threads)  # the grpo stage's setting: deterministic kernels (warn only)
     tests = start_gpu_tests(args)
     device = torch.device(args.device)
-    report: dict[str, Any] = {"command": "python benchmarks/gpu_rows.py " + " ".join(sys.argv[1:]),
+    report: dict[str, Any] = {"command": recorded_command(sys.argv[1:]),
                               "card": card(device), "torchao_import_s": args.torchao_import_s, "rows": [],
                               "skipped": [], "deterministic": torch.are_deterministic_algorithms_enabled()}
     args.ceiling = report["ceiling"] = ceilings(device)
@@ -352,11 +353,18 @@ def finished(args, report: dict[str, Any], started: float) -> dict[str, Any]:
     return report
 
 
+def recorded_command(argv: list[str]) -> str:
+    """This call as a shell runs it again: every argument quoted where it must be (an empty `--scale ''` too)."""
+    return shlex.join(["python", "benchmarks/gpu_rows.py", *argv])
+
+
 def exit_status(report: dict[str, Any]) -> int:
+    """3: the gate failed; 1: a row failed, or the GPU tests did not pass (pytest's 5, no test collected, is a failure:
+    the tests that claim the captured engine never ran; without CUDA they are collected and skipped, exit 0)."""
     if not report.get("gate", {"passed": True})["passed"]:
         return 3
     tests = report.get("gpu_tests")
-    failed_tests = tests is not None and tests["exit"] not in (0, 5)  # 5: none collected (no CUDA: all skipped)
+    failed_tests = tests is not None and tests["exit"] != 0
     return 1 if failed_tests or any("error" in r for r in report["rows"]) else 0
 
 

@@ -5,6 +5,7 @@ earlier call's, how far a row is from the card)."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_rows
-from benchmarks.gpu_rows import Phase, arguments, merge_reports, phases, run_phases
+from benchmarks.gpu_rows import Phase, arguments, exit_status, merge_reports, phases, recorded_command, run_phases
 from benchmarks.gpu_rows_ours import limits
 from benchmarks.gpu_rows_report import markdown, targets
 from benchmarks.shapes import SHAPES
@@ -55,6 +56,16 @@ def test_a_later_call_replaces_only_the_rows_it_measured():
         ("lora", 11_000), ("full", 10_500)]
     assert merged["commands"] == ["python benchmarks/gpu_rows.py", "python benchmarks/gpu_rows.py --gguf x"]
     assert "--gguf x" in markdown(merged) and "NVIDIA H100" in markdown(merged)
+
+
+def test_a_recorded_command_reruns_as_printed_and_uncollected_gpu_tests_fail_the_call():
+    argv = ["--smoke", "--scale", "", "--lengths", "", "--heldout-overrides", "task.n_sft=4 sft.epochs=1"]
+    command = recorded_command(argv)
+    assert shlex.split(command) == ["python", "benchmarks/gpu_rows.py", *argv]  # empty arguments kept
+    ran = {"rows": [], "gpu_tests": {"exit": 0}}
+    assert exit_status(ran) == 0
+    assert exit_status({**ran, "gpu_tests": {"exit": 5}}) == 1  # pytest collected nothing: not a pass
+    assert exit_status({**ran, "gpu_tests": {"exit": 1}}) == 1
 
 
 def test_distance_from_the_card_counts_weights_cache_and_model_flops():
