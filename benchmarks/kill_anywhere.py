@@ -204,7 +204,7 @@ def one_moment(index: int, delay: float, work: Path, reference: dict[str, Any]) 
     return {"moment": index, "delay_s": round(delay, 2), "landed": where,
             "rerun": {"exit": rerun.returncode, "seconds": round(time.monotonic() - t0, 1),
                       "said": [line for line in rerun.stdout.splitlines() if SAID.search(line)],
-                      "last_lines": rerun.stdout.strip().splitlines()[-3:] if rerun.returncode else []},
+                      "last_lines": rerun.stdout.strip().splitlines()[-15:] if rerun.returncode else []},
             "checks": checks, "failed": [name for name, ok in checks.items() if not ok],
             "exact": all(checks.values())}
 

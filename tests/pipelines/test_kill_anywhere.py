@@ -15,6 +15,10 @@ def test_kills_at_seeded_random_moments_leave_reruns_that_end_as_an_uninterrupte
     result = kill_anywhere(moments=2, seed=7, work=tmp_path)
     table = markdown(result)
     print(table)
+    for row in result["moments"]:  # a rerun that failed: its own last lines, beside the table
+        if row["rerun"]["exit"]:
+            table += f"\nmoment {row['moment'] + 1}'s rerun ended with exit {row['rerun']['exit']}:\n" + \
+                "\n".join(row["rerun"]["last_lines"])
     assert result["summary"] == {"moments": 2, "exact": 2, "by_stage": result["summary"]["by_stage"]}, table
     for row in result["moments"]:
         assert row["exact"] and not row["failed"], table
