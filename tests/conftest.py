@@ -332,6 +332,21 @@ def tracked_files(source: Path = ROOT, under: str = "") -> list[str]:
     return [rel for rel in listed if rel and (source / rel).is_file()]
 
 
+def run_probe_in(root: Path, probe: str, *args: str) -> dict:
+    """`probe` (Python source) run in a fresh interpreter importing the project copy at `root`, given `args`: the JSON
+    of its last printed line; checks the copy ran, not this tree (`package`, `components.__file__`, when it prints
+    one)."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert str(got.get("package", root)).startswith(str(root))
+    return got
+
+
 def copy_tracked(dest: Path, source: Path = ROOT, under: str = "") -> Path:
     """`tracked_files(source, under)` copied into `dest`, the code as it is being worked on (what the suite imports
     in-process), params.yaml as committed (`committed_params`). Returns `dest`."""

@@ -6,16 +6,13 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from components.engine.grpo.objectives import policy_loss
 
-from conftest import committed_params, copy_tracked
+from conftest import committed_params, copy_tracked, run_probe_in
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -77,12 +74,7 @@ def test_a_loss_with_a_setting_of_its_own_is_one_entry_in_one_module(tmp_path):
                if p.read_text() != (ROOT / "components" / p.relative_to(copy)).read_text()]
     assert changed == ["losses.py"]
 
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(committed_params())], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["package"].startswith(str(tmp_path))  # the copy ran, not this tree
+    got = run_probe_in(tmp_path, PROBE, str(committed_params()))  # the copy's code, not this tree's
     assert got["settings"] == "ToySettings(toy_scale=3.0)"
     assert got["loss"] == pytest.approx(-3.0 * (1.0 * 2 - 2.0 * 3) / 5)  # ratio 1: -scale * sum(A) / 5 tokens
     assert got["refused"] == "grpo.toy_scale: must be > 0"

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import committed_params, copy_tracked
+from conftest import committed_params, copy_tracked, run_probe_in
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -112,13 +112,7 @@ def _add_the_toy_engine(copy: Path) -> list[str]:
 def test_an_engine_with_a_setting_of_its_own_is_one_module_and_one_entry(tmp_path):
     copy = copy_tracked(tmp_path / "project")
     assert _add_the_toy_engine(copy) == ["components/engine/rollout/toy.py", "components/rollout_engines.py"]
-    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(committed_params())], cwd=copy, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["package"].startswith(str(copy))  # the copy ran, not this tree
+    got = run_probe_in(copy, PROBE, str(committed_params()))  # the copy's code, not this tree's
     assert got["on"] == ["toy", 1] and got["off"] == "prefix_shared"
     assert got["refused"] == "grpo.toy_every: must be >= 0"
     recorded = json.loads((ROOT / "benchmarks" / "results" / "seed_spread.json").read_text())["default_fingerprint"]
@@ -128,6 +122,7 @@ def test_an_engine_with_a_setting_of_its_own_is_one_module_and_one_entry(tmp_pat
     # its module, and only the rollout package imports it.
     checks = ["tests/engine/rollout/test_engines.py", "tests/test_dvc_deps.py", "tests/test_layers.py",
               "-k", "toy or dependency or one_door"]
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "0", *checks],
                           cwd=copy, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
