@@ -2,8 +2,8 @@
 engine's own settings record. A new engine is one module under components/engine/rollout/ and one entry here, nothing
 else: `GRPOConfig` inherits every record's fields as `grpo.*` keys (checked by each field's rule), `choose.build_engine`
 tries the entries from the last to the first and hands each its record, the conformance suite
-(tests/engine/rollout/test_engines.py) checks every entry's variants against the plain engine, and dvc.yaml depends on
-the rollout package as a whole (tests/engine/rollout/test_engine_entries.py adds one to a copy of components/).
+(tests/engine/rollout/test_engines.py) checks every entry's engine against the plain one, and dvc.yaml depends on
+the rollout package as a whole (tests/engine/rollout/test_engine_entries.py adds one to a copy of the project).
 
 An engine module has two functions:
 
@@ -18,7 +18,9 @@ This module imports no torch, so loading a config stays fast.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from components.records import read_record, rules_of, setting, settings_keys
 
@@ -101,7 +103,7 @@ def engine_settings(config: object | None = None) -> dict[str, object]:
             for name, e in ENGINES.items()}
 
 
-def engine_setting_rules():
+def engine_setting_rules() -> Iterator[tuple[str, Callable[[Any], bool], str]]:
     """(key, valid, rule) for every engine setting that keeps a rule."""
     return rules_of(ENGINE_SETTINGS_RECORDS)
 
