@@ -10,8 +10,8 @@ wait for a device's result (`_local_scalar_dense`: `int()`, `.item()`, `if tenso
 
     python benchmarks/decode_step_ops.py        # writes benchmarks/results/decode_step_ops.{json,md}
 
-tests/engine/rollout/test_decode_step_ops.py counts again and fails when any setting's count grows by more than
-`GROWTH` over the record.
+tests/engine/generation/engines/test_decode_step_ops.py counts again and fails when any setting's count grows by more
+than `GROWTH` over the record.
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def _indices(args: tuple, kwargs: dict) -> list[Any]:
 
 def step_engine(shape: str = SHAPE, dtype: torch.dtype = torch.bfloat16) -> Any:
     """The CUDA-graph engine (eager mode: the step a graph captures, run as it is) over a random model of `shape`."""
-    from components.engine.fast.fastlm import PrefixSharedLM
-    from components.engine.fast.pieces import FastOptions
-    from components.engine.rollout.base import SpecialTokens
-    from components.engine.rollout.cuda_graphs import CudaGraphEngine
-    from components.engine.rollout.prefix_shared import PrefixSharedEngine
+    from components.engine.generation.engines.base import SpecialTokens
+    from components.engine.generation.engines.cuda_graphs import CudaGraphEngine
+    from components.engine.generation.engines.prefix_shared import PrefixSharedEngine
+    from components.engine.generation.fast.fastlm import PrefixSharedLM
+    from components.engine.generation.fast.pieces import FastOptions
 
     vocab = SHAPES[shape]["vocab_size"]
     model = random_model(shape, dtype, "cpu").eval()
@@ -104,9 +104,9 @@ def step_engine(shape: str = SHAPE, dtype: torch.dtype = torch.bfloat16) -> Any:
 
 def count_step(engine: Any, settings: dict[str, Any]) -> collections.Counter[str]:
     """The ops of one fused decode step of `engine` over `ROWS` started rows, by name (raises `HostSync`)."""
-    from components.engine.models.rollouts import left_pad
-    from components.engine.rollout.base import SamplingParams
-    from components.engine.rollout.static_cache import key_bucket, row_bucket
+    from components.engine.generation.engines.base import SamplingParams
+    from components.engine.generation.engines.static_cache import key_bucket, row_bucket
+    from components.engine.generation.rollouts import left_pad
 
     params = SamplingParams(n=ROWS // 2, max_new_tokens=8, **settings)
     vocab = engine.pieces.vocab_size
@@ -144,7 +144,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = ["# Ops of one decode step (benchmarks/decode_step_ops.py)", "",
              f"{record['shape']} ({record['layers']} layers), {record['dtype']}, {record['rows']} rows; torch "
              f"{record['torch']}, counted on the {record['machine']}. No op waits for the device (checked by the "
-             "same run). tests/engine/rollout/test_decode_step_ops.py fails when a count grows by more than "
+             "same run). tests/engine/generation/engines/test_decode_step_ops.py fails when a count grows by more than "
              f"{GROWTH:.0%}.", "", "| setting | ops a step | of them not views | largest (not views) |",
              "|---|---:|---:|---|"]
     for name, s in record["settings"].items():

@@ -59,9 +59,9 @@ NOT_MEASUREMENTS = {
     "95 %": "the confidence level of every interval",
     "3.11": "a Python version", "3.12": "a Python version",
     "half the free memory": "the rule of `gradient_checkpointing: auto` (engine/grpo/memory_estimate.py)",
-    "twice as far": "the fast path's self-check tolerance (engine/fast/check.py)",
+    "twice as far": "the fast path's self-check tolerance (engine/generation/fast/check.py)",
     "twice as long": "the `completion_length_growth` monitor's default threshold, 1.0",
-    "a third": "`GROUP_ROWS_EXTRA_WORK`, a third of the break-even (engine/fast/attention.py)",
+    "a third": "`GROUP_ROWS_EXTRA_WORK`, a third of the break-even (engine/generation/fast/attention.py)",
 }
 
 # Nouns whose counts are chosen, not measured: a count of one of them is a setting or a definition, not a figure

@@ -245,7 +245,8 @@ def start_gpu_tests(args) -> subprocess.Popen | None:
         return None
     log = open(Path(args.work) / "gpu-tests.txt", "w")
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                             "tests/engine/rollout/test_cuda_graphs.py", "tests/engine/rollout/test_half_precision.py"],
+                             "tests/engine/generation/engines/test_cuda_graphs.py",
+                             "tests/engine/generation/engines/test_half_precision.py"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 

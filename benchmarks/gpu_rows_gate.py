@@ -59,9 +59,9 @@ def gate(args, say=print) -> dict[str, Any]:
 
     from benchmarks.gpu_rows_ours import Clock, grpo_config, random_prompts
     from benchmarks.shapes import SHAPES, random_model
-    from components.engine.rollout.base import EngineRun, SamplingParams, SpecialTokens
-    from components.engine.rollout.choose import build_engine
-    from components.engine.rollout.cuda_graphs import CudaGraphEngine
+    from components.engine.generation.engines.base import EngineRun, SamplingParams, SpecialTokens
+    from components.engine.generation.engines.choose import build_engine
+    from components.engine.generation.engines.cuda_graphs import CudaGraphEngine
     from components.rollout_engines import engine_settings
 
     started = time.perf_counter()
@@ -118,7 +118,7 @@ def _gap(engine, prompts, group: int, generator) -> dict[str, Any]:
     """A sampled run's sampler log-probs against the trainer's forward of the same tokens (no gradient)."""
     import torch
 
-    from components.engine.rollout.base import SamplingParams
+    from components.engine.generation.engines.base import SamplingParams
 
     rollouts = engine.sample(prompts, SamplingParams(n=group, max_new_tokens=GREEDY_STEPS, temperature=1.0,
                                                      ignore_eos=True), generator)

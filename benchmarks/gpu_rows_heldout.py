@@ -99,9 +99,9 @@ def real_row(args: argparse.Namespace, kind: str, prompts: int, length: int, say
     from benchmarks.gpu_long_row import no_tracking
     from benchmarks.gpu_rows_trl import trl_alternating
     from components.data.records import read_jsonl, split_path
+    from components.engine.generation.engines.base import SpecialTokens
     from components.engine.models.modeling import load_model, load_tokenizer, resolve_dtype
     from components.engine.models.prompting import PromptFormatter
-    from components.engine.rollout.base import SpecialTokens
 
     root = Path(args.work) / "heldout"
     cfg = heldout_config(args, [*OFF_THE_CLOCK, f"grpo.max_completion_length={length}",

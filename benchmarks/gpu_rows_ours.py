@@ -84,14 +84,14 @@ class Ours:
                  tokens: Any = None, say=print):
         import torch
 
+        from components.engine.generation.engines.base import EngineRun, SpecialTokens
+        from components.engine.generation.engines.choose import build_engine
+        from components.engine.generation.engines.cuda_graphs import CudaGraphEngine
         from components.engine.grpo.memory_estimate import fit_memory
         from components.engine.grpo.objectives import build_loss
         from components.engine.grpo.policy import Policy, attach_lora
         from components.engine.models.optim import make_optimizer
         from components.engine.models.quantize import nf4_count
-        from components.engine.rollout.base import EngineRun, SpecialTokens
-        from components.engine.rollout.choose import build_engine
-        from components.engine.rollout.cuda_graphs import CudaGraphEngine
         from components.rollout_engines import engine_settings
 
         g = self.g = cfg.grpo
@@ -135,9 +135,9 @@ class Ours:
         completion tokens, the on-policy gap the update measured and the card's peak memory."""
         import torch
 
+        from components.engine.generation.engines.base import SamplingParams
         from components.engine.grpo.trajectory import Trajectory
         from components.engine.grpo.update import UpdatePlan, policy_updates, reference_logprobs
-        from components.engine.rollout.base import SamplingParams
 
         g, policy = self.g, self.policy
         params = SamplingParams(n=g.group_size, max_new_tokens=g.max_completion_length, temperature=g.temperature,

@@ -26,9 +26,9 @@ def qwen2_half_billion():
 
 
 def measure_gpu(prompts: int = 64, group_size: int = 8, prompt_len: int = 128, new_tokens: int = 256) -> dict[str, Any]:
-    from components.engine.fast.build import checked_prefix_shared_lm
-    from components.engine.models.rollouts import Turn
-    from components.engine.rollout.draw import sample_from
+    from components.engine.generation.engines.draw import sample_from
+    from components.engine.generation.fast.build import checked_prefix_shared_lm
+    from components.engine.generation.rollouts import Turn
 
     model = qwen2_half_billion()
     params = sum(p.numel() for p in model.parameters())

@@ -224,8 +224,8 @@ def heldout_evaluator(cfg, root: Path, tokenizer, limit: int):
     import torch
 
     from components.data.records import read_jsonl, split_path
-    from components.engine.environments.scoring import score
     from components.engine.evaluation.heldout import greedy_completions_of
+    from components.engine.generation.scoring import score
     from components.engine.rewards.rewards import RewardModel
 
     records = read_jsonl(split_path(root / "data" / "prepared", "heldout"))[:limit]
@@ -248,7 +248,7 @@ def mean_prompt_tokens(cfg, root: Path, limit: int = 256) -> float:
     """Tokens of a training prompt as the engine encodes it (chat template, and a tool row's system message,
     included), the mean over the first `limit` prompts."""
     from components.data.records import read_jsonl, split_path
-    from components.engine.environments.generation import play_of
+    from components.engine.generation.service import play_of
     from components.engine.models.modeling import load_tokenizer
 
     play = play_of(cfg, load_tokenizer(root / "models" / "sft"))
@@ -359,7 +359,7 @@ def run_trl(spec: dict[str, Any], channel: Channel) -> None:
 
     from benchmarks.trl_tools import EpisodeCount, check_same_layout
     from components.data.records import read_jsonl, split_path
-    from components.engine.environments.generation import play_of
+    from components.engine.generation.service import play_of
     from components.engine.grpo.host_memory import configure_allocator
     from components.engine.grpo.memory_estimate import ModelShape, estimate_step_memory
     from components.engine.models.modeling import load_model, load_tokenizer

@@ -5,9 +5,9 @@ episodes the pipeline plays, laid out token for token as the pipeline lays them 
   pipeline's words where the chat template has no tool format of its own, then the user's question), handed to TRL
   as conversational prompts; TRL renders them with the chat template.
 - Chat template: the model's own, with an assistant turn's tool calls rendered as the model writes them
-  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, components/engine/environments/calls.py), because TRL
-  refuses a template that does not render a whole tool exchange. A template without a tool format ignores the
-  `tools` TRL passes it, as the pipeline's does (the system message carries them).
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, components/engine/generation/environments/calls.py),
+  because TRL refuses a template that does not render a whole tool exchange. A template without a tool format ignores
+  the `tools` TRL passes it, as the pipeline's does (the system message carries them).
 - Reading calls: a response template for that format (TRL's `add_response_schema` knows none for a plain ChatML
   template), anchored at the template's own generation prompt and ended by its EOS.
 - Before training, `check_same_layout` compares what TRL's own code builds (`_tokenize_prompts`,
@@ -99,7 +99,7 @@ class ToolRowInputs:
 
 def tool_row_inputs(cfg: Any, records: Sequence[dict[str, Any]], tokenizer: Any, trl_tokenizer: Any) -> ToolRowInputs:
     """The pipeline's episode spec of `cfg` (`grpo.tools`) turned into TRL's inputs."""
-    from components.engine.environments.spec import episode_spec
+    from components.engine.generation.environments.spec import episode_spec
 
     spec = episode_spec(cfg)
     if spec is None or spec.factory is not None:

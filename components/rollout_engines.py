@@ -1,9 +1,10 @@
 """The rollout engines, one entry each in `ENGINES`: the module that builds it, the engine it decodes for, and the
-engine's own settings record. A new engine is one module under components/engine/rollout/ and one entry here, nothing
-else: `GRPOConfig` inherits every record's fields as `grpo.*` keys (checked by each field's rule), `choose.build_engine`
-tries the entries from the last to the first and hands each its record, the conformance suite
-(tests/engine/rollout/test_engines.py) checks every entry's engine against the plain one, and dvc.yaml depends on
-the rollout package as a whole (tests/engine/rollout/test_engine_entries.py adds one to a copy of the project).
+engine's own settings record. A new engine is one module under components/engine/generation/engines/ and one entry
+here, nothing else: `GRPOConfig` inherits every record's fields as `grpo.*` keys (checked by each field's rule),
+`choose.build_engine` tries the entries from the last to the first and hands each its record, the conformance suite
+(tests/engine/generation/engines/test_engines.py) checks every entry's engine against the plain one, and dvc.yaml
+depends on the engines package as a whole (tests/engine/generation/engines/test_engine_entries.py adds one to a copy of
+the project).
 
 An engine module has two functions:
 
@@ -41,15 +42,15 @@ class PrefixSharing:
     """The prompt-once engine's switches."""
 
     prefix_sharing: bool = setting(True, "must be true or false", _is_bool)
-    """Sample and score through the prompt-once engine (components/engine/rollout/prefix_shared.py): each prompt
-    encoded once per group in sampling, reference and policy forwards. The families of fast/families.py only (Llama,
-    Qwen2/3, Mistral, Gemma 2/3), checked against the Hugging Face forward at start; others fall back to the plain
-    engine, as do several processes and per-group sampling (those need the wrapped, N-independent forward)."""
+    """Sample and score through the prompt-once engine (components/engine/generation/engines/prefix_shared.py): each
+    prompt encoded once per group in sampling, reference and policy forwards. The families of fast/families.py only
+    (Llama, Qwen2/3, Mistral, Gemma 2/3), checked against the Hugging Face forward at start; others fall back to the
+    plain engine, as do several processes and per-group sampling (those need the wrapped, N-independent forward)."""
     onednn_matmul: bool = setting(True, "must be true or false", _is_bool)
     """With prefix sharing, float32 matrix products of 8M multiply-adds or more on the CPU run on oneDNN's kernels
-    (components/engine/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU vendor: the
-    gain is on AMD processors with AVX-512 (docs/performance.md has the figures). Rounding differs from PyTorch's own
-    products; false keeps those."""
+    (components/engine/generation/fast/matmul.py), which pick their code by instruction set where MKL picks by CPU
+    vendor: the gain is on AMD processors with AVX-512 (docs/performance.md has the figures). Rounding differs from
+    PyTorch's own products; false keeps those."""
 
 
 @dataclass
@@ -58,8 +59,8 @@ class CudaGraphs:
 
     cuda_graphs: bool = setting(True, "must be true or false", _is_bool)
     """With prefix sharing on a CUDA device, decode with every step captured as a CUDA graph
-    (components/engine/rollout/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside the
-    graph); a trial capture at start, and any capture that fails, turns it off with one line. False: the prompt-once
+    (components/engine/generation/engines/cuda_graphs.py: a preallocated KV cache, fixed row buckets, sampling inside
+    the graph); a trial capture at start, and any capture that fails, turns it off with one line. False: the prompt-once
     engine's host-driven loop. No effect on the CPU."""
 
 
@@ -70,7 +71,7 @@ class Engine:
     name: str
     """Its name in logs and MLflow tags (the engine object's `name`)."""
     module: str
-    """Its module under components/engine/rollout/ (with `build_for_run` and `conformance`)."""
+    """Its module under components/engine/generation/engines/ (with `build_for_run` and `conformance`)."""
     settings: type = NoEngineSettings
     """The record of this engine's own settings: a dataclass whose fields, made with `setting`, are `grpo.*` keys."""
     over: str | None = None
@@ -82,7 +83,7 @@ class Engine:
 
     @property
     def module_path(self) -> str:
-        return f"components.engine.rollout.{self.module}"
+        return f"components.engine.generation.engines.{self.module}"
 
 
 ENGINES: dict[str, Engine] = {engine.name: engine for engine in (

@@ -54,7 +54,7 @@ def merged_config(params_path: Path, overlays: list[Path], overrides: list[str])
     cfg = config_from_dict(merged)  # raises ConfigError naming the key
     check_rewards(cfg.grpo.rewards)
     if cfg.grpo.tools or cfg.grpo.environment:  # imports the user's tools or environment (and torch): only then
-        from components.engine.environments.spec import check_episodes
+        from components.engine.generation.environments.spec import check_episodes
 
         check_episodes(cfg.grpo)
     return cfg

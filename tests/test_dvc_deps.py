@@ -33,7 +33,7 @@ def project_imports(module: str) -> set[str]:
         if path is None:
             continue
         seen.add(name)
-        if name == "components.engine.rollout.choose":  # builds the engines by name from their registry
+        if name == "components.engine.generation.engines.choose":  # builds the engines by name from their registry
             todo += [entry.module_path for entry in ENGINES.values()]
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
@@ -72,9 +72,9 @@ def test_every_imported_project_module_is_a_dependency(stage):
 def test_the_closure_follows_imports_inside_functions():
     # evaluate imports components.tracking.runs inside a function; grpo reaches fastlm through its imports.
     assert "components.tracking.runs" in project_imports("components.stages.evaluate")
-    assert "components.engine.fast.fastlm" in project_imports("components.stages.grpo")
+    assert "components.engine.generation.fast.fastlm" in project_imports("components.stages.grpo")
     # choose.py imports no engine: it builds each registered one by its module's name.
-    assert "components.engine.rollout.cuda_graphs" in project_imports("components.stages.evaluate")
+    assert "components.engine.generation.engines.cuda_graphs" in project_imports("components.stages.evaluate")
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_MODULES))

@@ -67,41 +67,40 @@ def test_the_loop_finder_finds_a_loop():
 def test_the_engine_floors_are_checked(tmp_path):
     """The engine's floors contract is not vacuous: with its floors reversed, its real imports break it."""
     config = (ROOT / "pyproject.toml").read_text()
-    floors = ('    "grpo",\n    "evaluation",\n    "environments",\n    "rollout",\n    "fast | rewards | parallel",\n'
-              '    "models",\n')
+    floors = '    "grpo",\n    "evaluation | parallel",\n    "generation",\n    "rewards",\n    "models",\n'
     assert floors in config
-    reversed_floors = ('    "models",\n    "fast | rewards | parallel",\n    "rollout",\n    "environments",\n'
-                       '    "evaluation",\n    "grpo",\n')
+    reversed_floors = '    "models",\n    "rewards",\n    "generation",\n    "evaluation | parallel",\n    "grpo",\n'
     (tmp_path / "pyproject.toml").write_text(config.replace(floors, reversed_floors))
     assert lint_imports(config_filename=str(tmp_path / "pyproject.toml"), no_cache=True, no_logo=True) == 1
 
 
 def test_the_fast_path_has_one_door():
     """Only rollout engines (and their fixed-shape state) import the fast path: no module outside
-    components/engine/rollout/ reaches it, and the prompt-once engine does (the check is not vacuous)."""
+    components/engine/generation/engines/ reaches it, and the prompt-once engine does (the check is not vacuous)."""
     graph = grimp.build_graph("components", "pipelines")
-    importers = {m for module in graph.find_children("components.engine.fast")
-                 for m in graph.find_modules_that_directly_import(module) if not m.startswith("components.engine.fast")}
-    assert "components.engine.rollout.prefix_shared" in importers
-    assert {m for m in importers if not m.startswith("components.engine.rollout.")} == set()
+    fast = "components.engine.generation.fast"
+    importers = {m for module in graph.find_children(fast)
+                 for m in graph.find_modules_that_directly_import(module) if not m.startswith(fast)}
+    assert "components.engine.generation.engines.prefix_shared" in importers
+    assert {m for m in importers if not m.startswith("components.engine.generation.engines.")} == set()
 
 
 def test_concrete_engines_have_one_door():
-    """Every engine module an entry of components/rollout_engines.py names is imported only inside the rollout
-    package (everything else generates through environments.generation, or asks `choose`)."""
+    """Every engine module an entry of components/rollout_engines.py names is imported only inside the engines
+    package (everything else generates through generation.service, or asks `choose`)."""
     from components.rollout_engines import ENGINES
 
     graph = grimp.build_graph("components", "pipelines")
     outside = {(m, e.module_path) for e in ENGINES.values() for m in graph.find_modules_that_directly_import(
-        e.module_path) if not m.startswith("components.engine.rollout.")}
+        e.module_path) if not m.startswith("components.engine.generation.engines.")}
     assert outside == set()
     assert len(ENGINES) >= 3 and all(e.module_path in graph.modules for e in ENGINES.values())
 
 
 # Private members of other libraries' objects that the library reads on purpose, each with its reason.
 THIRD_PARTY_PRIVATES = {
-    "_linear_pointwise": "oneDNN's fused linear, torch.ops.mkldnn (engine/fast/matmul.py)",
-    "_forward_hooks": "a hooked nn.Linear head must run as a module (engine/fast/pieces.py)",
+    "_linear_pointwise": "oneDNN's fused linear, torch.ops.mkldnn (engine/generation/fast/matmul.py)",
+    "_forward_hooks": "a hooked nn.Linear head must run as a module (engine/generation/fast/pieces.py)",
     "_forward_pre_hooks": "the same",
     "_gradient_checkpointing_func": "transformers' per-layer checkpointing switch (engine/models/modeling.py)",
     "_exit": "os._exit in the stage server's forked children",

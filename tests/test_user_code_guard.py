@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from components.config import ConfigError
-from components.engine.environments.environment import load_environment_factory
-from components.engine.environments.tools import load_tools
+from components.engine.generation.environments.environment import load_environment_factory
+from components.engine.generation.environments.tools import load_tools
 from components.engine.rewards.rewards import RewardError, resolve_reward
 from components.user_code import UserCodeError, calling, load_callable
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADERS = ["components/engine/rewards/rewards.py", "components/engine/environments/tools.py",
-           "components/engine/environments/environment.py", "components/tracking/model_card.py"]
+LOADERS = ["components/engine/rewards/rewards.py", "components/engine/generation/environments/tools.py",
+           "components/engine/generation/environments/environment.py", "components/tracking/model_card.py"]
 
 
 def test_rewards_tools_and_environments_load_through_the_one_loader():

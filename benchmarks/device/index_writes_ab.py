@@ -19,9 +19,9 @@ import torch
 
 from benchmarks.gpu_rows_ours import Ours, grpo_config, random_prompts
 from benchmarks.shapes import SHAPES, random_model
+from components.engine.generation.engines import cuda_graphs, static_cache
+from components.engine.generation.engines.base import SamplingParams
 from components.engine.models.modeling import seed_everything
-from components.engine.rollout import cuda_graphs, static_cache
-from components.engine.rollout.base import SamplingParams
 
 FIXED = static_cache.distinct_index_writes
 

@@ -88,7 +88,7 @@ def stage_main(description: str, run: Callable[[PipelineConfig], object], argv: 
         cfg = load_config(args.params, args.overrides)
         check_rewards(cfg.grpo.rewards)
         if cfg.grpo.tools or cfg.grpo.environment:  # imports the user's code (and torch): only when there is some
-            from components.engine.environments.spec import check_episodes
+            from components.engine.generation.environments.spec import check_episodes
 
             check_episodes(cfg.grpo)
         entered = time.time()

@@ -18,12 +18,12 @@ from components.data.checkpoints import save_best
 from components.data.paths import Paths
 from components.engine.evaluation.heldout import HeldoutProbe
 from components.engine.evaluation.monitors import Monitors, generalisation, generalisation_text, no_signal
+from components.engine.generation.rollouts import Episode
 from components.engine.grpo.batch import Batch
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import UpdateStats
 from components.engine.models.modeling import load_policy_model
-from components.engine.models.rollouts import Episode
 from components.engine.parallel.distributed import DistContext
 from components.engine.rewards.rewards import RewardError
 from components.tracking.reports import GRPOReporter

@@ -17,9 +17,12 @@ import torch
 from components.config import PipelineConfig, to_flat_dict
 from components.data.paths import Paths
 from components.data.records import iter_jsonl, read_jsonl, split_path
-from components.engine.environments.generation import conversation_encoder, for_evaluation
-from components.engine.environments.scoring import score
 from components.engine.evaluation.task_metrics import generate
+from components.engine.generation.engines.base import RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.generation.engines.choose import evaluation_engine, plain_engine, through_trainer
+from components.engine.generation.rollouts import Turn, left_pad
+from components.engine.generation.scoring import score
+from components.engine.generation.service import conversation_encoder, for_evaluation
 from components.engine.models.modeling import (
     load_policy_model,
     load_tokenizer,
@@ -30,7 +33,6 @@ from components.engine.models.modeling import (
 )
 from components.engine.models.optim import cosine_learning_rate, make_optimizer, set_learning_rate
 from components.engine.models.prompting import PromptFormatter
-from components.engine.models.rollouts import Turn, left_pad
 from components.engine.parallel.distributed import (
     DistContext,
     all_reduce_sum,
@@ -42,8 +44,6 @@ from components.engine.parallel.distributed import (
     wrap_ddp,
 )
 from components.engine.rewards.rewards import RewardError, RewardModel
-from components.engine.rollout.base import RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.choose import evaluation_engine, plain_engine, through_trainer
 from components.rollout_engines import engine_settings
 from components.stages.cli import stage_main
 from components.tracking.runs import tracking_run

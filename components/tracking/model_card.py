@@ -37,7 +37,7 @@ def episodes_lines(cfg: PipelineConfig) -> list[str]:
     g = cfg.grpo
     if not (g.tools or g.environment):
         return []
-    from components.engine.environments.tools import BUILTIN_TOOLS, load_tools
+    from components.engine.generation.environments.tools import BUILTIN_TOOLS, load_tools
     from components.user_code import load_callable
 
     kind, names, known = ("tools", g.tools, BUILTIN_TOOLS) if g.tools else ("environment", [g.environment], {})

@@ -7,9 +7,10 @@ and applies the adapter (components/tracking/serving_model.py). `register.merge_
 model instead, as self-contained as a full fine-tune.
 
 Every logged model ships the package `grpo_served` beside its code (MLflow's `code_paths`): copies of the modules that
-lay out conversations (engine/environments/chat.py), read tool calls (engine/environments/calls.py) and speak
-OpenAI's chat format (tracking/chat_request.py), each standard library only, so the served model answers chat
-requests as training laid out and parsed its episodes, without this repository.
+lay out conversations (engine/generation/environments/chat.py), read tool calls
+(engine/generation/environments/calls.py) and speak OpenAI's chat format (tracking/chat_request.py), each standard
+library only, so the served model answers chat requests as training laid out and parsed its episodes, without this
+repository.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from components.config import PipelineConfig
 from components.data.records import dir_md5
-from components.engine.environments import calls, chat
+from components.engine.generation.environments import calls, chat
 from components.engine.models import prompt_text
 from components.engine.models.modeling import adapter_base, resolve_model_dir
 from components.tracking import chat_request
@@ -58,7 +59,7 @@ def serving_config(cfg: PipelineConfig, tokenizer: Any) -> dict[str, Any]:
     serving = {"max_new_tokens": cfg.evaluate.max_new_tokens, **PromptFormatter(cfg.prompt, tokenizer).settings(),
                "model_name": cfg.register.model_name}
     if cfg.grpo.tools:
-        from components.engine.environments.tools import load_tools
+        from components.engine.generation.environments.tools import load_tools
 
         # JSON text: the MLmodel file's YAML would sort the schemas' keys, and the model reads them in their order
         serving["tools"] = json.dumps([t.schema for t in load_tools(cfg.grpo.tools)], ensure_ascii=False)

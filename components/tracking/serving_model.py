@@ -106,8 +106,8 @@ class CompletionModel(PythonModel):
 
     def reply(self, text: str, ended: bool, tools: list | None, usage: tuple) -> dict:
         """The answer to send for a turn the model wrote: with tools offered, its calls read by training's parser
-        (components/engine/environments/calls.py) into `tool_calls`; otherwise, or when a call cannot be read, or the
-        turn ran out of tokens (as in training, half a turn is not read for calls), the text as written, in
+        (components/engine/generation/environments/calls.py) into `tool_calls`; otherwise, or when a call cannot be
+        read, or the turn ran out of tokens (as in training, half a turn is not read for calls), the text as written, in
         `content`."""
         parsed = self.calls.parse_tool_calls(text, self.tokenizer) if tools and ended else None
         if parsed is None or parsed.malformed is not None or not parsed.calls:
@@ -117,10 +117,10 @@ class CompletionModel(PythonModel):
                                              self.model_name)
 
     def chat_ids(self, messages: list, tools: list | None) -> list:
-        """The conversation's token ids as training laid an episode out (components/engine/environments/chat.py): the
-        system message (the request's, else the one trained with) with the tools described in it where the chat
-        template has no tool format of its own, each assistant turn as the model writes it, through the generation
-        prompt of the turn to answer."""
+        """The conversation's token ids as training laid an episode out
+        (components/engine/generation/environments/chat.py): the system message (the request's, else the one trained
+        with) with the tools described in it where the chat template has no tool format of its own, each assistant turn
+        as the model writes it, through the generation prompt of the turn to answer."""
         if not self.chat:
             raise ValueError("this model was trained on prompts without a chat template; send `prompt`, not `messages`")
         layout = self.layout.ChatFormat(self.tokenizer, tools)

@@ -101,7 +101,7 @@ def test_trls_tool_loop_runs_the_calculator_and_keeps_its_answer_out_of_the_mode
     import torch
     from trl.chat_template_utils import parse_response
 
-    from components.engine.environments.builtin import calculator
+    from components.engine.generation.environments.builtin import calculator
 
     _, records, tokenizer, inputs, trainer = calculator_trl
     prompts = [inputs.first_messages(records[0])]
@@ -148,7 +148,7 @@ def test_episode_count_sums_each_generate_call_until_taken(calculator_trl):
 
 
 def test_trl_rewards_read_the_last_model_turn_as_ours_do():
-    from components.engine.models.rollouts import Episode
+    from components.engine.generation.rollouts import Episode
 
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "347 * 82"}}}
     answered = [{"role": "assistant", "content": "", "tool_calls": [call]},

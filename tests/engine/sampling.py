@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from components.engine.models.rollouts import Rollouts, encode_prompts
-from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine
+from components.engine.generation.engines.base import SamplingParams, SpecialTokens
+from components.engine.generation.engines.hf import HFEngine
+from components.engine.generation.rollouts import Rollouts, encode_prompts
 
 
 def sample_texts(model: Any, tokenizer: Any, prompts: Sequence[str], params: SamplingParams,

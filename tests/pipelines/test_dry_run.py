@@ -40,8 +40,8 @@ def test_dry_run_says_why_a_reward_is_missing_instead_of_nan(tmp_path):
 def test_the_missing_rewards_of_cut_episodes_are_explained_by_how_each_ended():
     """Episodes the pipeline cut at a limit, or that ended without a reward of the environment's own, are counted
     by how they ended; the mean is over the completions some reward scored."""
-    from components.engine.environments.episodes import Episodes
-    from components.engine.models.rollouts import Episode
+    from components.engine.generation.environments.episodes import Episodes
+    from components.engine.generation.rollouts import Episode
     from components.engine.rewards.rewards import RewardResult
     from pipelines.dry_run import reward_summary
 

@@ -13,7 +13,7 @@ from packaging.version import Version
 
 from components.config import load_config
 from components.data.paths import Paths
-from components.engine.rollout.base import SamplingParams
+from components.engine.generation.engines.base import SamplingParams
 from components.stages.grpo import train_grpo
 from components.stages.model import build_base_model
 from components.stages.prepare import prepare

@@ -178,7 +178,7 @@ def test_a_fast_path_that_cannot_be_built_leaves_training_on_the_plain_forward(t
         del model.model
         return model
 
-    from components.engine.rollout import prefix_shared
+    from components.engine.generation.engines import prefix_shared
 
     build = prefix_shared.build
     monkeypatch.setattr(policy_module, "load_policy_model", load_renamed)

@@ -72,7 +72,8 @@ def test_tool_episodes_train_evaluate_and_register_on_the_real_model(tmp_path, s
 
     card = MlflowClient().get_model_version("smollm2-tools-test", "1").description
     assert "Episodes with tools: `calculator` (source sha256 `" in card
-    assert "  - `calculator` (`components.engine.environments.builtin:calculator`): Evaluate an arithmetic" in card
+    assert ("  - `calculator` (`components.engine.generation.environments.builtin:calculator`): Evaluate an "
+            "arithmetic") in card
     assert "Serving: answers OpenAI-style chat requests (`messages`, `tools`)" in card
     served_tool_calls(tmp_path, predictions)
 
@@ -83,9 +84,9 @@ def served_tool_calls(tmp_path: Path, predictions: list[dict]) -> None:
     answer in `content`: the same turns the pipeline's own greedy held-out episode wrote for that question."""
     import mlflow
 
-    from components.engine.environments.builtin import calculator
-    from components.engine.environments.calls import parse_tool_calls
-    from components.engine.environments.tools import load_tools
+    from components.engine.generation.environments.builtin import calculator
+    from components.engine.generation.environments.calls import parse_tool_calls
+    from components.engine.generation.environments.tools import load_tools
 
     # A held-out episode of the evaluation (greedy): one call, the calculator's result, the answer.
     episodes = [p["candidate_completion"].split("\n") for p in predictions]

@@ -76,12 +76,12 @@ def test_the_loss_through_either_engine_equals_the_full_width_cross_entropy():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from components.engine.fast.fastlm import PrefixSharedLM
-    from components.engine.models.rollouts import positions_from_mask
+    from components.engine.generation.engines.base import SpecialTokens
+    from components.engine.generation.engines.choose import plain_engine
+    from components.engine.generation.engines.prefix_shared import PrefixSharedEngine
+    from components.engine.generation.fast.fastlm import PrefixSharedLM
+    from components.engine.generation.rollouts import positions_from_mask
     from components.engine.parallel.distributed import DistContext
-    from components.engine.rollout.base import SpecialTokens
-    from components.engine.rollout.choose import plain_engine
-    from components.engine.rollout.prefix_shared import PrefixSharedEngine
     from components.stages.sft import batch_loss
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from components.config import config_from_dict, read_params
-from tests.engine.environments.chat_fixtures import CHATML, HERMES, chat_tokenizer
+from tests.engine.generation.environments.chat_fixtures import CHATML, HERMES, chat_tokenizer
 
 from conftest import committed_params
 
@@ -63,8 +63,8 @@ def _served(tmp_path: Path, template: str, tools: list[str]):
 
 @pytest.mark.parametrize("template", [CHATML, HERMES], ids=["tools-in-system-message", "native-tool-format"])
 def test_a_chat_request_is_laid_out_token_for_token_as_training_laid_out_its_episodes(tmp_path, store, template):
-    from components.engine.environments.chat import ChatFormat
-    from components.engine.environments.spec import episode_spec
+    from components.engine.generation.environments.chat import ChatFormat
+    from components.engine.generation.environments.spec import episode_spec
 
     cfg, tokenizer, _, served = _served(tmp_path, template, ["calculator"])
     spec = episode_spec(cfg)

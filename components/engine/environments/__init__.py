@@ -1,2 +1,2 @@
-"""Tools and environments, and the one generation service every caller uses (`generation.py`): every row is an
-episode, played through the rollout door's decoding runs turn by turn; engines never know about tools."""
+"""The environment protocol's former address, kept for user code written against it: the environments now live in
+`components.engine.generation.environments` (with the generation service, its scoring and the engines)."""

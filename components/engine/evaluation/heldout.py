@@ -17,8 +17,9 @@ from components.config import PipelineConfig
 from components.data.checkpoints import TRAINABLE_FILE
 from components.data.paths import Paths
 from components.data.records import file_md5, read_jsonl, split_path
-from components.engine.environments.generation import for_evaluation
-from components.engine.environments.scoring import Completions, score
+from components.engine.generation.engines.base import SamplingParams
+from components.engine.generation.scoring import Completions, score
+from components.engine.generation.service import for_evaluation
 from components.engine.models.modeling import (
     ModelLoadError,
     load_policy_model,
@@ -28,7 +29,6 @@ from components.engine.models.modeling import (
     seed_everything,
 )
 from components.engine.rewards.rewards import RewardModel
-from components.engine.rollout.base import SamplingParams
 
 
 def paired_bootstrap(candidate: np.ndarray, baseline: np.ndarray, samples: int, seed: int) -> dict[str, float]:

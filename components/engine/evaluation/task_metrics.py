@@ -15,7 +15,7 @@ compared prompt by prompt with the paired bootstrap:
 - `eos_rate`: 1 when the greedy completion ended with EOS within `evaluate.max_new_tokens`, else 0 (an episode:
   when it ended without meeting a limit).
 
-Completions come from the one generation service (`environments.generation.for_evaluation`), played the same way
+Completions come from the one generation service (`generation.service.for_evaluation`), played the same way
 as in training with `evaluate.max_new_tokens` tokens after each prompt; rewards read them as in training.
 """
 
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from components.config import FIXED_METRICS, PASS_AT_K, ConfigError, EvaluateConfig, PipelineConfig, RewardSpec
-from components.engine.environments.generation import Generation, for_evaluation
-from components.engine.environments.scoring import Completions, score
+from components.engine.generation.engines.base import SamplingParams
+from components.engine.generation.scoring import Completions, score
+from components.engine.generation.service import Generation, for_evaluation
 from components.engine.rewards.rewards import RewardModel, resolve_reward
-from components.engine.rollout.base import SamplingParams
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from components.config import GRPOConfig, RewardSpec
-from components.engine.environments.scoring import Completions, score
+from components.engine.generation.engines.base import SamplingParams
+from components.engine.generation.rollouts import Rollouts, concat_rollouts
+from components.engine.generation.scoring import Completions, score
 from components.engine.grpo.objectives import build_loss
 from components.engine.grpo.policy import Policy
-from components.engine.models.rollouts import Rollouts, concat_rollouts
 from components.engine.parallel.distributed import DistContext, all_gather_objects, group_seed, shard
 from components.engine.rewards.rewards import RewardError, RewardModel, RewardResult
-from components.engine.rollout.base import SamplingParams
 
 
 def sampling_params(g: GRPOConfig) -> SamplingParams:

@@ -22,8 +22,8 @@ import psutil
 import torch
 
 from components.config import GRPOConfig
+from components.engine.generation.logprobs import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_BYTES
 from components.engine.grpo.host_memory import configure_allocator
-from components.engine.models.logprobs import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_BYTES
 
 GiB = 2**30
 ACTIVATION_WIDTHS = (10, 4)  # values kept per token and layer: x hidden size, x intermediate size

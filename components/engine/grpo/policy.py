@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from components.config import ConfigError, LoRAConfig, PipelineConfig
-from components.engine.environments.generation import Generation, play_of
+from components.engine.generation.engines.adapters_off import AdaptersOff
+from components.engine.generation.engines.base import EngineRun, RolloutEngine, SamplingParams, SpecialTokens
+from components.engine.generation.engines.choose import build_engine, plain_engine, through_trainer
+from components.engine.generation.rollouts import Rollouts
+from components.engine.generation.service import Generation, play_of
 from components.engine.grpo.memory_estimate import MemoryFit, fit_memory
 from components.engine.models.modeling import load_policy_model, load_tokenizer
-from components.engine.models.rollouts import Rollouts
-from components.engine.rollout.adapters_off import AdaptersOff
-from components.engine.rollout.base import EngineRun, RolloutEngine, SamplingParams, SpecialTokens
-from components.engine.rollout.choose import build_engine, plain_engine, through_trainer
 from components.rollout_engines import engine_settings
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from components.engine.generation.rollouts import Rollouts
 from components.engine.grpo.objectives import GRPOLoss
-from components.engine.models.rollouts import Rollouts
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from components.config import GRPOConfig
+from components.engine.generation.rollouts import Rollouts
 from components.engine.grpo.objectives import GRPOLoss, LossOutput, build_loss, high_entropy_mask, masked_mean
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.rollout_correction import CorrectionStats
 from components.engine.grpo.trajectory import Trajectory
-from components.engine.models.rollouts import Rollouts
 from components.engine.parallel.distributed import (
     DistContext,
     all_gather_objects,

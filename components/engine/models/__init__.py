@@ -1,3 +1,3 @@
-"""Building models and reading them the plain way: loading and seeding (`modeling`, `gguf_model`), prompt
-formatting (`prompting`), group sampling with the Hugging Face forward and per-token log-probs (`rollout`,
-`logprobs`), and the optimizer and schedule every training uses (`optim`)."""
+"""Building models and what every training shares: loading and seeding (`modeling`, `gguf_model`), prompt formatting
+(`prompting`, `prompt_text`), adapters' precision (`lora_precision`), quantized loading (`quantize`), and the optimizer
+and schedule (`optim`). Sampling and log-probs live in `components.engine.generation`."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from components.config import DistributedConfig, PipelineConfig
-from components.engine.models.rollouts import Rollouts
+from components.engine.generation.rollouts import Rollouts
 
 
 @dataclass(frozen=True)

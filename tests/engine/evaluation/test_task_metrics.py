@@ -6,7 +6,7 @@ import pytest
 
 from components.config import EvaluateConfig, RewardSpec
 from components.engine.evaluation.task_metrics import TaskMetrics, metric_key, pass_at_k
-from components.engine.rollout.base import SamplingParams
+from components.engine.generation.engines.base import SamplingParams
 from tests.engine.sampling import sample_texts
 
 

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, config_warnings, load_config, stage_params_hash
-from components.engine.fast.build import checked_prefix_shared_lm
-from components.engine.fast.rows import full_attention
+from components.engine.generation.engines.base import SamplingParams, SpecialTokens
+from components.engine.generation.engines.prefix_shared import PrefixSharedEngine
+from components.engine.generation.fast.build import checked_prefix_shared_lm
+from components.engine.generation.fast.rows import full_attention
+from components.engine.generation.logprobs import completion_logprobs
+from components.engine.generation.rollouts import Turn
 from components.engine.grpo.batch import informative_groups
 from components.engine.grpo.objectives import GRPOLoss, group_advantages, kl_estimate, policy_loss
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory, loss_mask
 from components.engine.grpo.update import UpdatePlan, old_logprobs, policy_updates
-from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import Turn
 from components.engine.rewards.rewards import RewardModel
-from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from components.losses import ClipRange
 from tests.engine.sampling import sample_texts
 
@@ -72,7 +72,7 @@ def test_sliding_window_shorter_than_a_row_falls_back_to_the_plain_forward():
 
 def test_the_window_guard_does_not_rely_on_the_self_check(monkeypatch):
     """Rows longer than the self-check (capped at MAX_CHECK_LENGTH) are still refused on the config alone."""
-    import components.engine.fast.check as check
+    import components.engine.generation.fast.check as check
 
     monkeypatch.setattr(check, "MAX_CHECK_LENGTH", 8)  # the check's rows fit a window of 8 ...
     assert checked_prefix_shared_lm(_mistral(8), VOCAB, max_length=17, completion_length=4) is None  # ... rows don't
@@ -339,11 +339,11 @@ def test_two_training_steps_equal_the_parts_composed_by_hand(tmp_path, mlflow_st
     as reference, a skipped EMA) changes the weights below."""
     from components.data.paths import Paths
     from components.data.records import read_jsonl, reward_columns, split_path
+    from components.engine.generation.rollouts import decode_completions
     from components.engine.grpo.batch import PromptSchedule
     from components.engine.grpo.policy import build_policy, update_reference
     from components.engine.models.modeling import seed_everything
     from components.engine.models.optim import cosine_learning_rate
-    from components.engine.models.rollouts import decode_completions
     from components.engine.rewards.rewards import RewardModel
     from components.stages.grpo import train_grpo
     from components.stages.model import build_base_model

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, LoRAConfig, load_config
+from components.engine.generation.engines.base import SamplingParams
+from components.engine.generation.engines.hf import HFEngine
+from components.engine.generation.logprobs import completion_logprobs
 from components.engine.grpo.batch import informative_groups
 from components.engine.grpo.objectives import GRPOLoss, group_advantages, policy_loss
 from components.engine.grpo.policy import Policy, attach_lora, update_reference
 from components.engine.grpo.update import policy_updates
-from components.engine.models.logprobs import completion_logprobs
-from components.engine.rollout.base import SamplingParams
-from components.engine.rollout.hf import HFEngine
 from components.losses import ClipRange, Normalisers
 from tests.engine.grpo.trajectories import trajectory
 from tests.engine.sampling import sample_texts
@@ -160,7 +160,7 @@ def test_minibatch_accumulation_equals_full_batch_update(tiny_model, loss_type, 
         g = GRPOConfig(group_size=4, prompts_per_step=4, minibatch_size=minibatch, kl_beta=0.0, loss_type=loss_type,
                        max_grad_norm=1e9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        from components.engine.rollout.base import SpecialTokens
+        from components.engine.generation.engines.base import SpecialTokens
 
         policy = Policy.of(tok, model, HFEngine(model, SpecialTokens.of(tok),
                                                 gradient_checkpointing=checkpointing and minibatch > 0))

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from components.config import ConfigError, GRPOConfig, load_config
+from components.engine.generation.engines.base import SamplingParams, SpecialTokens
+from components.engine.generation.engines.hf import HFEngine
+from components.engine.generation.logprobs import completion_logprobs
+from components.engine.generation.rollouts import encode_prompts
 from components.engine.grpo.objectives import build_loss
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.rollout_correction import CorrectionStats, RolloutCorrection
 from components.engine.grpo.update import policy_updates
-from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import encode_prompts
-from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine
 from tests.engine.grpo.trajectories import trajectory
 
 from conftest import committed_params

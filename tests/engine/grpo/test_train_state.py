@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from components.engine.generation.engines.base import SpecialTokens
+from components.engine.generation.engines.hf import HFEngine
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.train_state import save_training_state
 from components.engine.parallel.distributed import DistContext
-from components.engine.rollout.base import SpecialTokens
-from components.engine.rollout.hf import HFEngine
 
 
 def _history(seconds: float) -> list[dict[str, float]]:

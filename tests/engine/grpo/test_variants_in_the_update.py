@@ -12,16 +12,16 @@ import torch
 from components.config import ConfigError, GRPOConfig, MonitorsConfig, RewardSpec, load_config
 from components.config.pipeline import config_warnings
 from components.engine.evaluation.monitors import Monitors
-from components.engine.fast.fastlm import PrefixSharedLM
+from components.engine.generation.engines.base import SamplingParams, SpecialTokens
+from components.engine.generation.engines.hf import HFEngine
+from components.engine.generation.engines.prefix_shared import PrefixSharedEngine
+from components.engine.generation.fast.fastlm import PrefixSharedLM
+from components.engine.generation.logprobs import completion_logprobs
+from components.engine.generation.rollouts import encode_prompts
 from components.engine.grpo.objectives import build_loss, high_entropy_mask
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.update import policy_updates
-from components.engine.models.logprobs import completion_logprobs
-from components.engine.models.rollouts import encode_prompts
 from components.engine.parallel.distributed import DistContext
-from components.engine.rollout.base import SamplingParams, SpecialTokens
-from components.engine.rollout.hf import HFEngine
-from components.engine.rollout.prefix_shared import PrefixSharedEngine
 from tests.engine.grpo.trajectories import trajectory
 
 from conftest import committed_params
@@ -221,7 +221,7 @@ def test_both_collectors_keep_the_sampler_logprobs_and_the_raw_reward_curve(tiny
 
 
 def test_a_rollout_without_sampler_logprobs_is_not_concatenated_silently():
-    from components.engine.models.rollouts import Turn, concat_rollouts
+    from components.engine.generation.rollouts import Turn, concat_rollouts
 
     ids, mask = torch.tensor([[5, 6]]), torch.tensor([[1, 1]])
     a = Turn(ids, mask, ids, mask, torch.zeros(1, dtype=torch.bool), sampling_logp=torch.zeros(1, 2))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from components.config import GRPOConfig
+from components.engine.generation.rollouts import Rollouts
 from components.engine.grpo.policy import Policy
 from components.engine.grpo.trajectory import Trajectory
 from components.engine.grpo.update import UpdatePlan, old_logprobs
-from components.engine.models.rollouts import Rollouts
 
 
 def trajectory(rollouts: Rollouts, advantages: torch.Tensor, mask: torch.Tensor | None = None,

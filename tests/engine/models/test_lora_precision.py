@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from components.config import LoRAConfig
-from components.engine.fast.check import _rounds_like_hugging_face
+from components.engine.generation.fast.check import _rounds_like_hugging_face
 from components.engine.grpo.policy import attach_lora
 from components.engine.models.lora_precision import InputDtypeLinear, adapters_in_model_dtype
 

@@ -1,5 +1,5 @@
 """A 4-bit frozen base under LoRA (`grpo.lora.quantize_base: nf4`, torchao's NF4): the decoder layers' projections
-stored in 4 bits, values within NF4's rounding, gradients reaching the adapters only. tests/engine/rollout/
+stored in 4 bits, values within NF4's rounding, gradients reaching the adapters only. tests/engine/generation/engines/
 test_engines.py samples and scores such a model through every engine."""
 
 from __future__ import annotations
