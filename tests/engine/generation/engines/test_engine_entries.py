@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import committed_params, copy_tracked, run_probe_in
-
-ROOT = Path(__file__).resolve().parents[3]
+from conftest import ROOT, committed_params, copy_tracked, run_probe_in
 
 # The engine's settings record and its entry: on when `toy_every` > 0, built over the plain engine.
 TOY_RECORD = '''
