@@ -98,7 +98,7 @@ def trl_row(args, kind: str, mode: str, length: int, prompts: int = 8, group: in
            "engines": {"ours": ours, "trl": trl},
            "speedup_vs_trl": round(ours["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2),
            "generation_speedup_vs_trl": round(ours["generation_tokens_per_s"] / trl["generation_tokens_per_s"], 2)}
-    return {**row, **limits(args.ceiling, row, SHAPES[shape], prompts, ours)}
+    return {**row, **limits(args.ceiling, row, SHAPES[shape], prompts, ours, cfg.grpo.kl_beta > 0)}
 
 
 def ours_row(args, kind: str, shape: str, mode: str, length: int, kl: bool, ignore_eos: bool = True,
@@ -119,14 +119,14 @@ def ours_row(args, kind: str, shape: str, mode: str, length: int, kl: bool, igno
         say(f"  step {i + 1}/{args.scale_steps}: {steps[-1]['tokens'] / steps[-1]['step_s']:,.0f} tokens/s", flush=True)
     result = {**summary(steps), "engine": ours.engine_name, "mode": ours.mode,
               "gradient_checkpointing": ours.checkpointing, "nf4_weights": ours.quantized or None}
-    for phase in ("reference", "update"):
-        seconds = result[f"{phase}_s"]
+    for phase in ("reference", "update"):  # no reference figure on a row that ran none
+        seconds = result[f"{phase}_s"] if phase == "update" or kl else None
         result[f"{phase}_tokens_per_s"] = round(result["tokens"] / seconds, 1) if seconds else None
     row = {"row": kind, "shape": shape, "mode": mode, "length": length, "parameters": parameters,
            "rows": cfg.grpo.prompts_per_step * cfg.grpo.group_size, "prompt_tokens": args.prompt_tokens,
            "kl": kl, "eos": not ignore_eos, "ours": result}
     del ours, model
-    return {**row, **limits(args.ceiling, row, SHAPES[shape], cfg.grpo.prompts_per_step, result)}
+    return {**row, **limits(args.ceiling, row, SHAPES[shape], cfg.grpo.prompts_per_step, result, kl)}
 
 
 def compile_option(args, say) -> dict[str, Any]:

@@ -189,22 +189,33 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def limits(ceiling: dict[str, Any], row: dict[str, Any], spec: dict[str, Any], prompts_per_step: int,
-           ours: dict[str, Any]) -> dict[str, Any]:
-    """How far a row is from the card: decoding against bandwidth, the update against the bf16 matrix rate."""
+           ours: dict[str, Any], ran_reference: bool) -> dict[str, Any]:
+    """How far a row is from the card: decoding against bandwidth, the update against the bf16 matrix rate.
+
+    `update_mfu` is model FLOPs utilisation as PaLM defines it: the FLOPs the update needs (6 per parameter and
+    token for full fine-tuning: forward, input and weight gradients; 4 for LoRA, whose frozen weights get no
+    gradient), recomputation not counted; `update_hfu` (hardware FLOPs utilisation) counts the forward that
+    gradient checkpointing runs again. The reference's utilisation only on rows that ran one. A figure above its
+    physical bound (a share above 1: a timing that cannot be) is left out and named in `out_of_bound`."""
     n, rows, length, prompt = row["parameters"], row["rows"], row["length"], row["prompt_tokens"]
     head_dim = spec["hidden_size"] // spec["num_attention_heads"]
     kv_per_token = spec["num_hidden_layers"] * 2 * spec["num_key_value_heads"] * head_dim * 2  # bf16 keys + values
     step_bytes = 2 * n + rows * kv_per_token * (prompt + length / 2)  # weights once + the average cache read
     floor_generation = length * step_bytes / (ceiling["bandwidth_gbs"] * 1e9)
     fed = rows * length + prompts_per_step * prompt  # each prompt once, every completion token
-    per_token = (4 if row["mode"].startswith("lora") else 6) + (2 if ours.get("gradient_checkpointing") else 0)
-    update_flops = per_token * n * fed
+    model_per_token = 4 if row["mode"].startswith("lora") else 6
+    hardware_per_token = model_per_token + (2 if ours.get("gradient_checkpointing") else 0)
     peak = ceiling["bf16_tflops"] * 1e12
-    out = {"decode_step_mb": round(step_bytes / 2**20, 1),
-           "generation_floor_s": round(floor_generation, 4),
-           "generation_share_of_bandwidth": round(floor_generation / ours["generation_s"], 3),
-           "update_tflops": round(update_flops / ours["update_s"] / 1e12, 1),
-           "update_mfu": round(update_flops / ours["update_s"] / peak, 3)}
-    if ours.get("reference_s"):
-        out["reference_mfu"] = round(2 * n * fed / ours["reference_s"] / peak, 3)
+    shares = {"generation_share_of_bandwidth": floor_generation / ours["generation_s"],
+              "update_mfu": model_per_token * n * fed / ours["update_s"] / peak,
+              "update_hfu": hardware_per_token * n * fed / ours["update_s"] / peak}
+    if ran_reference and ours.get("reference_s"):
+        shares["reference_mfu"] = 2 * n * fed / ours["reference_s"] / peak
+    out: dict[str, Any] = {"decode_step_mb": round(step_bytes / 2**20, 1),
+                           "generation_floor_s": round(floor_generation, 4),
+                           "update_tflops": round(model_per_token * n * fed / ours["update_s"] / 1e12, 1)}
+    out.update({name: round(share, 3) for name, share in shares.items() if share <= 1.0})
+    beyond = sorted(name for name, share in shares.items() if share > 1.0)
+    if beyond:
+        out["out_of_bound"] = beyond
     return out

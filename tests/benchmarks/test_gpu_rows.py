@@ -72,11 +72,23 @@ def test_distance_from_the_card_counts_weights_cache_and_model_flops():
     ceiling = {"bandwidth_gbs": 1000, "bf16_tflops": 100}
     row = {"parameters": 1_000_000_000, "rows": 64, "length": 100, "prompt_tokens": 50, "mode": "full"}
     spec = SHAPES["qwen2.5-1.5b"]  # 28 layers, 2 key/value heads of 128: 28,672 bytes of cache a token
-    out = limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 2.0, "reference_s": 0.0})
+    out = limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 2.0, "reference_s": 0.5}, True)
     step_bytes = 2e9 + 64 * 28 * 2 * 2 * 128 * 2 * (50 + 50)
     assert out["generation_floor_s"] == round(100 * step_bytes / 1e12, 4)
-    fed = 64 * 100 + 8 * 50
-    assert out["update_mfu"] == round(6 * 1e9 * fed / 2.0 / 1e14, 3)
+    fed = 64 * 100 + 8 * 50  # 6,800 tokens fed: each prompt once, every completion token
+    assert out["update_mfu"] == out["update_hfu"] == round(6 * 1e9 * fed / 2.0 / 1e14, 3) == 0.204
+    assert out["reference_mfu"] == 0.272  # 2 * 6.8e12 / 0.5 s / 1e14
+    assert "out_of_bound" not in out
+    # LoRA: 4 FLOPs a parameter and token (no weight gradient); recomputation counts in HFU only
+    lora = limits(ceiling, {**row, "mode": "lora"}, spec, 8,
+                  {"generation_s": 1.0, "update_s": 2.0, "gradient_checkpointing": True}, False)
+    assert (lora["update_mfu"], lora["update_hfu"]) == (0.136, 0.204) and "reference_mfu" not in lora
+    # a row that ran no reference has no reference figure, whatever its clock read
+    assert "reference_mfu" not in limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 2.0,
+                                                                 "reference_s": 1e-4}, False)
+    # a timing no card can reach is left out and named, never printed as a share above 100%
+    fast = limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 0.1}, False)
+    assert "update_mfu" not in fast and fast["out_of_bound"] == ["update_hfu", "update_mfu"]
 
 
 def test_the_plan_runs_scale_rows_before_the_long_trl_rows_and_real_rows_only_with_the_gguf():
