@@ -5,7 +5,7 @@
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 9
-keep="${GRPO_DEVICE_KEEP:-$HOME/.cache/grpo-device-keep}"  # outlives this call while the machine stays warm
-mkdir -p "$keep" && cp .gguf/a "$keep/gguf.a"
+# Kept in the working tree's copy, git-ignored and not carried: the device keeps it for the next call while warm.
+mkdir -p .device-keep && cp .gguf/a .device-keep/gguf.a
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py --out "$OUT" 2>&1 | tee "$OUT/log1.txt"

@@ -5,7 +5,9 @@ earlier call's, how far a row is from the card)."""
 
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +166,21 @@ def test_a_gate_that_fails_stops_the_plan_before_any_row(tmp_path):
     assert "prefix_shared" in report["gate"]["why"] and "stopped" in report
     assert "gate_without_determinism" in report  # whether the determinism setting is the cause, said
     assert "Gate failed" in (tmp_path / "out" / "gpu_rows.md").read_text()
+
+
+def test_the_device_calls_name_no_machine_path_and_the_second_checks_its_warm_machine_first(tmp_path):
+    """Each call is a script of the working tree: no home folder or other machine path (scratch under /tmp aside);
+    the second call, which needs what the first kept on the machine, says so and stops before it installs anything
+    when the machine was not kept warm."""
+    for script in sorted((ROOT / "benchmarks" / "device").glob("*.sh")):
+        body = script.read_text().split("\n", 1)[1]  # the shebang aside
+        assert "$HOME" not in body and "~/" not in body, script.name
+        assert re.findall(r"(?<![\w.}-])/(?!tmp/)[a-z]\w*/", body) == [], script.name
+    shutil.copy(ROOT / "benchmarks" / "device" / "call2.sh", tmp_path / "call2.sh")
+    proc = subprocess.run(["bash", "call2.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 3 and "the machine was not warm since the first call" in proc.stdout
+    assert not (tmp_path / "site").exists() and "pip" not in proc.stderr
 
 
 def test_every_call_carries_the_wheels_the_plan_imports():
