@@ -153,7 +153,10 @@ def gate_lines(report: dict[str, Any]) -> list[str]:
     return [f"Gate passed in {g['seconds']} s: the door gave `{g['door_engine']}` in `{g['mode']}` mode for "
             f"{g['shape']} in {g['dtype']}; {g['graphs']} graphs captured in about {_f(g['capture_s'], 1)} s; "
             f"captured and eager greedy tokens agree over 32 steps; sampler vs trainer log-prob gap "
-            f"{g['gap_mean']} nats on average (max {g['gap_max']}). Masked bfloat16 attention runs "
+            f"{g['gap_mean']} nats on average (max {g['gap_max']})"
+            + (f", vs the plain Hugging Face forward {g['plain_gap_mean']} (max {g['plain_gap_max']})"
+               if "plain_gap_mean" in g else " (the plain forward not compared: a gate before that check)")
+            + ". Masked bfloat16 attention runs "
             f"`{a.get('kernel')}` here (output "
             f"{'contiguous' if a.get('output_contiguous') else 'transposed in memory'}; backends that run it: "
             f"{', '.join(a.get('backends_that_run', []))}).", ""]

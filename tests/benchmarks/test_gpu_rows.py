@@ -142,6 +142,7 @@ def test_the_plan_rehearsed_on_the_cpu_end_to_end(tmp_path):
     assert status == 0, report
     gate = report["gate"]
     assert gate["passed"] and gate["mode"] == "eager" and gate["greedy_agree"] and gate["gap_mean"] < 0.05
+    assert gate["plain_gap_mean"] < 0.05 and gate["plain_gap_max"] < 1.0 and gate["gap_tokens"] > 0
     assert gate["attention"]["kernel"] and gate["deterministic"]
     assert report["deterministic"] and report["torchao_import_s"] is not None
     kinds = [r["row"] for r in report["rows"]]
