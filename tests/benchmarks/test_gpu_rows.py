@@ -174,9 +174,9 @@ def test_the_device_calls_name_no_machine_path_and_the_second_checks_its_warm_ma
     the second call, which needs what the first kept on the machine, says so and stops before it installs anything
     when the machine was not kept warm."""
     for script in sorted((ROOT / "benchmarks" / "device").glob("*.sh")):
-        body = script.read_text().split("\n", 1)[1]  # the shebang aside
+        body = re.sub(r"#!\S+", "", script.read_text())  # interpreters named by shebangs aside
         assert "$HOME" not in body and "~/" not in body, script.name
-        assert re.findall(r"(?<![\w.}-])/(?!tmp/)[a-z]\w*/", body) == [], script.name
+        assert re.findall(r"(?<![\w.}-])/(?!tmp/|dev/null)[a-z]\w*/", body) == [], script.name  # scratch aside
     shutil.copy(ROOT / "benchmarks" / "device" / "call2.sh", tmp_path / "call2.sh")
     proc = subprocess.run(["bash", "call2.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "OUT": str(tmp_path)})
