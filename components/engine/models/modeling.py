@@ -8,6 +8,7 @@ Hugging Face directory replaces it through `model.name_or_path`.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -39,12 +40,15 @@ def seed_everything(seed: int, threads: int = 0) -> None:
     Deterministic mode would also fill every `torch.empty` with NaN, a guard against reading memory
     never written, which no result here depends on: off, as PyTorch's docs allow for valid programs
     (1,300 fills per tiny-default GRPO step, among them the decoder's KV buffers; see docs/performance.md).
+    On CUDA, cuBLAS's products are deterministic only with a fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, read when
+    its handle is made): set here, before any product, unless the user set it; it changes nothing on the CPU.
     """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if threads > 0:
         torch.set_num_threads(threads)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
 

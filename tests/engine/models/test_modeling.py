@@ -1,5 +1,7 @@
 """The tokenizer and tiny model, loading and saving models, refusing unsafe or missing ones."""
 
+import os
+
 import pytest
 import torch
 
@@ -42,9 +44,11 @@ def test_tiny_model_size_in_range(tiny):
     assert 500_000 <= n <= 3_000_000
 
 
-def test_seed_everything_keeps_deterministic_kernels_without_filling_empty_tensors():
-    """Deterministic algorithms stay on (the two-clone reproducibility test relies on them); the NaN fill of
-    `torch.empty`, a debugging guard that cost ~1 ms of a tiny-default step, is off."""
+def test_seed_everything_keeps_deterministic_kernels_without_filling_empty_tensors(monkeypatch):
+    """Deterministic algorithms stay on (the two-clone reproducibility test relies on them), with the fixed cuBLAS
+    workspace CUDA needs for them (a user's own setting kept); the NaN fill of `torch.empty`, a debugging guard that
+    cost ~1 ms of a tiny-default step, is off."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(False)
     torch.utils.deterministic.fill_uninitialized_memory = True
@@ -52,6 +56,10 @@ def test_seed_everything_keeps_deterministic_kernels_without_filling_empty_tenso
         seed_everything(0)
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.utils.deterministic.fill_uninitialized_memory
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        seed_everything(0)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = before[1]
