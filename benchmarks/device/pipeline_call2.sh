@@ -47,6 +47,6 @@ print(json.dumps({"model": uri, "prompt": prompt,
                  default=str))
 PY
 mkdir -p "$OUT/plots" && cp plots/grpo_steps.csv "$OUT/plots/" 2>/dev/null
-cp -r metrics params.yaml dvc.lock "$OUT/" 2>/dev/null
+cp -r metrics logs params.yaml dvc.lock "$OUT/" 2>/dev/null
 python3 -m pip list --format=json > "$OUT/packages.json" 2>/dev/null
 exit "$status"
