@@ -164,12 +164,14 @@ gpu-carry: setup
 # What a pipeline run on the GPU machine brings beyond the image and `gpu-carry`: Prefect, MLflow, DVC, Great
 # Expectations and what they need, as Python 3.12 wheels pinned to this .venv's versions
 # (benchmarks/device/pipeline_wheels.py), split into parts .whl-pipeline/a, b, ... that each fit one call's carry.
-# antlr4 4.9.3 is published as source only: built here into a wheel (pure Python).
+# antlr4 (4.9.3, DVC's hydra pins it) is published as source only: built here into a wheel (pure Python).
 PIPELINE_WHEEL_PLATFORMS := --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 gpu-pipeline-carry: setup
 	rm -rf .whl-pipeline && mkdir -p .whl-pipeline/all
-	$(PY) benchmarks/device/pipeline_wheels.py --list | grep -v '^antlr4-python3-runtime==' > .whl-pipeline/requirements.txt
-	$(PIP) download -q --no-deps $(PIPELINE_WHEEL_PLATFORMS) -d .whl-pipeline/all -r .whl-pipeline/requirements.txt
-	$(PIP) wheel -q --no-deps -w .whl-pipeline/all antlr4-python3-runtime==4.9.3
-	$(PY) benchmarks/device/pipeline_wheels.py --split .whl-pipeline/all --into .whl-pipeline && rm -rf .whl-pipeline/all
+	$(PY) benchmarks/device/pipeline_wheels.py --list > .whl-pipeline/requirements.txt
+	grep -v '^antlr4-python3-runtime==' .whl-pipeline/requirements.txt > .whl-pipeline/wheels.txt
+	$(PIP) download -q --no-deps $(PIPELINE_WHEEL_PLATFORMS) -d .whl-pipeline/all -r .whl-pipeline/wheels.txt
+	$(PIP) wheel -q --no-deps -w .whl-pipeline/all $$(grep '^antlr4-python3-runtime==' .whl-pipeline/requirements.txt)
+	$(PY) benchmarks/device/pipeline_wheels.py --split .whl-pipeline/all --into .whl-pipeline --parts 2 \
+	  && rm -rf .whl-pipeline/all

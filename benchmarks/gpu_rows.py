@@ -20,8 +20,9 @@ With `--gguf` (the second call): rows on the real SmolLM2-135M-Instruct from its
 at 512 tokens, ours against TRL), then held-out reward after equal completions (gpu_rows_heldout.py).
 
 Every row says how far it is from the card: decoding against memory bandwidth (bytes a decode step must read:
-the weights once, plus each row's cached keys and values), the update against the bf16 matrix rate (model FLOPs:
-2N a token forward, 4N forward + backward with LoRA, 6N full, 2N more under gradient checkpointing). Targets
+the weights once, plus each row's cached keys and values), the update against the bf16 matrix rate (MFU, model
+FLOPs: 2N a token forward, 4N forward + backward with LoRA, 6N full; HFU also counts the 2N gradient checkpointing
+computes again). Targets
 (issue 55), the constants of benchmarks/gpu_rows_report.py: the long row's whole step at `LONG_STEP_TOKENS_S`
 completion tokens/s and `LONG_VS_TRL` times TRL; 135M generation at 64 rows at `GENERATION_TOKENS_S` tokens/s; 1.5B
 full fine-tuning at 64 x 512 within one card of `FULL_1_5B_GB`.

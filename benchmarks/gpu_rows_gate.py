@@ -4,11 +4,11 @@ At SmolLM2-135M's shape in bfloat16 (random weights), under the grpo stage's det
 (`build_engine`) must give the CUDA-graph engine in graph mode (not the prompt-once fallback, not the token loop
 after a failed capture); captured and eager greedy decoding must give the same tokens over `GREEDY_STEPS` steps; a
 sampled run's sampler log-probs must sit within `MAX_GAP` nats on average, and `MAX_TOKEN_GAP` on any one token, both
-of the trainer's log-probs of the same tokens (the engine's own forward) and of the plain Hugging Face forward's (eager,
-unfused: kernels the captured step does not share, so its agreement is not by construction). It also says which
-attention kernel a masked bfloat16 call takes on this card and in what memory layout its output comes back, how many
-graphs were captured and how long capturing took. Meant to be short; `passed` False stops the plan (gpu_rows.py exits
-non-zero) unless told to keep going.
+of the trainer's log-probs of the same tokens (the engine's own forward) and of the plain Hugging Face forward's (eager
+attention, unfused, uncaptured: kernels the captured step does not share, so its agreement is not by construction). It
+also says which attention kernel a masked bfloat16 call takes on this card and in what memory layout its output comes
+back, how many graphs were captured and how long capturing took. Meant to be short; `passed` False stops the plan
+(gpu_rows.py exits non-zero) unless told to keep going.
 """
 
 from __future__ import annotations
@@ -132,10 +132,20 @@ def _gap(engine, model, prompts, group: int, generator) -> dict[str, Any]:
     mask = rollouts.completion_mask.bool()
     found: dict[str, Any] = {"gap_tokens": int(mask.sum())}
     with torch.no_grad():
-        for prefix, logp in (("gap", engine.logprobs(rollouts, 1.0)[0]),
-                             ("plain_gap", completion_logprobs(model, rollouts, 1.0)[0])):
-            gap = (logp.float() - rollouts.sampling_logp)[mask].abs()
-            found.update({f"{prefix}_mean": round(float(gap.mean()), 5), f"{prefix}_max": round(float(gap.max()), 5)})
+        trainer = engine.logprobs(rollouts, 1.0)[0]
+        attention = model.config._attn_implementation
+        switch = getattr(model, "set_attn_implementation", None)  # eager attention: no kernel shared with the step
+        if switch is not None:
+            switch("eager")
+        try:
+            plain = completion_logprobs(model, rollouts, 1.0)[0]
+        finally:
+            if switch is not None:
+                switch(attention)
+    found["plain_attention"] = "eager" if switch is not None else attention
+    for prefix, logp in (("gap", trainer), ("plain_gap", plain)):
+        gap = (logp.float() - rollouts.sampling_logp)[mask].abs()
+        found.update({f"{prefix}_mean": round(float(gap.mean()), 5), f"{prefix}_max": round(float(gap.max()), 5)})
     return found
 
 

@@ -214,8 +214,10 @@ def limits(ceiling: dict[str, Any], row: dict[str, Any], spec: dict[str, Any], p
     out: dict[str, Any] = {"decode_step_mb": round(step_bytes / 2**20, 1),
                            "generation_floor_s": round(floor_generation, 4),
                            "update_tflops": round(model_per_token * n * fed / ours["update_s"] / 1e12, 1)}
-    out.update({name: round(share, 3) for name, share in shares.items() if share <= 1.0})
-    beyond = sorted(name for name, share in shares.items() if share > 1.0)
+    beyond = {name for name, share in shares.items() if share > 1.0}
+    if "update_hfu" in beyond:  # the update's clock cannot be right: neither of its utilisations is shown
+        beyond.add("update_mfu")
+    out.update({name: round(share, 3) for name, share in shares.items() if name not in beyond})
     if beyond:
-        out["out_of_bound"] = beyond
+        out["out_of_bound"] = sorted(beyond)
     return out

@@ -83,8 +83,7 @@ def _bandwidth(r: dict[str, Any]) -> str:
 
 def _utilisation(r: dict[str, Any]) -> str:
     recomputed = "update_hfu" in r and r["update_hfu"] != r.get("update_mfu")  # rows measured before HFU: MFU alone
-    hfu = f" ({_share(r, 'update_hfu', 1)})" if recomputed or "update_hfu" in r.get("out_of_bound", []) else ""
-    return _share(r, "update_mfu", 1) + hfu
+    return _share(r, "update_mfu", 1) + (f" ({_share(r, 'update_hfu', 1)})" if recomputed else "")
 
 
 def _trl_lines(r: dict[str, Any]) -> list[str]:

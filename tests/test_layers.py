@@ -74,6 +74,17 @@ def test_the_engine_floors_are_checked(tmp_path):
     assert lint_imports(config_filename=str(tmp_path / "pyproject.toml"), no_cache=True, no_logo=True) == 1
 
 
+def test_generations_floors_are_checked(tmp_path):
+    """The generation room's floors contract is not vacuous either: reversed, its real imports break it."""
+    config = (ROOT / "pyproject.toml").read_text()
+    floors = ('    "scoring",\n    "service",\n    "environments | engines",\n    "fast",\n    "logprobs",\n'
+              '    "rollouts",\n')
+    assert floors in config
+    reversed_floors = "".join(reversed(floors.splitlines(keepends=True)))
+    (tmp_path / "pyproject.toml").write_text(config.replace(floors, reversed_floors))
+    assert lint_imports(config_filename=str(tmp_path / "pyproject.toml"), no_cache=True, no_logo=True) == 1
+
+
 def test_the_fast_path_has_one_door():
     """Only rollout engines (and their fixed-shape state) import the fast path: no module outside
     components/engine/generation/engines/ reaches it, and the prompt-once engine does (the check is not vacuous)."""

@@ -9,6 +9,7 @@ python3 -m pip list --format=json > "$OUT/image_packages.json" 2>/dev/null || tr
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 9
 # Kept in the working tree's copy, git-ignored and not carried: the device keeps it for the next call while warm.
-mkdir -p .device-keep && cp .gguf/a .device-keep/gguf.a
+mkdir -p .device-keep && cp .gguf/a .device-keep/gguf.a || exit 9
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py --out "$OUT" 2>&1 | tee "$OUT/log1.txt"
+# GPU_ROWS_ARGS (for example "--budget-s 60") cuts the rows short: the gate and the kept half still run.
+PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py --out "$OUT" ${GPU_ROWS_ARGS:-} 2>&1 | tee "$OUT/log1.txt"

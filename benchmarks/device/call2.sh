@@ -10,4 +10,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 g=.device-keep/SmolLM2-135M-Instruct.Q4_1.gguf
 cat .device-keep/gguf.a .gguf/b > "$g" && echo "$(cat .gguf/sha256)  $g" | sha256sum -c - || exit 4
 PYTHONUNBUFFERED=1 python3 benchmarks/gpu_rows.py --no-gate --no-tests --lengths '' --scale '' --gguf "$g" \
-  --budget-s 170 --out "$OUT" 2>&1 | tee "$OUT/log2.txt"
+  --budget-s 170 --out "$OUT" ${GPU_ROWS_ARGS:-} 2>&1 | tee "$OUT/log2.txt"

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The pipeline on the GPU, second of two calls (docs/performance.md, "The pipeline on a GPU"): needs
 # .whl-pipeline/b, timeout_s 540, and, from earlier calls on the same warm machine, the first part of the wheels
-# (pipeline_call1.sh) and the SmolLM2 GGUF assembled by the rows' second call (call2.sh). Installs the second part,
-# then runs `grpo-pipeline run` on the GPU example through Prefect and DVC as on the CPU, and copies its records to $OUT.
+# (pipeline_call1.sh) and the SmolLM2 GGUF assembled by the rows' second call (call2.sh). Installs both parts, then
+# runs `grpo-pipeline run` on the GPU example through Prefect and DVC as on the CPU, and copies its records to $OUT.
 set -o pipefail
-test -f .device-keep/site/.part-a || { echo "the first part is not installed: run pipeline_call1.sh first, warm"; exit 3; }
+test -f .device-keep/wheels/.part-a || { echo "the first part is not kept: run pipeline_call1.sh first, warm"; exit 3; }
 g=.device-keep/SmolLM2-135M-Instruct.Q4_1.gguf
 test -f "$g" || { echo "no GGUF in .device-keep: run the rows' call1.sh and call2.sh first, warm"; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .device-keep/site \
-  .whl-pipeline/b/*.whl || exit 9
+  .device-keep/wheels/*.whl .whl-pipeline/b/*.whl || exit 9
 # What the pipeline's commands call by name (dvc.yaml's `python -m ...`, the CLI), on this image's python3.
 mkdir -p .device-keep/bin && ln -sf "$(command -v python3)" .device-keep/bin/python
 printf '#!/bin/sh\nexec python3 -m pipelines.cli "$@"\n' > .device-keep/bin/grpo-pipeline

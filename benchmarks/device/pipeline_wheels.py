@@ -60,12 +60,13 @@ def pipeline_requirements() -> list[str]:
     return sorted(f"{installed[n].metadata['Name']}=={installed[n].version}" for n in needed if n in installed)
 
 
-def split(source: Path, into: Path, part_mib: float) -> list[list[str]]:
+def split(source: Path, into: Path, part_mib: float, parts_at_most: int = 0) -> list[list[str]]:
     """Wheels of `source` into parts `into`/a, b, ... of at most `part_mib` MiB each, largest first into the part
     with the most room; returns each part's file names. A wheel larger than a part is an
-    error: no transfer could carry it."""
+    error: no transfer could carry it; so is needing more than `parts_at_most` parts (when given), the calls that
+    install them."""
     limit = part_mib * 2**20
-    wheels = sorted(source.glob("*.whl"), key=lambda p: p.stat().st_size, reverse=True)
+    wheels = sorted(source.glob("*.whl"), key=lambda p: (-p.stat().st_size, p.name))  # the same parts anywhere
     parts: list[list[Path]] = []
     for wheel in wheels:
         size = wheel.stat().st_size
@@ -77,6 +78,9 @@ def split(source: Path, into: Path, part_mib: float) -> list[list[str]]:
             parts[max(fits, key=lambda i: room[i])].append(wheel)
         else:
             parts.append([wheel])
+    if parts_at_most and len(parts) > parts_at_most:
+        raise ValueError(f"the wheels need {len(parts)} parts of {part_mib} MiB; the device calls install "
+                         f"{parts_at_most}")
     for letter, part in zip("abcdefghij", parts, strict=False):
         (into / letter).mkdir(parents=True, exist_ok=True)
         for wheel in part:
@@ -90,11 +94,12 @@ def main() -> int:
     parser.add_argument("--split", type=Path, help="a folder of downloaded wheels to split into parts")
     parser.add_argument("--into", type=Path, default=Path(".whl-pipeline"))
     parser.add_argument("--part-mib", type=float, default=56.0)
+    parser.add_argument("--parts", type=int, default=0, help="fail when the wheels need more parts than this")
     args = parser.parse_args()
     if args.list:
         print("\n".join(pipeline_requirements()))
     if args.split:
-        parts = split(args.split, args.into, args.part_mib)
+        parts = split(args.split, args.into, args.part_mib, args.parts)
         for letter, names in zip("abcdefghij", parts, strict=False):
             size = sum((args.into / letter / n).stat().st_size for n in names) / 2**20
             print(f"{args.into / letter}: {len(names)} wheels, {size:.1f} MiB", file=sys.stderr)

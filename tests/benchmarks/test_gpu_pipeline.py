@@ -30,11 +30,13 @@ def test_wheels_split_into_parts_that_each_fit_a_transfer(tmp_path):
         (source / f"{name}-1-py3-none-any.whl").write_bytes(b"x" * (mib << 20))
     parts = split(source, tmp_path / "parts", part_mib=8)
     # largest first, each into the part with the most room: 5+3, then 4+3+1
-    assert parts == [["a-1-py3-none-any.whl", "c-1-py3-none-any.whl"],
-                     ["b-1-py3-none-any.whl", "d-1-py3-none-any.whl", "e-1-py3-none-any.whl"]]
+    assert parts == [["a-1-py3-none-any.whl", "d-1-py3-none-any.whl"],  # c before d (same size: by name)
+                     ["b-1-py3-none-any.whl", "c-1-py3-none-any.whl", "e-1-py3-none-any.whl"]]
     assert sorted(p.name for p in (tmp_path / "parts" / "b").iterdir()) == parts[1]
     with pytest.raises(ValueError, match="more than a part"):
         split(source, tmp_path / "small", part_mib=4.5)
+    with pytest.raises(ValueError, match="need 3 parts"):  # more parts than the calls install
+        split(source, tmp_path / "three", part_mib=6, parts_at_most=2)
 
 
 def _call2(cwd) -> subprocess.CompletedProcess:
@@ -45,8 +47,8 @@ def _call2(cwd) -> subprocess.CompletedProcess:
 def test_the_run_call_stops_first_when_the_machine_was_not_kept_warm(tmp_path):
     proc = _call2(tmp_path)
     assert proc.returncode == 3 and "run pipeline_call1.sh first" in proc.stdout
-    (tmp_path / ".device-keep" / "site").mkdir(parents=True)
-    (tmp_path / ".device-keep" / "site" / ".part-a").touch()
+    (tmp_path / ".device-keep" / "wheels").mkdir(parents=True)
+    (tmp_path / ".device-keep" / "wheels" / ".part-a").touch()
     proc = _call2(tmp_path)
     assert proc.returncode == 3 and "no GGUF in .device-keep" in proc.stdout
     assert not (tmp_path / ".device-keep" / "bin").exists() and "pip" not in proc.stderr

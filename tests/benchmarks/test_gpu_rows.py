@@ -17,7 +17,7 @@ import pytest
 from benchmarks import gpu_rows
 from benchmarks.gpu_rows import Phase, arguments, exit_status, merge_reports, phases, recorded_command, run_phases
 from benchmarks.gpu_rows_ours import limits
-from benchmarks.gpu_rows_report import markdown, targets
+from benchmarks.gpu_rows_report import markdown, table, targets
 from benchmarks.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +88,27 @@ def test_distance_from_the_card_counts_weights_cache_and_model_flops():
     # a row that ran no reference has no reference figure, whatever its clock read
     assert "reference_mfu" not in limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 2.0,
                                                                  "reference_s": 1e-4}, False)
-    # a timing no card can reach is left out and named, never printed as a share above 100%
+    # a timing no card can reach is left out and named, never printed as a share above 100%; with recomputation
+    # past the bound, the MFU of the same clock goes too
     fast = limits(ceiling, row, spec, 8, {"generation_s": 1.0, "update_s": 0.1}, False)
     assert "update_mfu" not in fast and fast["out_of_bound"] == ["update_hfu", "update_mfu"]
+    recomputing = limits(ceiling, {**row, "mode": "lora"}, spec, 8,
+                         {"generation_s": 1.0, "update_s": 0.34, "gradient_checkpointing": True}, False)
+    assert recomputing["out_of_bound"] == ["update_hfu", "update_mfu"]  # HFU 120% by that clock, MFU alone 80%
+
+
+def test_the_table_shows_mfu_with_hfu_beside_and_never_a_share_past_its_bound():
+    """A checkpointed row shows MFU with HFU (recomputation counted) beside it; a row whose clock gave a share above
+    100% says so instead of a figure."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "gpu_rows.json").read_text())
+    checkpointed = next(r for r in report["rows"] if r["row"] == "scale" and r["mode"] == "full"
+                        and r["ours"]["gradient_checkpointing"])
+    line = next(x for x in table({**report, "rows": [checkpointed]}).splitlines() if x.startswith("| scale"))
+    assert line.endswith(f"| {checkpointed['update_mfu']:.1%} ({checkpointed['update_hfu']:.1%}) |")
+    impossible = {k: v for k, v in checkpointed.items() if k not in ("update_mfu", "update_hfu")}
+    line = next(x for x in table({**report, "rows": [{**impossible, "out_of_bound": ["update_hfu", "update_mfu"]}]})
+                .splitlines() if x.startswith("| scale"))
+    assert line.endswith("| above 100%: not shown |")
 
 
 def test_the_plan_runs_scale_rows_before_the_long_trl_rows_and_real_rows_only_with_the_gguf():
