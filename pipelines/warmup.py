@@ -9,7 +9,9 @@ that import); both come up while the CLI imports the flow and DVC, and the flow 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -210,7 +212,29 @@ def serve_prefect_api(port: int) -> None:
     # stopping a service, `pkill -f grpo-pipeline`) reaches the CLI too, which ends the run through this API.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     uvicorn.server.HANDLED_SIGNALS = (signal.SIGINT,)
+    quiet_shutdown_resets()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
+
+
+def quiet_shutdown_resets() -> None:
+    """`ShutdownResets` on the logger of every SQLAlchemy pool class (each logs through one named after it)."""
+    import sqlalchemy.pool
+
+    for pool in vars(sqlalchemy.pool).values():
+        if isinstance(pool, type) and issubclass(pool, sqlalchemy.pool.Pool):
+            logger = logging.getLogger(f"{pool.__module__}.{pool.__name__}")
+            if not any(isinstance(f, ShutdownResets) for f in logger.filters):
+                logger.addFilter(ShutdownResets())
+
+
+class ShutdownResets(logging.Filter):
+    """Drops SQLAlchemy's report of a pooled connection whose reset the API's own shutdown cut short
+    (`asyncio.CancelledError` while a request gives its session back): the temporary API stops when its run ends, so
+    that traceback on the user's terminal after a stopped run is noise, not an error. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (record.name.startswith("sqlalchemy.pool") and isinstance(error, asyncio.CancelledError))
 
 
 def detach_api_logging() -> None:

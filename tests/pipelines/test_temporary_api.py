@@ -113,3 +113,28 @@ def test_forked_api_dies_with_a_killed_cli_and_frees_the_run_lock(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):  # an API that outlived the CLI: not left behind
             os.kill(started["pid"], signal.SIGKILL)
+
+
+def test_a_connection_reset_cut_short_by_the_apis_shutdown_is_not_reported():
+    """SQLAlchemy's "Exception during reset" with the shutdown's CancelledError is dropped (a SIGTERM'd run printed
+    it as a traceback); the same error from elsewhere, and any other error of the pool, still reaches the console."""
+    import asyncio
+    import logging
+    import sys
+
+    from pipelines.warmup import ShutdownResets, quiet_shutdown_resets
+
+    def record(name: str, error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:  # noqa: BLE001 - the record carries whatever was raised
+            return logging.LogRecord(name, logging.ERROR, __file__, 1, "Exception during reset or similar", None,
+                                     sys.exc_info())
+
+    pool = "sqlalchemy.pool.impl.AsyncAdaptedQueuePool"
+    assert not ShutdownResets().filter(record(pool, asyncio.CancelledError()))
+    assert ShutdownResets().filter(record(pool, OSError("disk I/O error")))
+    assert ShutdownResets().filter(record("prefect.flow_runs", asyncio.CancelledError()))
+    quiet_shutdown_resets()  # what the API's process does before it serves: the pool Prefect's SQLite store uses
+    assert not logging.getLogger(pool).filter(record(pool, asyncio.CancelledError()))
+    assert logging.getLogger(pool).filter(record(pool, OSError("disk I/O error")))
