@@ -3,12 +3,13 @@
 At SmolLM2-135M's shape in bfloat16 (random weights), under the grpo stage's determinism setting, the door
 (`build_engine`) must give the CUDA-graph engine in graph mode (not the prompt-once fallback, not the token loop
 after a failed capture); captured and eager greedy decoding must give the same tokens over `GREEDY_STEPS` steps; a
-sampled run's sampler log-probs must sit within `MAX_GAP` nats on average, and `MAX_TOKEN_GAP` on any one token, both
-of the trainer's log-probs of the same tokens (the engine's own forward) and of the plain Hugging Face forward's (eager
-attention, unfused, uncaptured: kernels the captured step does not share, so its agreement is not by construction). It
-also says which attention kernel a masked bfloat16 call takes on this card and in what memory layout its output comes
-back, how many graphs were captured and how long capturing took. Meant to be short; `passed` False stops the plan
-(gpu_rows.py exits non-zero) unless told to keep going.
+sampled run's sampler log-probs must sit within `MAX_GAP` nats on average of the trainer's log-probs of the same
+tokens (the engine's own forward) and within `MAX_PLAIN_GAP` of the plain Hugging Face forward's (eager
+attention, unfused, uncaptured: kernels the captured step does not share, so its agreement is not by construction),
+and within `MAX_TOKEN_GAP` on any one token of either. It also says which attention kernel a masked bfloat16 call
+takes on this card and in what memory layout its output comes back, how many graphs were captured and how long
+capturing took. Meant to be short; `passed` False stops the plan (gpu_rows.py exits non-zero) unless told to keep
+going.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from typing import Any
 
 GREEDY_STEPS = 32
-MAX_GAP = 0.05  # nats, mean over a sampled run's tokens
+MAX_GAP = 0.05  # nats, mean over a sampled run's tokens, against the trainer (the engine's own forward)
+MAX_PLAIN_GAP = 0.1  # the same against the plain forward, whose other kernels round otherwise (CPU bfloat16: 0.03)
 MAX_TOKEN_GAP = 1.0  # nats, the largest single token's gap (a trained model's bfloat16 tokens reach about 0.75)
 PROMPTS, GROUP, PROMPT_TOKENS = 8, 8, 64
 
@@ -110,11 +112,12 @@ def gate(args, say=print) -> dict[str, Any]:
         return _failed(found, started, f"captured and eager greedy tokens differ in {int(differ)} of "
                                        f"{len(eager)} rows over {GREEDY_STEPS} steps")
     found.update(_gap(engine, model, prompts, group, torch.Generator(device=device).manual_seed(5)))
-    for against, prefix in (("trainer", "gap"), ("plain Hugging Face forward", "plain_gap")):
+    for against, prefix, bound in (("trainer", "gap", MAX_GAP), ("plain Hugging Face forward", "plain_gap",
+                                                                  MAX_PLAIN_GAP)):
         mean, largest = found[f"{prefix}_mean"], found[f"{prefix}_max"]
-        if not (mean < MAX_GAP and largest < MAX_TOKEN_GAP):
+        if not (mean < bound and largest < MAX_TOKEN_GAP):
             return _failed(found, started, f"sampler vs {against} log-prob gap {mean:.4f} nats on average (at most "
-                                           f"{MAX_GAP}), {largest:.4f} on one token (at most {MAX_TOKEN_GAP})")
+                                           f"{bound}), {largest:.4f} on one token (at most {MAX_TOKEN_GAP})")
     found.update(passed=True, seconds=round(time.perf_counter() - started, 1))
     return found
 
