@@ -5,29 +5,20 @@ import os
 import pytest
 import torch
 
-from components.config import TinyModelConfig
 from components.engine.models.modeling import (
     ModelLoadError,
-    build_char_tokenizer,
-    build_tiny_model,
     count_parameters,
     load_model,
     load_tokenizer,
     resolve_model_dir,
-    save_model,
     seed_everything,
 )
-
-TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
+from tests.engine.sampling import TEXTS, saved_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tok = build_char_tokenizer(TEXTS)
-    model = build_tiny_model(TinyModelConfig(), tok, seed=0)
-    out = tmp_path_factory.mktemp("tiny")
-    save_model(model, tok, out)
-    return out
+    return saved_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def test_char_tokenizer_roundtrips_and_pads_left(tiny):

@@ -5,30 +5,20 @@ unpadded forward."""
 import pytest
 import torch
 
-from components.config import TinyModelConfig
 from components.engine.generation.engines.base import SamplingParams
 from components.engine.generation.engines.draw import filter_top_k, filter_top_p, sample_from
 from components.engine.generation.logprobs import completion_logprobs
 from components.engine.generation.rollouts import decode_completions
 from components.engine.models.modeling import (
-    build_char_tokenizer,
-    build_tiny_model,
     load_model,
     load_tokenizer,
-    save_model,
 )
-from tests.engine.sampling import sample_texts
-
-TEXTS = ["12+34=", "46", "99+1=", "100", "7+8=", "15"]
+from tests.engine.sampling import sample_texts, saved_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    tok = build_char_tokenizer(TEXTS)
-    model = build_tiny_model(TinyModelConfig(), tok, seed=0)
-    out = tmp_path_factory.mktemp("tiny")
-    save_model(model, tok, out)
-    return out
+    return saved_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def test_sampled_completions_logprobs_match_unpadded_forward(tiny):
