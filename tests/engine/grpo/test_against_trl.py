@@ -8,6 +8,8 @@ gradient with respect to those log-probs must equal ours. TRL forms multi-reward
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import textwrap
 import types
@@ -16,14 +18,21 @@ from collections import defaultdict
 import pytest
 import torch
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is the reference (pip install trl==1.16.0)")
-trl_utils = pytest.importorskip("trl.trainer.utils")
+from components.config import GRPOConfig, RewardSpec
+from components.engine.grpo.batch import advantage_rewards
+from components.engine.grpo.objectives import build_loss, high_entropy_mask
+from components.engine.rewards.rewards import RewardResult
+from components.losses import LOSSES
 
-from components.config import GRPOConfig, RewardSpec  # noqa: E402
-from components.engine.grpo.batch import advantage_rewards  # noqa: E402
-from components.engine.grpo.objectives import build_loss, high_entropy_mask  # noqa: E402
-from components.engine.rewards.rewards import RewardResult  # noqa: E402
-from components.losses import LOSSES  # noqa: E402
+if importlib.util.find_spec("trl") is None:
+    pytest.skip("TRL is the reference (pip install trl==1.16.0)", allow_module_level=True)
+
+
+def trl_module(name: str) -> types.ModuleType:
+    """TRL's `trl.trainer.<name>`, imported by the first test that reads it, not at collection: there both
+    workers would import TRL (seconds of CPU each) for the one that runs this file."""
+    return importlib.import_module(f"trl.trainer.{name}")
+
 
 # Two groups of two completions, three positions, one padded: ratios on both sides of every clip range,
 # two of them above a cap of 1.4 (CISPO), with advantages of both signs.
@@ -64,13 +73,14 @@ def trl_loss(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_hig
         _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list) if metrics is None else metrics})
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, ENTROPIES, None)
-    trainer.get_high_entropy_mask = types.MethodType(trl_grpo.GRPOTrainer.get_high_entropy_mask, trainer)
+    trainer.get_high_entropy_mask = types.MethodType(trl_module("grpo_trainer").GRPOTrainer.get_high_entropy_mask,
+                                                     trainer)
     n = len(MASK)
     inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
               "completion_ids": torch.zeros(MASK.shape, dtype=torch.long), "completion_mask": MASK,
               "advantages": ADVANTAGES, "old_per_token_logps": OLD, "ref_per_token_logps": REF,
               "num_items_in_batch": MASK.sum()}
-    return trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+    return trl_module("grpo_trainer").GRPOTrainer._compute_loss(trainer, None, inputs)
 
 
 def ours(logp: torch.Tensor, *, loss_type: str, epsilon_low=0.2, epsilon_high=0.28, beta=0.0, level="token",
@@ -157,7 +167,7 @@ def test_entropy_masking_matches_trl(quantile, loss_type):
 @pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 1.0])
 def test_entropy_mask_is_trls(quantile):
     trainer = types.SimpleNamespace(accelerator=OneProcess())
-    expected = trl_grpo.GRPOTrainer.get_high_entropy_mask(trainer, ENTROPIES, MASK, 1 - quantile)
+    expected = trl_module("grpo_trainer").GRPOTrainer.get_high_entropy_mask(trainer, ENTROPIES, MASK, 1 - quantile)
     assert torch.equal(high_entropy_mask(ENTROPIES, MASK, quantile), expected)
 
 
@@ -170,14 +180,14 @@ def test_entropy_mask_by_hand():
 def trl_advantages(table: torch.Tensor, weights: list[float], aggregation: str, scale: str,
                    group_size: int) -> torch.Tensor:
     """The multi-reward block of TRL's `_generate_and_score_completions`, run from its own source."""
-    source = inspect.getsource(trl_grpo.GRPOTrainer._generate_and_score_completions)
+    source = inspect.getsource(trl_module("grpo_trainer").GRPOTrainer._generate_and_score_completions)
     start = source.index('        if self.multi_objective_aggregation == "sum_then_normalize":')
     end = source.index("        advantages = torch.nan_to_num(advantages, nan=0.0)")
     end = source.index("\n", end)
     block = textwrap.dedent(source[start:end])
     trainer = types.SimpleNamespace(multi_objective_aggregation=aggregation, scale_rewards=scale,
                                     reward_weights=torch.tensor(weights), reward_funcs=[None] * len(weights))
-    scope = {"self": trainer, "torch": torch, "nanstd": trl_utils.nanstd, "rewards_per_func": table,
+    scope = {"self": trainer, "torch": torch, "nanstd": trl_module("utils").nanstd, "rewards_per_func": table,
              "num_generations": group_size, "device": "cpu", "unscorable_mask": torch.isnan(table).all(dim=1)}
     exec(compile(block, "trl-grpo-advantages", "exec"), scope)  # noqa: S102 - TRL's pinned source
     return scope["advantages"]
