@@ -105,6 +105,13 @@ def test_phase_shares_of_the_ceiling_are_worked_out_from_the_parameter_count():
     assert full["policy_flops_frac"] == 3.75 and full["gflops_by_phase"]["policy"] == 375.0  # 6N
 
 
+def test_a_share_of_the_ceiling_above_one_is_named_not_printed():
+    from benchmarks.grpo_vs_trl import ceiling_share
+
+    assert ceiling_share(0.456) == "46%" and ceiling_share(1.0) == "100%"
+    assert ceiling_share(4.17) == "above 100%"  # less work done than counted (a group's prompt once), not 417%
+
+
 def test_the_evaluation_peak_is_kept_apart_from_the_training_peak():
     """A freed 400 MB block raises the peak; after a reset the peak is back near the current resident memory.
     Run in a fresh interpreter: an earlier test in this process may have told glibc to keep freed memory."""
