@@ -9,15 +9,19 @@ relays the exit code. DVC still runs, times and records each stage; only the imp
 Without a server (plain `dvc repro`), or when the caller's import-time environment differs from
 the server's, the launcher simply runs the stage itself.
 
-The server is a line of processes, one per import level (LEVELS), each forked from the one before
-once its imports are done, in the order the stages need them: level 0 imports MLflow and serves
+The server is a tree of processes, one per import level (LEVELS), each forked from its parent level
+once the parent's imports are done, in the order the stages need them: level 0 imports MLflow and serves
 `prepare` and the flow's MLflow jobs; level 1 adds torch, transformers' config, tokenizers and the
-Llama modelling code and serves `model`; level 2 adds Great Expectations for `validate`; level 3 adds
-the training stages' modules and MLflow's pyfunc, importing while `validate` runs. So `prepare` and the MLflow
-jobs start while torch is still being imported, and no request ever waits for an import it does not need. (LEVELS
-names each level's parent, so a level can also have several children importing side by side;
-`validate` and the modelling code did, and competed for the two cores while `model` waited.)
+Llama modelling code and serves `model`; from level 1 fork level 2, Great Expectations for `validate`, and
+level 3, the training stages' modules and MLflow's pyfunc. So `prepare` and the MLflow jobs start while torch
+is still being imported, and no request ever waits for an import it does not need. (The modelling code
+imports before either child: beside Great Expectations it competed for the two cores while `model` waited.)
 Callers connect to their stage's level socket (`level_path`).
+
+Level 2 is lazy (LAZY_LEVELS): it imports Great Expectations, seconds of CPU, only once someone connects
+to it: `validate`'s request, or the hint a `prepare` request sends first (`WARMS`: new data is what
+`validate` checks). A rerun whose data did not change (a changed GRPO setting, a resumed or repeated run)
+never imports it, and its training level no longer waits behind it.
 
 Garbage collection: a level imports with the collector off and freezes what it imported before it
 forks (`imports_without_collection`, which the CLI and the temporary Prefect API use too). The
@@ -76,10 +80,14 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
          "transformers.models.auto.configuration_auto", "transformers.models.llama.modeling_llama",
          "components.stages.model")),
     (1, ("great_expectations", "components.stages.validate")),
-    # Needed from `sft` on: imported while `validate` runs, not while `model` and `validate` wait.
-    (2, ("components.stages.sft", "components.stages.grpo",
+    # Needed from `sft` on: imported once `model` can run, beside (not behind) Great Expectations.
+    (1, ("components.stages.sft", "components.stages.grpo",
          "components.stages.evaluate", "mlflow.pyfunc", "components.stages.register")),
 )
+# Levels that import only once a caller connects (see the module docstring), and the stages whose request first
+# wakes another stage's level: `prepare` writes the data that `validate` checks.
+LAZY_LEVELS = frozenset({2})
+WARMS = {"prepare": ("validate",)}
 HEADER_LIMIT = 1 << 20
 # Objects this process's levels froze (their imports), counted as each level froze them. A stage
 # forked from a level inherits the figure for its timings record (components/stages/cli.py);
@@ -161,6 +169,8 @@ def serve(path: str, parent_pid: int) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     while True:
+        if level in LAZY_LEVELS:
+            wait_for_a_caller(listeners[level], watched)
         with imports_without_collection():  # see "Garbage collection" above
             for name in LEVELS[level][1]:
                 try:
@@ -196,8 +206,20 @@ def serve(path: str, parent_pid: int) -> None:
     stop()
 
 
+def wait_for_a_caller(listener: socket.socket, watched: int) -> None:
+    """Return once a caller has connected to `listener` (left queued for the serving loop); stop with the level
+    `watched` (the parent) if that never happens."""
+    while not select.select([listener], [], [], 0.2)[0]:
+        if os.getppid() != watched:
+            os._exit(0)
+
+
 def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[str, str]) -> None:
     data, fds, _, _ = socket.recv_fds(conn, HEADER_LIMIT, 3)
+    if not data:  # a hint to import (`warm`), not a request
+        for fd in fds:
+            os.close(fd)
+        return
     try:
         request = json.loads(data.decode())
         theirs = import_environment(request["env"])
@@ -304,8 +326,16 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- client
+def warm(path: str, stage: str) -> None:
+    """Wake `stage`'s level if it is lazy: a connection that sends nothing, so its imports start now (best effort)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(level_path(path, level_of(stage)))
+
+
 def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) -> int | None:
     """Run `stage` in the server at `path`; None when it is unavailable or refuses (run it yourself then)."""
+    for later in WARMS.get(stage, ()):
+        warm(path, later)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.monotonic() + 2.0
     while True:

@@ -130,6 +130,42 @@ def test_levels_serve_prepare_without_torch_and_stop_together(tmp_path, monkeypa
     assert not any(os.path.exists(level_path(path, level)) for level in range(len(LEVELS)))
 
 
+def test_great_expectations_is_imported_only_once_new_data_or_validate_asks(tmp_path, monkeypatch):
+    """The lazy level (Great Expectations) costs no CPU while the training level imports beside it, and starts
+    importing on `prepare`'s hint: a rerun whose data did not change never pays for it."""
+    import time
+
+    import psutil
+
+    from components.runtime.stage_server import LAZY_LEVELS, LEVELS, level_of
+
+    from conftest import copy_committed_project
+
+    assert level_of("validate") in LAZY_LEVELS and LEVELS[level_of("sft")][0] == level_of("model")
+    repo = copy_committed_project(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    proc, path = start_server(str(repo))
+
+    def cpu(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    try:
+        assert run_remote(path, "register", ["--help"]) == 0  # served by the training level: its imports are done
+        (model_level,) = psutil.Process(proc.pid).children()
+        children = model_level.children()
+        waiting = [c for c in children if cpu(c) < 0.1]
+        assert len(children) == 2 and len(waiting) == 1, [(c.pid, cpu(c)) for c in children]
+        deadline = time.monotonic() + 120
+        assert run_remote(path, "prepare", TINY) == 0  # new data: its request first wakes the lazy level
+        while cpu(waiting[0]) < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cpu(waiting[0]) >= 1.0  # woken: importing Great Expectations
+    finally:
+        stop_server(proc, path)
+
+
 def test_imports_without_collection_freezes_what_it_imported_and_restores_the_collector():
     import gc
 
