@@ -82,11 +82,21 @@ def served_package() -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# MLflow's advice at logging that does not apply here: the model takes two input shapes (prompts or one conversation),
+# so its `predict` has no single type hint, and its signature is given, so an example would only be run for show.
+MLFLOW_ADVICE = ("Add type hints to the `predict` method", "An input example was not provided")
+
+
 def log_completion_model(model_dir: Path, model_config: dict[str, Any], requirements: list[str]):
     """Log `model_dir` as the pyfunc completion model in the active run; returns MLflow's ModelInfo."""
+    import re
+    import warnings
+
     import mlflow
 
-    with served_package() as package:
+    with served_package() as package, warnings.catch_warnings():
+        for advice in MLFLOW_ADVICE:  # any other warning still shows
+            warnings.filterwarnings("ignore", message=f"(\\x1b\\[[0-9;]*m)?{re.escape(advice)}", category=UserWarning)
         return mlflow.pyfunc.log_model(name="model", python_model=str(SERVING_MODULE),
                                        artifacts={"model_dir": str(model_dir)}, pip_requirements=requirements,
                                        model_config=model_config, signature=_signature(), code_paths=[str(package)])
