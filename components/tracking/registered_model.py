@@ -89,14 +89,19 @@ MLFLOW_ADVICE = ("Add type hints to the `predict` method", "An input example was
 
 def log_completion_model(model_dir: Path, model_config: dict[str, Any], requirements: list[str]):
     """Log `model_dir` as the pyfunc completion model in the active run; returns MLflow's ModelInfo."""
-    import re
     import warnings
 
     import mlflow
 
     with served_package() as package, warnings.catch_warnings():
-        for advice in MLFLOW_ADVICE:  # any other warning still shows
-            warnings.filterwarnings("ignore", message=f"(\\x1b\\[[0-9;]*m)?{re.escape(advice)}", category=UserWarning)
+        # Not a filter: MLflow sets its own ("once") around the code that warns, which a filter set here loses to.
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            if not any(advice in str(message) for advice in MLFLOW_ADVICE):  # any other warning still shows
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
         return mlflow.pyfunc.log_model(name="model", python_model=str(SERVING_MODULE),
                                        artifacts={"model_dir": str(model_dir)}, pip_requirements=requirements,
                                        model_config=model_config, signature=_signature(), code_paths=[str(package)])
