@@ -83,7 +83,7 @@ def served_package() -> Iterator[Path]:
 
 
 # MLflow's advice at logging that does not apply here: the model takes two input shapes (prompts or one conversation),
-# so its `predict` has no single type hint, and its signature is given, so an example would only be run for show.
+# so its `predict` has no single type hint, and its signature is given explicitly (`_signature`), not inferred.
 MLFLOW_ADVICE = ("Add type hints to the `predict` method", "An input example was not provided")
 
 
