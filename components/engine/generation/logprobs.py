@@ -70,7 +70,10 @@ def logit_chunk_rows(rows: int, vocab_size: int) -> int:
 
 def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tokens: torch.Tensor,
                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logp, entropy = token_logprobs(head(hidden), tokens, with_entropy)
+    """A head with its own `token_logprobs` (fast/head.py `LinearHead`: one vocabulary-wide buffer) computes them;
+    any other head gives its logits to `token_logprobs`."""
+    fused = getattr(head, "token_logprobs", None)
+    logp, entropy = fused(hidden, tokens, with_entropy) if fused else token_logprobs(head(hidden), tokens, with_entropy)
     return logp, (entropy if with_entropy else logp.new_empty(0))
 
 
@@ -88,7 +91,8 @@ def head_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: to
     rows = hidden.shape[0]
     size = chunk_rows or logit_chunk_rows(rows, vocab_size)
     if rows <= size:
-        return token_logprobs(head(hidden), tokens, with_entropy)
+        logp, entropy = _chunk_logprobs(head, hidden, tokens, with_entropy)
+        return logp, (entropy if with_entropy else None)
     from torch.utils.checkpoint import checkpoint
 
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(

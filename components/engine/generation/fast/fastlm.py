@@ -126,7 +126,7 @@ class PrefixSharedLM:
         first, packed, (fed_rows, fed_cols) = self._completion_states(prompt_ids, prompt_mask, completion_ids,
                                                                       completion_mask)
         n, width = completion_ids.shape
-        logits = lambda hidden: self.pieces.logits(hidden, temperature)  # noqa: E731
+        logits = self.pieces.vocab_head(temperature)
         vocab = self.pieces.vocab_size
         scored = [head_token_logprobs(logits, first, completion_ids[:, 0], vocab, with_entropy)]
         slots = [torch.arange(n, device=completion_ids.device) * width]

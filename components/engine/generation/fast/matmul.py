@@ -29,11 +29,12 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
+def pad_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """`rows` [R, n] with zero rows appended up to `count` (the same tensor when it has them already)."""
     return rows if len(rows) == count else torch.nn.functional.pad(rows, (0, 0, 0, count - len(rows)))
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] . weight [out, in]^T (+ bias) on oneDNN; strided views are read as they are."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -42,8 +43,8 @@ def _padded_product(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., in] . weight^T (+ bias) run at `padded_rows`: (the output [..., out], the padded rows [R, in])."""
     flat = x.reshape(-1, x.shape[-1])
-    padded = _pad(flat, padded_rows(len(flat)))
-    return _product(padded, weight, bias)[:len(flat)].view(*x.shape[:-1], weight.shape[0]), padded
+    padded = pad_rows(flat, padded_rows(len(flat)))
+    return onednn_product(padded, weight, bias)[:len(flat)].view(*x.shape[:-1], weight.shape[0]), padded
 
 
 class _Linear(torch.autograd.Function):
@@ -62,11 +63,11 @@ class _Linear(torch.autograd.Function):
         padded, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_padded = _pad(rows, len(padded))
+        grad_padded = pad_rows(rows, len(padded))
         if ctx.needs_input_grad[0]:
-            grad_x = _product(grad_padded, weight.t())[:len(rows)].view(ctx.shape)
+            grad_x = onednn_product(grad_padded, weight.t())[:len(rows)].view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = _product(grad_padded.t(), padded.t())
+            grad_weight = onednn_product(grad_padded.t(), padded.t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias

@@ -12,12 +12,14 @@ same order, so their dot products, the attention and the outputs are unchanged; 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from components.engine.generation.fast.families import family_of
+from components.engine.generation.fast.head import LinearHead
 from components.engine.generation.fast.layers import LayerTypeRotary, LayerWeights, Rotary, fuse_qkv, plain_linear, rope
 from components.engine.generation.fast.matmul import linear as matmul_linear
 from components.engine.generation.fast.rmsnorm import rms_norm
@@ -264,6 +266,17 @@ class ModelPieces:
         if type(self.lm_head) is torch.nn.Linear and self.lm_head.bias is None and not self.final_softcap:
             return self.head(hidden / temperature)
         return self.head(hidden) / temperature
+
+    def vocab_head(self, temperature: float = 1.0) -> Callable[[torch.Tensor], torch.Tensor]:
+        """hidden -> `logits(hidden, temperature)`; a `LinearHead` (fast/head.py: its token log-probs through one
+        vocabulary-wide buffer) where the head is a plain `nn.Linear` without hooks or soft-capping and any
+        temperature is taken on the hidden state, as `logits` takes it."""
+        head = self.lm_head
+        plain = type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks
+                                                       or self.final_softcap)
+        if not plain or (temperature != 1.0 and head.bias is not None):
+            return lambda hidden: self.logits(hidden, temperature)
+        return LinearHead(head.weight, head.bias, self.options.onednn_matmul, temperature)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary head: `linear` (oneDNN for large products) for a plain `nn.Linear` without hooks, else

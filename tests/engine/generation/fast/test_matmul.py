@@ -15,14 +15,14 @@ def every_product_on_onednn(monkeypatch):
     """Send every float32 CPU product to oneDNN and count the calls."""
     calls = []
     matmul.onednn_usable()  # the probe's own products are not counted
-    product = matmul._product
+    product = matmul.onednn_product
 
     def counted(*args):
         calls.append(args[0].shape)
         return product(*args)
 
     monkeypatch.setattr(matmul, "ONEDNN_MIN_WORK", 0)
-    monkeypatch.setattr(matmul, "_product", counted)
+    monkeypatch.setattr(matmul, "onednn_product", counted)
     return calls
 
 
@@ -122,7 +122,7 @@ def test_a_failing_or_disagreeing_onednn_op_is_probed_once_and_turned_off(monkey
             raise RuntimeError("mkldnn::_linear_pointwise: no such overload")
         return torch.zeros(x.shape[0], weight.shape[0])
 
-    monkeypatch.setattr(matmul, "_product", broken)
+    monkeypatch.setattr(matmul, "onednn_product", broken)
     monkeypatch.setattr(matmul, "_onednn_works", None)
     monkeypatch.setattr(matmul, "ONEDNN_BUILT", True)
     x, weight = torch.randn(512, 256), torch.randn(256, 256)  # 33M multiply-adds: above ONEDNN_MIN_WORK
