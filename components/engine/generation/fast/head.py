@@ -30,7 +30,7 @@ class _HeadTokenLogProbs(torch.autograd.Function):
             buffer = onednn_product(inputs, weight, bias)
         else:
             inputs, buffer, onednn = hidden, torch.nn.functional.linear(hidden, weight, bias), False
-        if buffer.dtype != torch.float32:  # log-probs in at least float32, as token_logprobs computes them
+        if buffer.dtype in (torch.float16, torch.bfloat16):  # log-probs in at least float32, as token_logprobs
             buffer = buffer.float()
         torch.log_softmax(buffer, dim=-1, out=buffer)
         log_probs = buffer[:rows]

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
+from test_matmul import needs_onednn
 
 from components.engine.generation.fast import matmul
 from components.engine.generation.fast.head import LinearHead
 from components.engine.generation.logprobs import head_token_logprobs, token_logprobs
-
-from test_matmul import needs_onednn
 
 
 def test_logprobs_and_gradients_by_hand():
@@ -65,15 +64,17 @@ def test_equal_to_the_module_path_in_float32(monkeypatch, onednn, with_bias, row
         assert torch.equal(ours, theirs)
 
 
-def test_half_precision_equal_to_the_module_path():
+@pytest.mark.parametrize("dtype,logp_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+def test_other_precisions_equal_to_the_module_path(dtype, logp_dtype):
+    """Half precision computes its log-probs in float32, double precision keeps float64, as `token_logprobs`."""
     gen = torch.Generator().manual_seed(0)
-    hidden, weight = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((9, 16), (40, 16)))
+    hidden, weight = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((9, 16), (40, 16)))
     tokens = torch.randint(0, 40, (9,), generator=gen)
     results = []
     for fused in (True, False):
         h, w = leaves(hidden, weight)
         logp, _ = LinearHead(w).token_logprobs(h, tokens) if fused else token_logprobs(h @ w.t(), tokens)
-        assert logp.dtype == torch.float32
+        assert logp.dtype == logp_dtype
         logp.sum().backward()
         results.append([logp, h.grad, w.grad])
     for ours, theirs in zip(*results):
