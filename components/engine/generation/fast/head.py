@@ -3,12 +3,13 @@ buffer.
 
 Through the head module, `token_logprobs(head(hidden), tokens)` holds the logits and their log-softmax at once in
 forward, and in backward the softmax gradient, then its copy padded to oneDNN's row count (`matmul.padded_rows`):
-two vocabulary-wide float32 tensors at every moment, the largest of a step. Here the product writes the logits
+two vocabulary-wide float32 tensors at once, in forward and in backward. Here the product writes the logits
 (at the padded rows where oneDNN takes it), the log-softmax overwrites them, backward turns that same buffer into
 the gradient in place and runs both products from it. The padded rows hold zero hidden states and get zero
 gradient, so they add nothing. The values are the same operations on the same shapes as the module path: equal in
-float32 (tests/engine/generation/fast/test_head.py). The buffer is changed in place by backward, so a second
-backward through the same graph raises PyTorch's in-place error instead of reading a gradient as log-probs.
+float32, bfloat16 and float64 (tests/engine/generation/fast/test_head.py). The buffer is changed in place by
+backward, so a second backward through the same graph raises PyTorch's in-place error instead of reading a gradient
+as log-probs.
 """
 
 from __future__ import annotations

@@ -272,18 +272,22 @@ class ModelPieces:
         vocabulary-wide buffer) where the head is a plain `nn.Linear` without hooks or soft-capping and any
         temperature is taken on the hidden state, as `logits` takes it."""
         head = self.lm_head
-        plain = type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks
-                                                       or self.final_softcap)
-        if not plain or (temperature != 1.0 and head.bias is not None):
+        if not self._plain_head() or self.final_softcap or (temperature != 1.0 and head.bias is not None):
             return lambda hidden: self.logits(hidden, temperature)
         return LinearHead(head.weight, head.bias, self.options.onednn_matmul, temperature)
+
+    def _plain_head(self) -> bool:
+        """The head is an `nn.Linear` itself (not a subclass or a wrapper) with no hooks: its product can be taken
+        from its weight and bias."""
+        head = self.lm_head
+        return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary head: `linear` (oneDNN for large products) for a plain `nn.Linear` without hooks, else
         the module itself (so forward hooks on it still run); capped as `cap * tanh(logits / cap)` where the model
         caps its logits (Gemma 2)."""
         head = self.lm_head
-        if type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
+        if self._plain_head():
             out = self.linear(hidden, head.weight, head.bias)
         else:
             out = head(hidden)
