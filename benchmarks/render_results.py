@@ -77,7 +77,8 @@ def _cpu(machine: Any) -> str:
     if isinstance(machine, dict):
         return f"{machine['cpu']} ({machine['cores']} cores{', AVX-512' if machine.get('avx512') else ''})"
     text = str(machine).split(", Python")[0].replace("x86_64,", "x86_64 (model not recorded),")
-    return text.replace("AVX512", "AVX-512").replace("Intel(R) Xeon(R) Processor @ 2.50GHz", "Intel Xeon 2.50GHz")
+    return (text.replace("AVX512", "AVX-512").replace("Intel(R) Xeon(R) Processor @ 2.50GHz", "Intel Xeon 2.50GHz")
+            .replace("Intel(R) Xeon(R) Processor", "Intel Xeon"))
 
 
 def _machine(machine: Any) -> str:
