@@ -23,7 +23,7 @@ from components.config import PipelineConfig
 from components.data.model_source import context_length, load_tokenizer, resolve_model_dir
 from components.data.paths import Paths
 from components.data.records import REQUIRED_COLUMNS, SPLITS, file_md5, iter_jsonl, normalise_prompt, split_path
-from components.engine.models.prompting import PromptFormatter
+from components.engine.models.prompting import PromptFormatter, token_counts
 from components.errors import StageFailed
 from components.stages.cli import stage_main
 
@@ -59,11 +59,11 @@ def _frame(records: list[dict[str, Any]], tokenizer, heldout_norm: set[str] | No
         df["_prompt_type"] = prompts.map(lambda v: type(v).__name__)
         df["_prompt_chars"] = prompts.map(lambda v: len(v.strip()) if isinstance(v, str) else 0)
         text = [formatter(r) if isinstance(r.get("prompt"), str) else "" for r in records]
-        df["_prompt_tokens"] = [len(ids) for ids in tokenizer(list(text), add_special_tokens=False).input_ids]
+        df["_prompt_tokens"] = token_counts(tokenizer, text)
         if target in df:
             answers = df[target].map(lambda v: "" if v is None else str(v))
-            df["_sft_tokens"] = [len(ids) + 1 for ids in  # + EOS
-                                 tokenizer([p + a for p, a in zip(text, answers)], add_special_tokens=False).input_ids]
+            pairs = [p + a for p, a in zip(text, answers)]
+            df["_sft_tokens"] = [n + 1 for n in token_counts(tokenizer, pairs)]  # + EOS
         if heldout_norm is not None:
             df["_prompt_norm"] = prompts.map(normalise_prompt)
     return df

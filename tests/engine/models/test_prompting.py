@@ -57,3 +57,25 @@ def test_the_served_model_formats_with_trainings_own_rendering():
     assert formatter(record) == "[system]Add.[user]Q: 12+7=[assistant]"
     source = inspect.getsource(CompletionModel.format)
     assert "apply_chat_template(messages" not in source and ".format(**" not in source
+
+
+def test_token_counts_are_the_tokenizers_own_whatever_its_backend_was_left_set_to():
+    """`token_counts` asks a fast tokenizer's backend directly only when that gives what `tokenizer(texts,
+    add_special_tokens=False)` gives: counted by hand here, then with the backend left padding, truncating or
+    encoding special tokens' text as text (each of which the direct call would count differently)."""
+    from components.engine.models.prompting import token_counts
+
+    tokenizer = character_tokenizer(adds_bos=True)
+    texts = ["12+7=", "1", "<bos>3+4=", ""]
+    assert token_counts(tokenizer, texts) == [5, 1, 5, 0]  # characters, `<bos>` one token, no added start
+    backend = tokenizer.backend_tokenizer
+    backend.enable_padding(length=8, pad_id=0, pad_token="<pad>")
+    assert token_counts(tokenizer, texts) == [5, 1, 5, 0]
+    backend.no_padding()
+    backend.enable_truncation(max_length=2)
+    assert token_counts(tokenizer, texts) == [5, 1, 5, 0]
+    backend.no_truncation()
+    tokenizer.split_special_tokens = True  # `<bos>` in the text is read as its five characters
+    assert token_counts(tokenizer, texts) == [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    assert token_counts(tokenizer, texts)[2] == 9
+    assert token_counts(tokenizer, []) == []
