@@ -57,7 +57,7 @@ class PromptFormatter:
 def token_counts(tokenizer: Any, texts: Sequence[str]) -> list[int]:
     """Each text's token count without special tokens, as `tokenizer(texts, add_special_tokens=False)` counts it, in
     one batch. A fast tokenizer whose backend pads and truncates nothing is asked directly: the same Rust encoding,
-    without transformers' per-text conversion to Python lists (most of the cost on a large file)."""
+    without transformers' per-text conversion to Python lists (much of the cost on a large file)."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if (backend is not None and backend.padding is None and backend.truncation is None
             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
