@@ -108,8 +108,9 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     """`dvc repro --single-item STAGE` through DVC's Python API; DVC skips the stage when nothing changed.
 
     DVC is imported once per flow, not once per stage; it still hashes, runs the dvc.yaml command and
-    writes dvc.lock exactly as the CLI does. The stage's output is relayed as it comes and its last
-    lines kept for the error report.
+    writes dvc.lock as the CLI does (the same data, read and written without the round trip:
+    pipelines/dvc_lockfile.py). The stage's output is relayed as it comes and its last lines kept for the
+    error report.
     """
     import tempfile
 
@@ -117,6 +118,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.repo import Repo
 
     from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX, read_report
+    from pipelines.dvc_lockfile import lock_files_in_one_pass
     from pipelines.dvc_writes import (
         cache_write_text,
         failed_cache_writes,
@@ -135,7 +137,8 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     os.environ[ERROR_FILE_ENV] = report
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
-        with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes:
+        with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes, \
+                lock_files_in_one_pass():
             repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
             stored = store_outputs_missing_from_cache(repo, stage, root)
             if stored:
