@@ -14,6 +14,7 @@ carry over is what a lock file should not hold (comments, hand-chosen quoting). 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -22,18 +23,26 @@ from typing import IO, Any
 LOCK_SUFFIX = ".lock"  # dvc.lock, or NAME.lock beside a pipeline file NAME.yaml
 
 
+@functools.cache
+def _lock_representer() -> type:
+    """ruamel's safe representer with DVC's OrderedDicts as mappings; a subclass, so the representer other ruamel
+    users get stays as it was."""
+    from ruamel.yaml.representer import SafeRepresenter
+
+    class LockRepresenter(SafeRepresenter):
+        pass
+
+    LockRepresenter.add_representer(OrderedDict, SafeRepresenter.represent_dict)
+    return LockRepresenter
+
+
 def _lock_yaml() -> Any:
     """ruamel.yaml's safe loader and dumper (libyaml's parser and emitter where ruamel.yaml.clib is installed), set
     up as DVC's round-trip dumper is: block style, mappings in their own order, DVC's OrderedDicts as mappings."""
     from ruamel.yaml import YAML
-    from ruamel.yaml.representer import SafeRepresenter
 
-    class LockRepresenter(SafeRepresenter):  # a subclass: the representer other ruamel users get stays as it was
-        pass
-
-    LockRepresenter.add_representer(OrderedDict, SafeRepresenter.represent_dict)
     yaml = YAML(typ="safe", pure=False)
-    yaml.Representer = LockRepresenter
+    yaml.Representer = _lock_representer()
     yaml.default_flow_style = False
     yaml.sort_base_mapping_type_on_output = False
     return yaml
