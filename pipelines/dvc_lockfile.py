@@ -3,9 +3,9 @@
 After every stage it runs, DVC reads the whole lock file again with ruamel.yaml's round-trip loader (which keeps
 comments and each scalar's quoting) and writes it back with the round-trip dumper. On this project's lock file (seven
 stages, hundreds of dependency entries) that is most of DVC's own work per stage, and it lies on the flow's path
-between stages. A lock file is DVC's output, not a file people edit, so inside `lock_files_in_one_pass` DVC reads it
-with ruamel's safe loader, the YAML 1.2 reader DVC itself reads lock files with, and writes it with ruamel's safe
-dumper set up as DVC's own (block style, keys in DVC's order): the same data, each entry laid out as DVC writes a
+between stages. A lock file is DVC's output, not a file people edit, so inside `lock_files_without_round_trip` DVC
+reads it with ruamel's safe loader, the YAML 1.2 reader DVC itself reads lock files with, and writes it with ruamel's
+safe dumper set up as DVC's own (block style, keys in DVC's order): the same data, each entry laid out as DVC writes a
 new one (an entry DVC's round trip carries over writes a null as an empty value; here as `null`); what it does not
 carry over is what a lock file should not hold (comments, hand-chosen quoting). Every other file DVC modifies
 (dvc.yaml, which users write) keeps DVC's round trip.
@@ -72,7 +72,7 @@ def _modify_lock_file(path: Any, fs: Any = None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def lock_files_in_one_pass() -> Iterator[None]:
+def lock_files_without_round_trip() -> Iterator[None]:
     """While the body runs, DVC rewrites lock files (and only lock files) through `_modify_lock_file`."""
     from dvc import dvcfile
 

@@ -118,7 +118,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     from dvc.repo import Repo
 
     from components.stages.cli import ERROR_FILE_ENV, INTERRUPT_PREFIX, read_report
-    from pipelines.dvc_lockfile import lock_files_in_one_pass
+    from pipelines.dvc_lockfile import lock_files_without_round_trip
     from pipelines.dvc_writes import (
         cache_write_text,
         failed_cache_writes,
@@ -138,7 +138,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
         with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes, \
-                lock_files_in_one_pass():
+                lock_files_without_round_trip():
             repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
             stored = store_outputs_missing_from_cache(repo, stage, root)
             if stored:

@@ -44,17 +44,17 @@ def dvc_repo(root: Path) -> Path:
     return root
 
 
-def reproduce(root: Path, one_pass: bool) -> None:
+def reproduce(root: Path, without_round_trip: bool) -> None:
     """Each stage on its own (`dvc repro --single-item`), from the repository, as the flow's tasks run them."""
     import contextlib
 
     from dvc.repo import Repo
 
-    from pipelines.dvc_lockfile import lock_files_in_one_pass
+    from pipelines.dvc_lockfile import lock_files_without_round_trip
 
     for stage in ("first", "second"):
         with contextlib.chdir(root), Repo(str(root)) as repo, \
-                lock_files_in_one_pass() if one_pass else contextlib.nullcontext():
+                lock_files_without_round_trip() if without_round_trip else contextlib.nullcontext():
             repo.reproduce(stage, single_item=True)
 
 
@@ -65,32 +65,32 @@ def lock_data(root: Path) -> str:
 
 
 def test_the_lock_file_holds_what_dvcs_round_trip_writes_and_reads_as_up_to_date(tmp_path):
-    dvc_rt, one_pass = dvc_repo(tmp_path / "round_trip"), dvc_repo(tmp_path / "one_pass")
-    reproduce(dvc_rt, one_pass=False)
-    reproduce(one_pass, one_pass=True)
-    assert lock_data(one_pass) == lock_data(dvc_rt)
-    assert (one_pass / "dvc.lock").read_text() == (dvc_rt / "dvc.lock").read_text()
-    assert (one_pass / "dvc.yaml").read_text() == DVC_YAML
-    status = run([str(BIN / "dvc"), "status"], one_pass).stdout
+    dvcs, ours = dvc_repo(tmp_path / "round_trip"), dvc_repo(tmp_path / "safe")
+    reproduce(dvcs, without_round_trip=False)
+    reproduce(ours, without_round_trip=True)
+    assert lock_data(ours) == lock_data(dvcs)
+    assert (ours / "dvc.lock").read_text() == (dvcs / "dvc.lock").read_text()
+    assert (ours / "dvc.yaml").read_text() == DVC_YAML
+    status = run([str(BIN / "dvc"), "status"], ours).stdout
     assert "Data and pipelines are up to date." in status, status
 
     # A changed parameter: the stage's entry replaced in place, the other kept, as DVC's round trip does.
-    for root in (dvc_rt, one_pass):
+    for root in (dvcs, ours):
         (root / "params.yaml").write_text(PARAMS.replace("1e-05", "2e-05"))
-    reproduce(dvc_rt, one_pass=False)
-    reproduce(one_pass, one_pass=True)
-    assert lock_data(one_pass) == lock_data(dvc_rt) and "lr: 2e-05" in (one_pass / "dvc.lock").read_text()
+    reproduce(dvcs, without_round_trip=False)
+    reproduce(ours, without_round_trip=True)
+    assert lock_data(ours) == lock_data(dvcs) and "lr: 2e-05" in (ours / "dvc.lock").read_text()
 
 
 def test_files_other_than_lock_files_keep_dvcs_round_trip(tmp_path):
     from dvc import dvcfile
 
-    from pipelines.dvc_lockfile import lock_files_in_one_pass
+    from pipelines.dvc_lockfile import lock_files_without_round_trip
 
     pipeline, lock = tmp_path / "dvc.yaml", tmp_path / "dvc.lock"
     pipeline.write_text(DVC_YAML)
     lock.write_text("# not DVC's\nschema: '2.0'\n")
-    with lock_files_in_one_pass():
+    with lock_files_without_round_trip():
         for path in (pipeline, lock):
             with dvcfile.modify_yaml(path) as data:
                 data["added"] = 1
