@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from getpass import getuser
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,44 @@ for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTI
                      # Two workers share two cores: OpenMP threads that spin while they wait for work take the
                      # other worker's core; passive waits give it back and change no result (HISTORY.md has the
                      # measurement). Inherited by the workers and every subprocess a test starts.
-                     "OMP_WAIT_POLICY": "PASSIVE"}.items():
+                     "OMP_WAIT_POLICY": "PASSIVE",
+                     # Read when a process starts or imports torch, so the worker's shared stage server (below) and
+                     # the runs it serves must agree on them: the tests' own modules (reward_fixtures) importable in
+                     # every stage, and the value importing torch's compiler sets when unset, set from the start.
+                     "PYTHONPATH": str(Path(__file__).resolve().parent),
+                     "TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / f"torchinductor_{getuser()}")
+                     }.items():
     os.environ.setdefault(_key, _value)
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 # Each pytest process (`make test` runs two workers) gets a Prefect home of its own: two pipeline runs at
 # once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_stage_server_per_worker():
+    """One warm stage server (components/runtime/stage_server.py) per worker, named in the environment that every
+    pipeline run of this worker inherits: runs, flows and `dvc repro` fork their stages from it instead of each
+    importing torch, transformers, MLflow and Great Expectations again. The project copies the tests run in hold
+    this working tree's code, which the server imported. A test of what a run's own server does (kills of the
+    whole run, runs side by side, the server's own life) is marked `own_stage_server`."""
+    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
+
+    server = start_server(str(ROOT))
+    os.environ[SERVER_ENV] = server[1]
+    yield server
+    os.environ.pop(SERVER_ENV, None)
+    stop_server(*server)
+
+
+@pytest.fixture(autouse=True)
+def _own_stage_server_when_marked(request, _environment_put_back):
+    """Tests marked `own_stage_server` see no shared server: their runs start their own, as a user's do."""
+    if request.node.get_closest_marker("own_stage_server"):
+        from components.runtime.stage_server import SERVER_ENV
+
+        os.environ.pop(SERVER_ENV, None)  # put back after the test by _environment_put_back
 
 
 @pytest.fixture(autouse=True)
@@ -176,9 +208,13 @@ def warm_stage_server(cwd: Path):
 
 
 def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
-    """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster)."""
+    """`dvc repro ARGS` with its stages handed to a warm stage interpreter, as the pipeline runs them (faster): the
+    worker's shared one, or one of its own where that one would not take them."""
+    from components.runtime.stage_client import server_accepts
     from components.runtime.stage_server import SERVER_ENV
 
+    if server_accepts(os.environ.get(SERVER_ENV)):
+        return run([str(BIN / "dvc"), "repro", *args], repo, env=env)
     with warm_stage_server(repo) as (_, path):
         return run([str(BIN / "dvc"), "repro", *args], repo, env={**env, SERVER_ENV: path})
 

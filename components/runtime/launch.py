@@ -18,7 +18,8 @@ import signal
 import sys
 
 from components.run_marker import ended_text, marker_path, read_dead_note
-from components.runtime.stage_server import SERVER_ENV, STAGE_MODULES, run_remote
+from components.runtime.stage_client import run_remote
+from components.runtime.stage_server import SERVER_ENV, STAGE_MODULES
 
 ERROR_FILE_ENV = "GRPO_STAGE_ERROR_FILE"  # components/stages/cli.py's; not imported: it pulls in the config
 

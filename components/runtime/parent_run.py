@@ -124,7 +124,8 @@ def run_job(request: dict[str, Any]) -> dict[str, Any]:
     import os
     import tempfile
 
-    from components.runtime.stage_server import SERVER_ENV, run_remote
+    from components.runtime.stage_client import run_remote
+    from components.runtime.stage_server import SERVER_ENV
 
     with tempfile.TemporaryDirectory(prefix="grpo-parent-run-") as folder:
         path = Path(folder) / "request.json"

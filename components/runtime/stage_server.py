@@ -46,20 +46,23 @@ import select
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from components.quiet import quiet_libraries
+
 if TYPE_CHECKING:
     import subprocess
 
 SERVER_ENV = "GRPO_STAGE_SERVER"
 # Environment read when libraries are imported; a caller whose values differ gets its own process.
+# PYTHONPATH too: a process's module search path is fixed when it starts, so a stage forked from a server started
+# with another one would not find the caller's modules.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH", "OMP_", "MKL_", "CUDA", "TOKENIZERS_",
-                        "PYTHONHASHSEED", "LD_PRELOAD", "GX_")
+                        "PYTHONHASHSEED", "PYTHONPATH", "LD_PRELOAD", "GX_")
 STAGE_MODULES = {stage: f"stages.{stage}" for stage in
                  ("prepare", "model", "validate", "sft", "grpo", "evaluate", "register")}
 # Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
@@ -223,9 +226,9 @@ def _handle(conn: socket.socket, listener: socket.socket, own_environment: dict[
     try:
         request = json.loads(data.decode())
         theirs = import_environment(request["env"])
-        if len(fds) != 3 or theirs != own_environment:
-            differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
-            _send(conn, {"accepted": False, "differing": differing})
+        differing = sorted(k for k in set(theirs) | set(own_environment) if theirs.get(k) != own_environment.get(k))
+        if request.get("probe") or len(fds) != 3 or differing:  # a probe (stage_client.server_accepts): answered only
+            _send(conn, {"accepted": bool(request.get("probe")) and not differing, "differing": differing})
             return
         sys.stdout.flush()
         sys.stderr.flush()
@@ -325,65 +328,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-# ---------------------------------------------------------------------------------------------- client
-def warm(path: str, stage: str) -> None:
-    """Wake `stage`'s level if it is lazy: a connection that sends nothing, so its imports start now (best effort)."""
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(level_path(path, level_of(stage)))
-
-
-def run_remote(path: str, stage: str, argv: list[str], wait_s: float = 120.0) -> int | None:
-    """Run `stage` in the server at `path`; None when it is unavailable or refuses (run it yourself then)."""
-    for later in WARMS.get(stage, ()):
-        warm(path, later)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    deadline = time.monotonic() + 2.0
-    while True:
-        try:
-            conn.connect(level_path(path, level_of(stage)))
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                conn.close()
-                return None
-            time.sleep(0.05)
-    request = {"stage": stage, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-    conn.settimeout(wait_s)  # the server answers once its imports are done
-    reader = conn.makefile("rb")
-    try:
-        reply = json.loads(reader.readline() or b"{}")
-    except (TimeoutError, ValueError):
-        conn.close()
-        return None
-    if not reply.get("accepted"):
-        print(f"stage server: not used ({', '.join(reply.get('differing', [])) or 'refused'} differ); "
-              "running the stage in this process", file=sys.stderr)
-        conn.close()
-        return None
-
-    def interrupt(signum, _frame):
-        # The stage stops itself cleanly (components/stages/cli.py) and reports where; wait for its exit code.
-        try:
-            conn.sendall(f"kill {signum}".encode())
-        except OSError:
-            pass
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
-        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        conn.settimeout(None)
-        outcome = json.loads(reader.readline() or b'{"exit": 1}')
-    finally:
-        conn.close()
-        for sig, handler in previous.items():  # the flow calls this more than once per process
-            signal.signal(sig, handler)
-    return int(outcome.get("exit", 1))
-
-
+# ---------------------------------------------------------------------------------------------- owner
 def start_server(cwd: str, module: str = "components.runtime.stage_server") -> tuple[subprocess.Popen[bytes], str]:
     """Start a server owned by this process; returns it and the socket path to put in `SERVER_ENV`.
 
@@ -424,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--parent-pid", type=int, default=os.getppid())
     args = parser.parse_args(argv)
+    quiet_libraries()  # as every stage sets them (components/stages/cli.py), before its imports read them
     serve(args.socket, args.parent_pid)  # never returns: each level removes its own socket and exits
     return 0
 

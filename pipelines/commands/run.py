@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from components.locks import LOCK_HELD_ENV, PIPELINE_LOCK, LockBusy, file_lock
+from components.runtime.stage_client import server_accepts
 from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 from pipelines import warmup
 
@@ -36,8 +37,11 @@ def _run_locked(args: argparse.Namespace) -> int:
     if not args.dry_run:
         # First thing, before Prefect is imported: the warm stage interpreter starts while the CLI
         # checks the config, and the temporary Prefect API's address is chosen (pipelines/warmup.py).
-        server = start_server(str(root))
-        os.environ[SERVER_ENV] = server[1]
+        # A server named in the environment that would run this run's stages is used instead, as the flow uses it
+        # (the test suite keeps one per worker); it is not this run's to stop.
+        if not server_accepts(os.environ.get(SERVER_ENV)):
+            server = start_server(str(root))
+            os.environ[SERVER_ENV] = server[1]
         api = warmup.plan_prefect_api()
     try:
         # Imported only now: its imports (the config's, the params files') overlap the stage server's start-up.

@@ -23,39 +23,33 @@ def test_dvc_experiments_run_queue_show_and_apply(tmp_path, monkeypatch):
     from dvc.api import exp_show
     from mlflow.tracking import MlflowClient
 
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
     from pipelines.params_io import apply_to_params, preset_path
 
     repo = copy_committed_project(tmp_path / "repo")
     apply_to_params(repo / "params.yaml", [preset_path("fast_test")], ["threads=1"])
     run(["git", "commit", "-qam", "the fast preset as my settings"], repo)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store: ./mlflow.db (the server too)
-    env = dict(os.environ)
-    server = start_server(str(repo))  # the stages skip their imports; not what is under test
-    env[SERVER_ENV] = server[1]
+    env = dict(os.environ)  # with the worker's shared stage server (conftest.py): not what is under test
     dvc = str(BIN / "dvc")
 
     def kl_beta() -> float:
         return yaml.safe_load((repo / "params.yaml").read_text())["grpo"]["kl_beta"]
 
     committed = kl_beta()
-    try:
-        ran = run([dvc, "exp", "run", "-S", "grpo.kl_beta=0.1"], repo, env=env).stdout
-        # in the workspace: its value stays in params.yaml, as DVC says; the next plain run would train it
-        assert kl_beta() == 0.1 and "applied to your workspace" in ran, ran[-2000:]
-        for beta in ("0.2", "0.3"):
-            run([dvc, "exp", "run", "--queue", "-S", f"grpo.kl_beta={beta}"], repo, env=env)
-            assert kl_beta() == 0.1  # queued: the workspace is not touched
-        run([dvc, "queue", "start"], repo, env=env)
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            status = run([dvc, "queue", "status"], repo, env=env).stdout
-            if "Queued" not in status and "Running" not in status:
-                break
-            time.sleep(1)
-        assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "--help"], repo, check=False).stdout
-    finally:
-        stop_server(*server)
+    ran = run([dvc, "exp", "run", "-S", "grpo.kl_beta=0.1"], repo, env=env).stdout
+    # in the workspace: its value stays in params.yaml, as DVC says; the next plain run would train it
+    assert kl_beta() == 0.1 and "applied to your workspace" in ran, ran[-2000:]
+    for beta in ("0.2", "0.3"):
+        run([dvc, "exp", "run", "--queue", "-S", f"grpo.kl_beta={beta}"], repo, env=env)
+        assert kl_beta() == 0.1  # queued: the workspace is not touched
+    run([dvc, "queue", "start"], repo, env=env)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        status = run([dvc, "queue", "status"], repo, env=env).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(1)
+    assert status.count("Success") == 2, status + run([dvc, "queue", "logs", "--help"], repo, check=False).stdout
     assert kl_beta() == 0.1  # the queue ran in temporary copies: params.yaml as the workspace run left it
     run(["git", "checkout", "--", "params.yaml"], repo)  # the way back the docs give
     assert kl_beta() == committed != 0.1

@@ -7,11 +7,15 @@ up-to-date and selective re-run behaviour, and a bad dataset stopped at validate
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import re
 import sqlite3
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +28,33 @@ STAGES = {"prepare", "model", "validate", "sft", "grpo", "evaluate", "register"}
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory, prefect_home):
+def completed(tmp_path_factory, prefect_home, _one_stage_server_per_worker):
+    """A fast run of the CLI, and the folders of the stages that the worker's shared stage server (named in the
+    environment the CLI inherits) forked while it ran."""
+    import psutil
+
     repo = copy_committed_project(tmp_path_factory.mktemp("e2e") / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
            "PREFECT_HOME": prefect_home(repo.parent / "prefect-home")}
     cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS for x in ("--set", o)]
-    proc = run(cli, repo, env=env)
-    return {"repo": repo, "env": env, "output": proc.stdout}
+    proc = subprocess.Popen(cli, cwd=repo, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    shared, forked_in = psutil.Process(_one_stage_server_per_worker[0].pid), set()
+    while proc.poll() is None:
+        for child in shared.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                forked_in.add(child.cwd())
+        time.sleep(0.05)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-4000:]
+    return {"repo": repo, "env": env, "output": out, "shared_server_ran_in": forked_in}
+
+
+def test_a_run_uses_the_stage_server_named_in_its_environment(completed):
+    """`grpo-pipeline run` with GRPO_STAGE_SERVER naming a server that accepts its environment forks its stages there
+    instead of starting its own (the suite's runs share one per worker: tests/conftest.py)."""
+    assert str(completed["repo"]) in completed["shared_server_ran_in"], completed["shared_server_ran_in"]
+    assert "stage server: not used" not in completed["output"]
 
 
 USER_STATE = ("params.yaml", "dvc.lock", "data/prepared", "models", "metrics", "plots")

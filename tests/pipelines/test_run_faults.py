@@ -144,6 +144,7 @@ def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_t
     assert run([str(BIN / "dvc"), "status"], repo, env=env).stdout.strip().endswith("up to date.")
 
 
+@pytest.mark.own_stage_server  # the whole run killed: its own stage server with it
 def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs_are_marked_killed(
         tmp_path, prefect_home):
     """`grpo-pipeline run --set ...` SIGKILLed mid-GRPO (the machine preempted) leaves its one-off overrides in

@@ -83,6 +83,7 @@ def test_api_serves_a_flow_and_stops(tmp_path, mode, kind):
     assert not answers(started["url"])
 
 
+@pytest.mark.own_stage_server  # the killed CLI's own stage server goes with it
 def test_forked_api_dies_with_a_killed_cli_and_frees_the_run_lock(tmp_path):
     """The forked API inherits the CLI's run lock (flock); it must not keep it after the CLI is SIGKILLed."""
     lock = tmp_path / "run.lock"

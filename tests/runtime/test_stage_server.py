@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from components.runtime.stage_server import SERVER_ENV, run_remote, start_server, stop_server
+from components.runtime.stage_client import run_remote, server_accepts
+from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 from components.stages.cli import STAGE_TIMINGS_ENV
 
 from conftest import run
@@ -44,6 +45,18 @@ def test_a_served_stage_writes_its_outputs_reports_compute_and_relays_exit_codes
     assert recorded[0]["gc_frozen"] > 100_000 and recorded[0]["gc_enabled"] is True
     assert run_remote(path, "prepare", ["--set", "task.n_sft=-5"]) == 1  # the stage's own exit code
     assert "error:" in capfd.readouterr().err
+
+
+def test_a_named_server_is_used_only_by_callers_whose_import_settings_it_has(server, monkeypatch, tmp_path):
+    """What `grpo-pipeline run` asks before using a server named in GRPO_STAGE_SERVER instead of its own."""
+    _, path = server
+    assert server_accepts(path)  # this process's environment, as the server was started from it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # read by transformers' import: a forked stage would not see it
+    assert not server_accepts(path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # another module search path: its modules would not be found
+    assert not server_accepts(path)
+    assert not server_accepts(str(tmp_path / "no-server.sock")) and not server_accepts(None)
 
 
 def test_the_launcher_runs_the_stage_itself_when_import_settings_differ(server):
