@@ -39,14 +39,20 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_work
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_stage_server_per_worker():
+def _one_stage_server_per_worker(request):
     """One warm stage server (components/runtime/stage_server.py) per worker, named in the environment that every
     pipeline run of this worker inherits: runs, flows and `dvc repro` fork their stages from it instead of each
     importing torch, transformers, MLflow and Great Expectations again. The project copies the tests run in hold
     this working tree's code, which the server imported. A test of what a run's own server does (kills of the
-    whole run, runs side by side, the server's own life) is marked `own_stage_server`."""
+    whole run, runs side by side, the server's own life) is marked `own_stage_server`. Started only where the
+    session holds a `slow` or `integration` test (the ones that run pipelines): a session of quick tests (the suite
+    runs some inside its own tests) would spend its imports for nothing."""
     from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
 
+    if not any(item.get_closest_marker("slow") or item.get_closest_marker("integration")
+               for item in request.session.items):
+        yield None
+        return
     server = start_server(str(ROOT))
     os.environ[SERVER_ENV] = server[1]
     yield server
