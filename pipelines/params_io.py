@@ -11,6 +11,7 @@ first: a bad override never touches the file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -60,17 +61,30 @@ def merged_config(params_path: Path, overlays: list[Path], overrides: list[str])
     return cfg
 
 
+@functools.cache
+def _params_representer() -> type:
+    """ruamel's round-trip representer writing `null` as `null` (not an empty value: a diff on every key that was
+    null) and floats as `float_text`; a subclass, so that DVC's round trip in the same process writes as it did."""
+    from ruamel.yaml.representer import RoundTripRepresenter
+
+    class ParamsRepresenter(RoundTripRepresenter):
+        pass
+
+    ParamsRepresenter.add_representer(type(None),
+                                      lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
+    ParamsRepresenter.add_representer(float, lambda rep, value: rep.represent_scalar("tag:yaml.org,2002:float",
+                                                                                      float_text(value)))
+    return ParamsRepresenter
+
+
 def _roundtrip(text: str):
     """(a ruamel YAML in params.yaml's own style, `text` loaded with its comments)."""
     from ruamel.yaml import YAML
 
     yaml = YAML()
+    yaml.Representer = _params_representer()
     yaml.preserve_quotes = True
     yaml.indent(mapping=2, sequence=4, offset=2)  # params.yaml's own list style
-    # `null` stays `null` (ruamel would write an empty value: a diff on every key that was null)
-    yaml.representer.add_representer(type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
-    yaml.representer.add_representer(float, lambda rep, value: rep.represent_scalar("tag:yaml.org,2002:float",
-                                                                                     float_text(value)))
     return yaml, yaml.load(text)
 
 

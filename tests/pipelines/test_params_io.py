@@ -31,6 +31,22 @@ def test_an_override_changes_its_own_line_only(tmp_path):
     assert "  train_path: null" in params.read_text()  # ruamel's default would write an empty value
 
 
+def test_writing_params_yaml_leaves_other_round_trip_writers_in_the_process_as_they_were(tmp_path):
+    """DVC rewrites its files with ruamel's round trip in the CLI's process: params.yaml's own way of writing nulls
+    and floats must not become theirs."""
+    import io
+
+    from ruamel.yaml import YAML
+
+    params = tmp_path / "params.yaml"
+    params.write_text(committed_params().read_text())
+    assert apply_to_params(params, [], ["grpo.learning_rate=5e-05", "data.train_path=x.jsonl"]) is True
+    assert "  learning_rate: 5.0e-05" in params.read_text()  # params.yaml's own float style, as YAML 1.1 reads it
+    theirs = io.StringIO()
+    YAML().dump({"lr": 5e-05, "path": None}, theirs)
+    assert theirs.getvalue() == "lr: 5e-05\npath:\n"  # ruamel's own round trip, untouched
+
+
 def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their_edits(tmp_path):
     """A run with one-off overrides was killed (nothing put the user's settings back); the user then edited
     params.yaml. The next run (the same command) starts from the user's own settings with that edit, says which
