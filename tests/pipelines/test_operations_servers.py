@@ -62,7 +62,9 @@ def wait_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 120)
 def start(cmd: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
     """A server in its own session. Without the worker's shared stage server: the runs a served deployment starts
     each start their own, as a user's do, so two runs side by side never queue in one server."""
-    inherited = {k: v for k, v in os.environ.items() if k != "GRPO_STAGE_SERVER"}
+    from components.runtime.stage_server import SERVER_ENV
+
+    inherited = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**inherited, **env}, cwd=cwd,
                             start_new_session=True)
 
