@@ -225,12 +225,30 @@ def dvc_repro_warm(repo: Path, args: list[str], env: dict) -> subprocess.Complet
         return run([str(BIN / "dvc"), "repro", *args], repo, env={**env, SERVER_ENV: path})
 
 
-def server_processes(server) -> set[int]:
+@pytest.fixture
+def stage_server(_one_stage_server_per_worker, tmp_path):
+    """(process, socket path) of a warm stage server for a test that hands stages to one itself (`SERVER_ENV` in the
+    environment of its stage launchers): the worker's shared one, whose imports are paid; in a session without it,
+    one of the test's own."""
+    if _one_stage_server_per_worker is not None:
+        yield _one_stage_server_per_worker
+        return
+    with warm_stage_server(tmp_path) as server:
+        yield server
+
+
+def server_processes(server, cwd: Path | None = None) -> set[int]:
     """The pids under a warm stage server (`warm_stage_server`'s process): its import levels and any stage they
-    forked. A test that kills "the stage" takes the set before starting it and kills what is new (the forked stage)."""
+    forked; with `cwd`, only those working in that folder (a forked stage works in its caller's folder, the levels
+    never do). A test that kills "the stage" takes the set before starting it and kills what is new there."""
     import psutil
 
-    return {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
+    found = set()
+    for process in psutil.Process(server.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if cwd is None or Path(process.cwd()).is_relative_to(cwd):
+                found.add(process.pid)
+    return found
 
 
 def copy_project(dest: Path) -> Path:

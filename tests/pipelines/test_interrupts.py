@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BIN, FAST_PARAMS, copy_committed_project, run
 
-# Signals to the run's processes, its stage server's included: each run starts its own.
+# Signals to the run's processes, its stage server's included: each stopped run starts its own.
 pytestmark = [pytest.mark.slow, pytest.mark.own_stage_server]
 
 # Long enough to be stopped mid-GRPO (about 0.3 s a step): checkpoints every 5 of 40 steps.
@@ -61,7 +61,7 @@ def signal_every_process(pid: int, sig: int) -> None:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGTERM to every process", "Ctrl-C"])
-def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how, prefect_home):
+def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how, prefect_home, stage_server):
     repo = copy_committed_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
            "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
@@ -90,7 +90,11 @@ def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how,
     assert flow_run_states(tmp_path / "prefect-home") == [("CANCELLED", "Cancelled")]
 
     if how == "SIGTERM":  # the rerun picks up at the last checkpoint and finishes
-        # The failed run's --set overrides were not kept (params.yaml is as before): rerun the same command.
-        rerun = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in LONG_GRPO for x in ("--set", o)], repo, env=env)
+        # The failed run's --set overrides were not kept (params.yaml is as before): rerun the same command (on the
+        # worker's stage server: the stopped run's own is gone with it).
+        from components.runtime.stage_server import SERVER_ENV
+
+        rerun = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in LONG_GRPO for x in ("--set", o)], repo,
+                    env={**env, SERVER_ENV: stage_server[1]})
         assert f"resumed from checkpoints/grpo/step-{int(line.group(2)):07d}" in rerun.stdout
         assert "registered model: models:/grpo-addition/1" in rerun.stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from components.locks import PIPELINE_LOCK, file_lock
+from components.runtime.stage_server import SERVER_ENV
 
 from conftest import (
     BIN,
@@ -146,7 +147,7 @@ def test_a_cache_write_dvc_cannot_make_fails_the_run_in_one_line_and_the_rerun_t
 
 @pytest.mark.own_stage_server  # the whole run killed: its own stage server with it
 def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs_are_marked_killed(
-        tmp_path, prefect_home):
+        tmp_path, prefect_home, stage_server):
     """`grpo-pipeline run --set ...` SIGKILLed mid-GRPO (the machine preempted) leaves its one-off overrides in
     params.yaml and its MLflow runs RUNNING; the user edits params.yaml; the same command again puts the user's own
     settings back first, keeping that edit and saying so in one line, and marks the killed run's MLflow runs
@@ -173,7 +174,7 @@ def test_a_killed_override_run_gives_the_users_settings_back_and_its_mlflow_runs
     edited = (repo / "params.yaml").read_text().replace("learning_rate: 0.0005", "learning_rate: 0.0004")
     (repo / "params.yaml").write_text(edited)  # the user's edit, made in the file that still holds them
 
-    rerun = run(cli(overrides), repo, env=env)
+    rerun = run(cli(overrides), repo, env={**env, SERVER_ENV: stage_server[1]})  # the killed run's server is gone
     said = [line for line in rerun.stdout.splitlines() if line.startswith("params.yaml: back to your own")]
     assert said == ["params.yaml: back to your own settings (the previous run's one-off overrides (" + " ".join(
         f"--set {o}" for o in overrides) + "), whose run was stopped before it could put your settings back, were "

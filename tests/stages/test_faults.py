@@ -30,7 +30,6 @@ from conftest import (
     run,
     server_processes,
     setup_stage_inputs,
-    warm_stage_server,
 )
 
 
@@ -155,12 +154,13 @@ def test_a_step_the_machine_cannot_allocate_stops_with_one_line_and_the_rerun_re
 
 @pytest.mark.slow
 def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_it(tmp_path, mlflow_store,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, stage_server):
     """Killed (SIGKILL) while it scores the trained model: the evaluation already saved is intact, the rerun of
     the same command writes the same report. The evaluation saved first is the stage run in this process, in the
     same folder on the same settings (a process of its own only added its start-up): the report names its models
     relative to that folder, as the command's does."""
     from components.data.paths import Paths
+    from components.runtime.stage_server import SERVER_ENV
     from components.stages.evaluate import evaluate
 
     extra = ["grpo.steps=6", "evaluate.metrics=[reward, pass@4]", "evaluate.pass_k_samples=16",
@@ -170,12 +170,19 @@ def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_
     monkeypatch.chdir(tmp_path)
     evaluate(cfg, Paths())  # what the command writes in tmp_path
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    cmd = [sys.executable, "-m", "components.stages.evaluate", *[x for o in LEARN + extra for x in ("--set", o)]]
+    # The stage forked by a warm stage server (the worker's), as a pipeline run has it.
+    env = {**os.environ, SERVER_ENV: stage_server[1]}
+    cmd = [sys.executable, "-m", "components.runtime.launch", "evaluate",
+           *[x for o in LEARN + extra for x in ("--set", o)]]
     saved = (paths.metrics / "eval.json").read_text()
+    already = server_processes(stage_server[0], tmp_path)
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:  # the baseline is scored; the candidate's scoring is under way
         if line.startswith("evaluate: baseline"):
+            forked = server_processes(stage_server[0], tmp_path) - already
+            assert forked, "the evaluate stage was not forked by the stage server"
+            for pid in forked:  # the stage itself: no handler, no cleanup; then its launcher
+                os.kill(pid, signal.SIGKILL)
             proc.send_signal(signal.SIGKILL)
             break
     assert proc.wait() == -signal.SIGKILL
@@ -298,7 +305,8 @@ def _grpo_points(tracking: str) -> list[tuple[str, tuple[str, list[int]]]]:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_path, mlflow_store, monkeypatch):
+def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_path, mlflow_store, monkeypatch,
+                                                                         stage_server):
     """Server down from the start: GRPO and evaluate run to the end logging to the on-disk queue, say so once,
     show no traceback; register, which needs the server, stops with one line; rerun when the server is back, it
     sends the queue first, then registers. Server gone mid-run and back: the run sends its queue
@@ -316,14 +324,12 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
     steps = ["grpo.steps=8", "grpo.checkpoint_every=4", "grpo.log_every=4", "grpo.metrics_every=2"]
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
+    # The stage commands are forked by a warm stage server (the worker's), as a pipeline run has them (their imports
+    # paid once); the suite's PYTHONPATH finds the tests' reward fixtures there.
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "GRPO_TRACKING_RETRY_S": "1",
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+           SERVER_ENV: stage_server[1]}
     sets = [x for o in LEARN + steps for x in ("--set", o)]
-    # The stage commands are forked by one warm stage server, as a pipeline run has them (their imports paid once).
-    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])  # the server's path finds the tests' reward fixtures
-    stages = contextlib.ExitStack()
-    env[SERVER_ENV] = stages.enter_context(warm_stage_server(tmp_path))[1]
     grpo = [sys.executable, "-m", "components.runtime.launch", "grpo", *sets]
     roots = {name: tmp_path / name for name in ("online", "down", "midway")}
     inputs = {name: setup_stage_inputs(root, LEARN + steps) for name, root in roots.items()}
@@ -395,7 +401,6 @@ def test_a_tracking_outage_costs_no_training_and_its_records_arrive_later(tmp_pa
             ("FINISHED", list(range(2, 41, 2)))]  # midway (sent within the run)
     finally:
         _stop(server)
-        stages.close()
     weights = [load_file(str(roots[name] / "models" / "grpo" / "model.safetensors")) for name in ("online", "down")]
     assert all(torch.equal(weights[1][k], v) for k, v in weights[0].items())  # logging offline changes nothing
 
@@ -408,13 +413,13 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
     def stamp() -> list[int]:
         return [f.stat().st_mtime_ns for f in sorted(store.parent.glob(store.name + "*"))]
 
-    before, levels = stamp(), server_processes(server)  # the server's import levels, all started by the run before
+    before, already = stamp(), server_processes(server, cwd)  # what already works in `cwd` under the server
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while proc.poll() is None and stamp() == before and time.time() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    stage = server_processes(server) - levels
+    stage = server_processes(server, cwd) - already
     running = proc.poll() is None and stamp() != before and bool(stage)
     for pid in stage:  # the process writing to the store: no handler, no cleanup
         with contextlib.suppress(ProcessLookupError):
@@ -425,7 +430,7 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
 
 
 @pytest.mark.slow
-def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
+def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path, stage_server):
     from mlflow.tracking import MlflowClient
 
     from components.runtime.stage_server import SERVER_ENV
@@ -434,33 +439,33 @@ def test_sigkill_during_register_never_leaves_a_broken_champion(tmp_path):
     repo = copy_project(tmp_path / "repo")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}"}
     apply_to_params(repo / "params.yaml", [], FAST_PARAMS)
-    # One warm stage server for the whole test, as a pipeline run has one: the stages up to evaluate, then each
-    # register forked from it (its imports, which outlast the registration, paid once).
-    with warm_stage_server(repo) as server:
-        warm = {**os.environ, **env, SERVER_ENV: server[1]}
-        run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=warm)
-        client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-        register = [sys.executable, "-m", "components.runtime.launch", "register"]
-        # Each kill lands a delay after the stage first writes to the store, not after a fixed time from its start.
-        hits = 0
-        for delay in (0.0, 0.1, 0.25, 0.5):
-            hits += _kill_after_first_write(register, repo, warm, repo / "mlflow.db", delay, server[0])
-            try:
-                champion = client.get_model_version_by_alias("grpo-addition", "champion")
-            except Exception:  # noqa: BLE001 - no champion yet is fine
-                champion = None
-            if champion is not None:
-                assert champion.tags.get("registration") == "complete" and "lineage.candidate_md5" in champion.tags
-                assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
-        assert hits >= 2, f"only {hits} of 4 kills landed after register began writing and before it ended"
-        run(register, repo, env=warm)
-        versions = client.search_model_versions("name = 'grpo-addition'")
-        assert len(versions) == 1, [(v.version, v.tags.get("registration")) for v in versions]
-        only = versions[0]
-        assert only.tags["registration"] == "complete"
-        assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
-        run(register, repo, env=warm)  # and once more: still exactly one version
-        assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
+    # One warm stage server for the whole test (the worker's), as a pipeline run has one: the stages up to evaluate,
+    # then each register forked from it (its imports, which outlast the registration, paid once).
+    server = stage_server
+    warm = {**os.environ, **env, SERVER_ENV: server[1]}
+    run([str(BIN / "dvc"), "repro", "evaluate"], repo, env=warm)
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    register = [sys.executable, "-m", "components.runtime.launch", "register"]
+    # Each kill lands a delay after the stage first writes to the store, not after a fixed time from its start.
+    hits = 0
+    for delay in (0.0, 0.1, 0.25, 0.5):
+        hits += _kill_after_first_write(register, repo, warm, repo / "mlflow.db", delay, server[0])
+        try:
+            champion = client.get_model_version_by_alias("grpo-addition", "champion")
+        except Exception:  # noqa: BLE001 - no champion yet is fine
+            champion = None
+        if champion is not None:
+            assert champion.tags.get("registration") == "complete" and "lineage.candidate_md5" in champion.tags
+            assert client.list_artifacts(champion.run_id, "eval"), "champion without its evaluation artifacts"
+    assert hits >= 2, f"only {hits} of 4 kills landed after register began writing and before it ended"
+    run(register, repo, env=warm)
+    versions = client.search_model_versions("name = 'grpo-addition'")
+    assert len(versions) == 1, [(v.version, v.tags.get("registration")) for v in versions]
+    only = versions[0]
+    assert only.tags["registration"] == "complete"
+    assert str(client.get_model_version_by_alias("grpo-addition", "champion").version) == str(only.version)
+    run(register, repo, env=warm)  # and once more: still exactly one version
+    assert len(client.search_model_versions("name = 'grpo-addition'")) == 1
 
 
 SECRETS = {"MLFLOW_TRACKING_TOKEN": "tok-7f3a9e", "AWS_SECRET_ACCESS_KEY": "aws-2b8c1d",

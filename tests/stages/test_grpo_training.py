@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from components.stages.grpo import train_grpo
 from components.tracking.step_log import window_mean
 
-from conftest import LEARN, ROOT, committed_params, setup_stage_inputs
+from conftest import LEARN, committed_params, server_processes, setup_stage_inputs
 
 
 def test_a_metrics_point_is_the_mean_of_its_window():
@@ -60,13 +60,17 @@ def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
 
 
 def _grpo_cmd(extra):
-    return [sys.executable, "-m", "components.stages.grpo"] + [x for o in LEARN + extra for x in ("--set", o)]
+    """The grpo stage's command; with SERVER_ENV in its environment, forked by that warm stage server."""
+    sets = [x for o in LEARN + extra for x in ("--set", o)]
+    return [sys.executable, "-m", "components.runtime.launch", "grpo", *sets]
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
+def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store, stage_server):
+    from components.runtime.stage_server import SERVER_ENV
+
     steps = ["grpo.steps=24", "grpo.checkpoint_every=4", "grpo.kl_beta=0.05", "grpo.reference.mode=ema"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, SERVER_ENV: stage_server[1]}  # the stage forked by a warm server, as a pipeline run has it
     dirs = {}
     for name in ("straight", "killed"):
         root = tmp_path / name
@@ -77,6 +81,7 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     subprocess.run(_grpo_cmd(steps), cwd=dirs["straight"], env=env, check=True, capture_output=True)
 
     ckpts = dirs["killed"] / "checkpoints" / "grpo"
+    already = server_processes(stage_server[0], dirs["killed"])
     proc = subprocess.Popen(_grpo_cmd(steps), cwd=dirs["killed"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     marker = ckpts.parent / "grpo.running.json"
@@ -92,6 +97,8 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     deadline = time.time() + 120
     while time.time() < deadline and not checkpointed():
         time.sleep(0.02)
+    [stage] = server_processes(stage_server[0], dirs["killed"]) - already  # the forked stage
+    os.kill(stage, signal.SIGKILL)  # no handler, no cleanup: the out-of-memory killer's signal
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (dirs["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"
@@ -99,7 +106,7 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store):
     assert "resumed from" in resumed.stdout
     # SIGKILL (the out-of-memory killer's signal) leaves no word; the rerun says what happened, once
     said = [line for line in resumed.stdout.splitlines() if "ended without a word" in line]
-    assert len(said) == 1 and said[0].startswith(f"grpo: the previous run of this stage (pid {proc.pid}, started ")
+    assert len(said) == 1 and said[0].startswith(f"grpo: the previous run of this stage (pid {stage}, started ")
     # a step of this tiny model takes a sliver of the free memory: not put down to the out-of-memory killer
     assert re.search(r"at step \d+ of 24: it was killed \(SIGKILL\), by another process or the machine", said[0])
     assert "its step was estimated at " in said[0] and "out-of-memory" not in said[0]

@@ -32,7 +32,7 @@ import yaml
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import BIN, ROOT, committed_params, run, server_processes, warm_stage_server
+from conftest import BIN, ROOT, committed_params, run, server_processes
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +145,7 @@ def _grpo(root: Path, server: str) -> subprocess.Popen:
     """The GRPO stage's launcher in `root`, the stage forked by the warm stage server at `server`."""
     from components.runtime.stage_server import SERVER_ENV
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", SERVER_ENV: server}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", SERVER_ENV: server}
     return subprocess.Popen([sys.executable, "-m", "components.runtime.launch", "grpo"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -178,7 +177,7 @@ RESUME = {"grpo": {"steps": 2, "checkpoint_every": 1, "log_every": 1}, "evaluate
 # (a 900 s limit ran out on 2 cores loaded 3x over), so a longer limit than the suite's default.
 @pytest.mark.timeout(1800)
 def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp_path, converted, mlflow_store,
-                                                                            monkeypatch):
+                                                                            stage_server):
     from safetensors.torch import load_file
 
     from components.runtime.stage_server import SERVER_ENV
@@ -187,39 +186,40 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
     for root in roots.values():
         root.mkdir()
         stage_inputs(root, converted, RESUME)
-    # The stages are forked by one warm stage server, as a pipeline run's are: their imports paid once.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    with warm_stage_server(tmp_path) as server:
-        straight = _grpo(roots["straight"], server[1])
-        assert straight.wait(timeout=600) == 0, straight.stdout.read()
+    # The stages are forked by a warm stage server (the worker's), as a pipeline run's are: their imports paid once.
+    server = stage_server
+    straight = _grpo(roots["straight"], server[1])
+    assert straight.wait(timeout=600) == 0, straight.stdout.read()
 
-        ckpts = roots["killed"] / "checkpoints" / "grpo"
-        levels = server_processes(server[0])
-        proc = _grpo(roots["killed"], server[1])
-        deadline = time.time() + 600
-        while time.time() < deadline and not (ckpts.exists()
-                                              and any(p.name.startswith("step-") for p in ckpts.iterdir())):
-            time.sleep(0.05)
-        for pid in server_processes(server[0]) - levels:
-            os.kill(pid, signal.SIGKILL)  # the forked stage process: no handler, no cleanup
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert not (roots["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"
-        step = next(p for p in ckpts.iterdir() if p.name.startswith("step-"))
-        assert [f.name for f in step.glob("*.safetensors")] == ["trainable.safetensors"]  # the adapter, not 540 MB
-        resumed = _grpo(roots["killed"], server[1])
-        out = resumed.communicate(timeout=600)[0]
-        assert resumed.returncode == 0 and "resumed from" in out, out
-        a, b = (load_file(root / "models" / "grpo" / "adapter_model.safetensors") for root in roots.values())
-        assert a.keys() == b.keys() and a
-        assert all((a[k] == b[k]).all() for k in a), "resumed adapter differs from the uninterrupted run"
-        assert not (roots["straight"] / "models" / "grpo" / "model.safetensors").exists()
+    ckpts = roots["killed"] / "checkpoints" / "grpo"
+    levels = server_processes(server[0])
+    proc = _grpo(roots["killed"], server[1])
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ckpts.exists()
+                                          and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+        time.sleep(0.05)
+    forked = server_processes(server[0], roots["killed"]) - levels
+    assert forked, "the GRPO stage was not forked by the stage server"
+    for pid in forked:
+        os.kill(pid, signal.SIGKILL)  # the forked stage process: no handler, no cleanup
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (roots["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"
+    step = next(p for p in ckpts.iterdir() if p.name.startswith("step-"))
+    assert [f.name for f in step.glob("*.safetensors")] == ["trainable.safetensors"]  # the adapter, not 540 MB
+    resumed = _grpo(roots["killed"], server[1])
+    out = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0 and "resumed from" in out, out
+    a, b = (load_file(root / "models" / "grpo" / "adapter_model.safetensors") for root in roots.values())
+    assert a.keys() == b.keys() and a
+    assert all((a[k] == b[k]).all() for k in a), "resumed adapter differs from the uninterrupted run"
+    assert not (roots["straight"] / "models" / "grpo" / "model.safetensors").exists()
 
-        # Evaluate and register the adapter; then load and serve it where nothing of this repository is imported.
-        root = roots["straight"]
-        env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", SERVER_ENV: server[1]}
-        for stage in ("evaluate", "register"):
-            run([sys.executable, "-m", "components.runtime.launch", stage], root, env=env)
+    # Evaluate and register the adapter; then load and serve it where nothing of this repository is imported.
+    root = roots["straight"]
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", SERVER_ENV: server[1]}
+    for stage in ("evaluate", "register"):
+        run([sys.executable, "-m", "components.runtime.launch", stage], root, env=env)
     registered = json.loads((root / "metrics" / "register.json").read_text())
     assert registered["model_uri"] == "models:/smollm2-test/1"
     # The registered version names its base; the pyfunc is loaded by `mlflow models serve` below.

@@ -62,13 +62,16 @@ def test_a_stop_signal_while_a_reward_runs_is_still_a_stop():
     assert proc.stdout.strip() == "STOPPED SIGINT", proc.stdout + proc.stderr
 
 
-def _stage(name: str, root, overrides: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    cmd = [sys.executable, "-m", f"components.stages.{name}", *[x for o in overrides for x in ("--set", o)]]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+def _stage(name: str, root, overrides: list[str], server: str) -> subprocess.CompletedProcess:
+    """The stage's command, forked by the warm stage server at `server` (the worker's), as a pipeline run has it."""
+    from components.runtime.stage_server import SERVER_ENV
+
+    cmd = [sys.executable, "-m", "components.runtime.launch", name, *[x for o in overrides for x in ("--set", o)]]
+    return subprocess.run(cmd, cwd=root, env={**os.environ, SERVER_ENV: server}, capture_output=True, text=True,
+                          timeout=600)
 
 
-def test_a_reward_that_exits_is_named_at_every_place_it_is_called(tmp_path, mlflow_store, capsys):
+def test_a_reward_that_exits_is_named_at_every_place_it_is_called(tmp_path, mlflow_store, capsys, stage_server):
     """`sys.exit(1)` in the reward: GRPO skips the step by its rule and stops naming it, its held-out probe skips
     the evaluation; evaluate and SFT's stop check stop with one line naming the reward, no traceback."""
     from components.errors import StageFailed
@@ -85,11 +88,11 @@ def test_a_reward_that_exits_is_named_at_every_place_it_is_called(tmp_path, mlfl
     assert "grpo: held-out evaluation of the start model skipped (reward 'reward_fixtures:exits' raised " \
            "SystemExit: 1)" in capsys.readouterr().out
 
-    assert _stage("grpo", tmp_path, LEARN + steps).returncode == 0  # a model to evaluate
+    assert _stage("grpo", tmp_path, LEARN + steps, stage_server[1]).returncode == 0  # a model to evaluate
     for stage, extra, where in (("evaluate", ["evaluate.metrics=[reward]"], ""),
                                 ("sft", ["sft.enabled=true", "sft.check_every=1"],
                                  " (in SFT's stop check, sft.stop_at_reward)")):
-        proc = _stage(stage, tmp_path, LEARN + steps + extra + exits)
+        proc = _stage(stage, tmp_path, LEARN + steps + extra + exits, stage_server[1])
         assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: {stage}: reward 'reward_fixtures:exits' raised SystemExit: 1{where}; nothing of this stage "
