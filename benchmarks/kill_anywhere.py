@@ -166,7 +166,8 @@ def landed(lines: list[tuple[float, str]], at: float) -> dict[str, Any]:
             "last_line": lines[-1][1][:160] if lines else ""}
 
 
-def one_moment(index: int, delay: float, work: Path, reference: dict[str, Any]) -> dict[str, Any]:
+def one_moment(index: int, delay: float, work: Path, reference: dict[str, Any],
+               rerun_server: str | None = None) -> dict[str, Any]:
     repo = fresh_copy(work / f"moment-{index:02d}" / "repo")
     env = run_env(repo)
     proc = subprocess.Popen(command(), cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -185,8 +186,9 @@ def one_moment(index: int, delay: float, work: Path, reference: dict[str, Any]) 
     where = landed(list(lines), at) if not finished else {"seconds": round(at, 1), "stage": "after the run ended",
                                                           "grpo_step": None, "after_register": True, "last_line": ""}
     t0 = time.monotonic()
-    rerun = subprocess.run(command(), cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=1800)
+    rerun_env = {**env, "GRPO_STAGE_SERVER": rerun_server} if rerun_server else env
+    rerun = subprocess.run(command(), cwd=repo, env=rerun_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=1800)
     result = outcome(repo)
     checks = {
         "rerun exit 0": rerun.returncode == 0,
@@ -225,8 +227,12 @@ def commit() -> str:
     return head.strip() + ("-dirty" if dirty else "")
 
 
-def kill_anywhere(moments: int, seed: int, work: Path, log=print) -> dict[str, Any]:
-    """The uninterrupted run, then `moments` kills at seeded uniform moments of its wall time, each rerun compared."""
+def kill_anywhere(moments: int, seed: int, work: Path, log=print, rerun_server: str | None = None) -> dict[str, Any]:
+    """The uninterrupted run, then `moments` kills at seeded uniform moments of its wall time, each rerun compared.
+
+    `rerun_server`: a warm stage server (GRPO_STAGE_SERVER) the reruns hand their stages to, as the test suite's
+    runs do; the uninterrupted run and every killed run start their own, as a user's run does, so the moments are
+    drawn from a user's run time and each kill takes the run's stage server with it."""
     repo = fresh_copy(work / "reference" / "repo")
     t0 = time.monotonic()
     straight = subprocess.run(command(), cwd=repo, env=run_env(repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -241,7 +247,7 @@ def kill_anywhere(moments: int, seed: int, work: Path, log=print) -> dict[str, A
     delays = [draw.uniform(0.0, wall) for _ in range(moments)]
     rows = []
     for i, delay in enumerate(delays):
-        row = one_moment(i, delay, work, reference)
+        row = one_moment(i, delay, work, reference, rerun_server)
         rows.append(row)
         where = row["landed"]
         log(f"moment {i + 1}/{moments}: killed at {where['seconds']:.1f} s in {where['stage']}"

@@ -9,10 +9,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(1800)
-def test_kills_at_seeded_random_moments_leave_reruns_that_end_as_an_uninterrupted_run(tmp_path):
+def test_kills_at_seeded_random_moments_leave_reruns_that_end_as_an_uninterrupted_run(tmp_path, stage_server):
     from benchmarks.kill_anywhere import kill_anywhere, markdown
 
-    result = kill_anywhere(moments=2, seed=7, work=tmp_path)
+    # The reruns on the worker's stage server; the uninterrupted and the killed runs start their own.
+    result = kill_anywhere(moments=2, seed=7, work=tmp_path, rerun_server=stage_server[1])
     table = markdown(result)
     print(table)
     for row in result["moments"]:  # a rerun that failed: its own last lines, beside the table

@@ -516,7 +516,8 @@ def test_mlflow_on_postgresql_registers_and_promotes(served, postgres, tmp_path)
         repo = tmp_path / "repo"
         shutil.copytree(served["repos"]["A"], repo, symlinks=True)
         env = {"MLFLOW_TRACKING_URI": url}
-        out = run([sys.executable, "-m", "components.stages.register"], repo, env=env).stdout
+        # the stage as a pipeline run has it: forked by the worker's warm stage server (named in the environment)
+        out = run([sys.executable, "-m", "components.runtime.launch", "register"], repo, env=env).stdout
         assert "register: models:/grpo-addition/1 -> champion (no champion yet (register.require_improvement" in out
         from mlflow.tracking import MlflowClient
 
