@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,16 @@ def server_processes(server, cwd: Path | None = None) -> set[int]:
             if cwd is None or Path(process.cwd()).is_relative_to(cwd):
                 found.add(process.pid)
     return found
+
+
+def kill_new_stages(server, cwd: Path, before: set[int]) -> set[int]:
+    """SIGKILL what `server` forked to work in `cwd` since `before` (`server_processes(server, cwd)` taken then): the
+    stage itself, no handler, no cleanup, as the out-of-memory killer stops a process. Returns the pids killed."""
+    forked = server_processes(server, cwd) - before
+    for pid in forked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return forked
 
 
 def copy_project(dest: Path) -> Path:

@@ -3,7 +3,6 @@ register, two runs at once, and secrets in the environment."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from conftest import (
     LEARN,
     ROOT,
     copy_project,
+    kill_new_stages,
     run,
     server_processes,
     setup_stage_inputs,
@@ -179,10 +179,8 @@ def test_sigkill_during_evaluate_keeps_the_last_report_and_the_rerun_reproduces_
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:  # the baseline is scored; the candidate's scoring is under way
         if line.startswith("evaluate: baseline"):
-            forked = server_processes(stage_server[0], tmp_path) - already
-            assert forked, "the evaluate stage was not forked by the stage server"
-            for pid in forked:  # the stage itself: no handler, no cleanup; then its launcher
-                os.kill(pid, signal.SIGKILL)
+            # the stage itself, then its launcher
+            assert kill_new_stages(stage_server[0], tmp_path, already), "the stage was not forked by the server"
             proc.send_signal(signal.SIGKILL)
             break
     assert proc.wait() == -signal.SIGKILL
@@ -419,14 +417,11 @@ def _kill_after_first_write(cmd: list[str], cwd: Path, env: dict[str, str], stor
     while proc.poll() is None and stamp() == before and time.time() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    stage = server_processes(server, cwd) - already
-    running = proc.poll() is None and stamp() != before and bool(stage)
-    for pid in stage:  # the process writing to the store: no handler, no cleanup
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    writing = proc.poll() is None and stamp() != before
+    killed = kill_new_stages(server, cwd, already)  # the process writing to the store
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return running
+    return writing and bool(killed)
 
 
 @pytest.mark.slow

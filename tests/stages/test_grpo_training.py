@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from components.stages.grpo import train_grpo
 from components.tracking.step_log import window_mean
 
-from conftest import LEARN, committed_params, server_processes, setup_stage_inputs
+from conftest import LEARN, committed_params, kill_new_stages, server_processes, setup_stage_inputs
 
 
 def test_a_metrics_point_is_the_mean_of_its_window():
@@ -97,8 +97,7 @@ def test_sigkill_then_resume_gives_identical_weights(tmp_path, mlflow_store, sta
     deadline = time.time() + 120
     while time.time() < deadline and not checkpointed():
         time.sleep(0.02)
-    [stage] = server_processes(stage_server[0], dirs["killed"]) - already  # the forked stage
-    os.kill(stage, signal.SIGKILL)  # no handler, no cleanup: the out-of-memory killer's signal
+    [stage] = kill_new_stages(stage_server[0], dirs["killed"], already)  # the forked stage, then its launcher
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (dirs["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"

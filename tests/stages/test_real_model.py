@@ -32,7 +32,7 @@ import yaml
 from components.config import config_from_dict, read_params
 from components.data.paths import Paths
 
-from conftest import BIN, ROOT, committed_params, run, server_processes
+from conftest import BIN, ROOT, committed_params, kill_new_stages, run, server_processes
 
 pytestmark = pytest.mark.slow
 
@@ -192,16 +192,14 @@ def test_lora_grpo_resumes_after_a_kill_to_the_same_adapter_and_registers_it(tmp
     assert straight.wait(timeout=600) == 0, straight.stdout.read()
 
     ckpts = roots["killed"] / "checkpoints" / "grpo"
-    levels = server_processes(server[0])
+    already = server_processes(server[0], roots["killed"])
     proc = _grpo(roots["killed"], server[1])
     deadline = time.time() + 600
     while time.time() < deadline and not (ckpts.exists()
                                           and any(p.name.startswith("step-") for p in ckpts.iterdir())):
         time.sleep(0.05)
-    forked = server_processes(server[0], roots["killed"]) - levels
-    assert forked, "the GRPO stage was not forked by the stage server"
-    for pid in forked:
-        os.kill(pid, signal.SIGKILL)  # the forked stage process: no handler, no cleanup
+    # the forked stage process, then its launcher
+    assert kill_new_stages(server[0], roots["killed"], already), "the GRPO stage was not forked by the stage server"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (roots["killed"] / "models" / "grpo").exists(), "the run finished before it could be killed"
