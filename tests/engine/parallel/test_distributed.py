@@ -128,7 +128,7 @@ def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worke
 
 
 @pytest.mark.slow
-def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_path, mlflow_store, worker_env):
+def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_path, mlflow_store, worker_env, capfd):
     # 6 steps, a checkpoint every 2: the kill lands after step 2's checkpoint with 4 steps still to run (the run
     # must not finish first); the resumed run's equality with the straight one does not depend on the length.
     overrides = LEARN + DENSE + ["grpo.steps=6", "grpo.prompts_per_step=4", "grpo.group_size=4",
@@ -157,13 +157,12 @@ def test_two_process_run_killed_after_checkpoint_resumes_with_one_process(tmp_pa
     assert all(gone(pid) for pid in tree)
     assert not (killed / "models" / "grpo").exists(), "the run finished before it could be killed"
 
+    # One process resumes (here, in this one): the two-process run's checkpoint is all it needs.
     cfg = load_config(committed_params(), overrides + ["distributed.per_group_sampling=true"])
-    resumed = subprocess.run([sys.executable, "-m", "components.stages.grpo",
-                              "--set", "distributed.per_group_sampling=true"]
-                             + [x for o in overrides for x in ("--set", o)], cwd=killed, capture_output=True,
-                             text=True, env={**os.environ})
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout and "processes (DDP" not in resumed.stdout
+    capfd.readouterr()
+    train_grpo(cfg, Paths(root=killed))
+    out = capfd.readouterr().out
+    assert "resumed from" in out and "processes (DDP" not in out
     assert len(steps_csv(killed)) == cfg.grpo.steps
     # Same global batches whatever the process count: the resumed run ends where the straight one does.
     a, b = weights(straight), weights(killed)
