@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -37,6 +38,7 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 # once never share the temporary API's SQLite database, and the user's ~/.prefect is left alone.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)  # its database goes with the process
 
 
 @pytest.fixture(scope="session", autouse=True)
