@@ -18,6 +18,8 @@ import json
 import re
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -302,17 +304,20 @@ def _with_values(text: str, values: dict[str, Any]) -> str:
     return _dump(yaml, doc)
 
 
-def user_params(root: Path) -> Path:
-    """The user's own configuration as a file: params.yaml, or while the last run's one-off overrides occupy it,
-    `.params.base.yaml` (plus the user's edits since, in a scratch copy)."""
+@contextmanager
+def user_params(root: Path) -> Iterator[Path]:
+    """The user's own configuration as a file, for the block: params.yaml, or while the last run's one-off overrides
+    occupy it, `.params.base.yaml` (plus the user's edits since: a scratch copy, removed when the block ends)."""
     own, _ = _own_settings(root)
     if own is None:
-        return root / "params.yaml"
-    if own == (root / BASE_FILE).read_text():
-        return root / BASE_FILE
-    scratch = Path(tempfile.mkdtemp(prefix="grpo-own-params-")) / "params.yaml"
-    scratch.write_text(own)
-    return scratch
+        yield root / "params.yaml"
+    elif own == (root / BASE_FILE).read_text():
+        yield root / BASE_FILE
+    else:
+        with tempfile.TemporaryDirectory(prefix="grpo-own-params-") as scratch:
+            path = Path(scratch) / "params.yaml"
+            path.write_text(own)
+            yield path
 
 
 def mark_finished(root: Path) -> None:

@@ -33,9 +33,9 @@ def check_and_run(args: argparse.Namespace, root: Path, api) -> int:
     try:
         overlays = ([preset_path(args.preset)] if args.preset else []) + [Path(p) for p in args.params]
         # the user's own settings plus this run's overrides (an earlier run's overrides are not carried over)
-        own = user_params(root)
-        cfg = merged_config(own, overlays, args.overrides)
-        check_dvc_reads(own)  # the file DVC will read: refused in one line when DVC cannot read it
+        with user_params(root) as own:
+            cfg = merged_config(own, overlays, args.overrides)
+            check_dvc_reads(own)  # the file DVC will read: refused in one line when DVC cannot read it
         for warning in config_warnings(cfg):
             print(f"warning: {warning}", file=sys.stderr)
         if cfg.model.name_or_path:  # fail before any stage starts, with the offline hint for hub ids

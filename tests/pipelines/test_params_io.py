@@ -58,7 +58,9 @@ def test_after_a_killed_override_run_the_users_own_settings_come_back_with_their
     prepare_params(tmp_path, [], once, persist=False, described="--set grpo.steps=40 --set seed=7")
     # ... killed here; the user edits a learning rate in the file that still holds the overrides
     params.write_text(params.read_text().replace("learning_rate: 0.0005", "learning_rate: 0.0002"))
-    assert user_params(tmp_path).read_text() == mine.replace("learning_rate: 0.0005", "learning_rate: 0.0002")
+    with user_params(tmp_path) as own:  # a scratch copy, gone after the block
+        assert own.read_text() == mine.replace("learning_rate: 0.0005", "learning_rate: 0.0002")
+    assert not own.exists()
     said = prepare_params(tmp_path, [], once, persist=False, described="--set grpo.steps=40 --set seed=7")
     assert said[0] == ("params.yaml: back to your own settings (the previous run's one-off overrides (--set "
                        "grpo.steps=40 --set seed=7), whose run was stopped before it could put your settings back, "
@@ -191,7 +193,8 @@ def test_bookkeeping_a_kill_cut_short_is_recovered_in_one_line(tmp_path, damaged
         (tmp_path / RUN_NOTE).write_text((tmp_path / RUN_NOTE).read_text()[:40])
     else:
         params.write_text(left[: len(left) // 2] + "\n  bad: [")
-    assert user_params(tmp_path).read_text() == mine  # a dry run or the config check reads the user's own
+    with user_params(tmp_path) as own:
+        assert own.read_text() == mine  # a dry run or the config check reads the user's own
     said = prepare_params(tmp_path, [], [], persist=False)
     what = "params.yaml" if damaged.startswith("params") else ".params.run.json"
     assert said == [f"params.yaml: back to your own settings (a kill cut the previous run's {what} short, so its "
