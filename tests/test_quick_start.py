@@ -176,4 +176,4 @@ def test_the_quick_start_works_as_written(tmp_path):
     assert prefect["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
     # Passed: the clone and its 2 GB .venv go now, beside the other worker's tests, rather than in the serial end of a
     # later test run (pytest deletes the folder of the run three before it when a run ends); a failure keeps them.
-    shutil.rmtree(clone)
+    shutil.rmtree(clone, ignore_errors=True)  # clean-up, not under test: a straggling UI process fails nothing
