@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _state: dict = {"depth": 0, "pending": None, "progress": "", "signum": None}
 
@@ -25,13 +25,15 @@ class StageInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def set_progress(text: str) -> None:
-    """Where the stage is (`at step 12 of 40; the last checkpoint is step 10`), for the interruption's report."""
+def set_progress(text: str | Callable[[], str]) -> None:
+    """Where the stage is (`at step 12 of 40; the last checkpoint is step 10`), for the interruption's report; a
+    callable is read when the report is written, so what it names on disk is what is there at the stop."""
     _state["progress"] = text
 
 
 def progress() -> str:
-    return _state["progress"]
+    text = _state["progress"]
+    return text() if callable(text) else text
 
 
 def stop_requested() -> int | None:

@@ -41,6 +41,12 @@ def _step_dirs(root: Path) -> list[Path]:
                   key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def newest_step(root: Path) -> int | None:
+    """The step of the newest checkpoint in `root` (complete: each is renamed into place once written), if any."""
+    steps = _step_dirs(root)
+    return int(steps[-1].name[len(PREFIX):]) if steps else None
+
+
 TRAINABLE_FILE = "trainable.safetensors"  # LoRA runs: only the adapter weights (the base never changes)
 
 

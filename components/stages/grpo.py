@@ -11,6 +11,7 @@ the same weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -22,7 +23,7 @@ import psutil
 import torch
 
 from components.config import ConfigError, PipelineConfig, config_warnings, stage_params_hash, to_flat_dict
-from components.data.checkpoints import best_meta, latest_checkpoint, set_aside_other_inputs
+from components.data.checkpoints import best_meta, latest_checkpoint, newest_step, set_aside_other_inputs
 from components.data.paths import Paths
 from components.data.records import dir_md5, file_md5, read_jsonl, split_path
 from components.engine.evaluation.heldout import HeldoutProbe
@@ -127,8 +128,7 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
         watch = StepWatch(cfg, run, log, history, monitors, reporter, callbacks, ctx.is_main, say)
         heldout.evaluate_start(policy, start_dir, t.start_step, ctx)  # the held-out curve's step 0
         for step in range(t.start_step, g.steps):
-            set_progress(f"at step {step + 1} of {g.steps}; " + (f"the last checkpoint is step {last_checkpoint}"
-                                                                 if last_checkpoint else "no checkpoint yet"))
+            set_progress(functools.partial(_where, step + 1, g.steps, paths.grpo_checkpoints))
             t_step = time.perf_counter()
             set_learning_rate(optimizer, cosine_learning_rate(step, g.steps, g.learning_rate, g.warmup_steps,
                                                               g.min_lr_ratio))
@@ -181,6 +181,13 @@ def _train_grpo(cfg: PipelineConfig, paths: Paths, callbacks: Sequence[StepCallb
 
 
 # ---- the details the loop above hides: settings a run refuses, resume, failure streaks
+
+def _where(step: int, steps: int, checkpoints: Path) -> str:
+    """`at step 12 of 40; the last checkpoint is step 10`, read when a stop is reported: the checkpoint named is the
+    newest on disk then, the one a rerun resumes from, also when the stop came just after it was written."""
+    last = newest_step(checkpoints)
+    return f"at step {step} of {steps}; " + (f"the last checkpoint is step {last}" if last else "no checkpoint yet")
+
 
 def _probe_and_monitors(cfg: PipelineConfig, paths: Paths, t: Training, ctx: DistContext,
                         say) -> tuple[HeldoutProbe | None, Monitors]:

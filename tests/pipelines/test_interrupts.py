@@ -82,7 +82,7 @@ def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how,
     line = re.search(r"interrupted during grpo at step (\d+) of 40; the last checkpoint is step (\d+) "
                      rf"\({'SIGINT' if how == 'Ctrl-C' else 'SIGTERM'}\); rerun to resume", output)
     assert line, output[-3000:]
-    assert int(line.group(2)) % 5 == 0 and int(line.group(2)) < int(line.group(1))
+    assert int(line.group(2)) % 5 == 0 and int(line.group(2)) <= int(line.group(1))  # = : stopped just after it
     assert output.count("interrupted during grpo") <= 2  # the stage's line in Prefect's log, and the CLI's
     for noise in ("Traceback", "websocket", "Connection refused", "KeyboardInterrupt"):
         assert noise not in output, f"{noise!r} in:\n{output[-3000:]}"
@@ -96,5 +96,6 @@ def test_a_signal_during_grpo_stops_cleanly_and_the_rerun_resumes(tmp_path, how,
 
         rerun = run([str(BIN / "grpo-pipeline"), "run"] + [x for o in LONG_GRPO for x in ("--set", o)], repo,
                     env={**env, SERVER_ENV: stage_server[1]})
-        assert f"resumed from checkpoints/grpo/step-{int(line.group(2)):07d}" in rerun.stdout
+        assert f"resumed from checkpoints/grpo/step-{int(line.group(2)):07d}" in rerun.stdout, (
+            output[-2000:] + "\n--- rerun ---\n" + rerun.stdout[-4000:])
         assert "registered model: models:/grpo-addition/1" in rerun.stdout

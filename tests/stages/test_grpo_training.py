@@ -35,6 +35,29 @@ def test_grpo_raises_a_learnable_reward(tmp_path, mlflow_store):
     assert paths.grpo_checkpoints.is_dir()  # a DVC output even with checkpointing off (checkpoint_every=0)
 
 
+def test_a_stop_just_after_a_checkpoint_is_written_reports_that_checkpoint(tmp_path, mlflow_store, monkeypatch):
+    """The report's "last checkpoint" is the one a rerun resumes from, also for a stop that lands between writing it
+    and the next step (here: in the note written right after it)."""
+    import components.stages.grpo as grpo_stage
+    from components.interruptions import StageInterrupted, progress, set_progress
+
+    class StopAfterTheCheckpoint(grpo_stage.RunMarker):
+        def write(self, **fields):
+            super().write(**fields)
+            if fields.get("last_checkpoint") == 2:
+                raise StageInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(grpo_stage, "RunMarker", StopAfterTheCheckpoint)
+    cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=4", "grpo.checkpoint_every=2"])
+    try:
+        with pytest.raises(StageInterrupted):
+            train_grpo(cfg, paths)
+        assert progress() == "at step 2 of 4; the last checkpoint is step 2"
+    finally:
+        set_progress("")
+    assert [p.name for p in paths.grpo_checkpoints.iterdir()] == ["step-0000002"]
+
+
 def test_grpo_with_kl_and_mu_2_runs_and_logs_kl(tmp_path, mlflow_store):
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=4", "grpo.kl_beta=0.1",
                                                        "grpo.num_iterations=2", "grpo.reference.mode=ema"])
