@@ -74,8 +74,10 @@ def launch(module: str, cfg: PipelineConfig, root: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-dist-") as tmp:
         params = Path(tmp) / "params.yaml"
         params.write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        # torchrun's log folder (the workers' error files) inside this one: by default torchrun makes a
+        # torchelastic_* folder in the temporary directory and leaves it there after every run.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               "-m", module, "--params", str(params)]
+               f"--log-dir={Path(tmp) / 'torchrun'}", "-m", module, "--params", str(params)]
         print(f"{module.rsplit('.', 1)[-1]}: launching {n} processes: {' '.join(cmd[1:])}", flush=True)
         code = subprocess.call(cmd, cwd=str(root.resolve()))
     if code != 0:

@@ -106,14 +106,18 @@ def assert_same_training(one, two, atol=5e-5):
     assert worst < atol, f"weights differ by {worst} after {len(rows_1)} steps"
 
 
-def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd):
+def test_grpo_two_gloo_processes_equal_one_process(tmp_path, mlflow_store, worker_env, capfd, monkeypatch):
     # Dynamic sampling across ranks (engine/grpo/batch.py per_group_round, the same code under DDP and
     # FSDP2) is checked under
     # FSDP2 below, where it also needs the throwaway-group path.
     settings = EQUIV
     one, two = two_roots(tmp_path, settings + ["distributed.per_group_sampling=true"])
     train_grpo(load_config(committed_params(), settings + ["distributed.per_group_sampling=true"]), Paths(root=one))
+    launched_tmp = tmp_path / "launched-tmp"  # the temporary directory torchrun and its workers see
+    launched_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(launched_tmp))
     summary = train_grpo(load_config(committed_params(), settings + ["distributed.nproc=2"]), Paths(root=two))
+    assert not list(launched_tmp.glob("torchelastic_*"))  # torchrun's logs went with the launch's own folder
     out = capfd.readouterr().out
     assert "grpo: 2 processes (DDP, gloo)" in out and "--nproc_per_node=2" in out
     assert summary["steps"] == 4
