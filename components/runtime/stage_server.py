@@ -337,7 +337,8 @@ def start_server(cwd: str, module: str = "components.runtime.stage_server") -> t
     import subprocess
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), f"grpo-stages-{os.getpid()}-{time.monotonic_ns()}.sock")
+    remove_sockets_of_dead_owners(tempfile.gettempdir())
+    path = os.path.join(tempfile.gettempdir(), f"{SOCKET_PREFIX}{os.getpid()}-{time.monotonic_ns()}.sock")
     if os.path.exists(path):
         os.unlink(path)
     # Its own session: a Ctrl-C in the terminal reaches the CLI and the stage's launcher, which stop
@@ -349,6 +350,30 @@ def start_server(cwd: str, module: str = "components.runtime.stage_server") -> t
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)  # bound before imports, so this waits milliseconds
     return proc, path
+
+
+SOCKET_PREFIX = "grpo-stages-"  # + the owner's pid, "-", a start time: each level's socket in the temporary directory
+
+
+def remove_sockets_of_dead_owners(folder: str) -> None:
+    """Remove the level sockets of servers whose owner (the pid in their name) is gone: a run killed with SIGKILL
+    leaves its server's sockets behind (its levels exit with it, nothing removes their files). An owner whose pid
+    is alive again (reused) keeps its files; a file this user may not remove is left as it is."""
+    import glob
+
+    for socket_path in glob.glob(os.path.join(glob.escape(folder), f"{SOCKET_PREFIX}*-*.sock*")):
+        owner = os.path.basename(socket_path)[len(SOCKET_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+            continue  # alive (or another user's, PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
 
 
 def stop_server(proc: subprocess.Popen[bytes], path: str) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -197,3 +200,24 @@ def test_imports_without_collection_freezes_what_it_imported_and_restores_the_co
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_new_server_removes_the_sockets_of_servers_whose_owner_died():
+    """A run killed with SIGKILL leaves its server's level sockets in the temporary directory; the next server
+    started removes those of owners that are gone and keeps those of owners alive."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names an owner that is gone
+    folder = tempfile.gettempdir()
+    left = [os.path.join(folder, f"grpo-stages-{gone.pid}-1.sock{level}") for level in ("", ".1", ".3")]
+    alive = os.path.join(folder, f"grpo-stages-{os.getpid()}-1.sock")
+    for path in [*left, alive]:
+        open(path, "w").close()
+    try:
+        proc, path = start_server(os.getcwd())
+        stop_server(proc, path)
+        assert not any(os.path.exists(p) for p in left)
+        assert os.path.exists(alive)
+    finally:
+        for p in [*left, alive]:
+            if os.path.exists(p):
+                os.unlink(p)
