@@ -357,23 +357,17 @@ SOCKET_PREFIX = "grpo-stages-"  # + the owner's pid, "-", a start time: each lev
 
 def remove_sockets_of_dead_owners(folder: str) -> None:
     """Remove the level sockets of servers whose owner (the pid in their name) is gone: a run killed with SIGKILL
-    leaves its server's sockets behind (its levels exit with it, nothing removes their files). An owner whose pid
-    is alive again (reused) keeps its files; a file this user may not remove is left as it is."""
+    leaves its server's sockets behind (its levels exit with it, nothing removes their files). A pid taken since by
+    a process started after the socket is not its owner; a file this user may not remove is left as it is."""
     import glob
+
+    from components.run_marker import pid_alive
 
     for socket_path in glob.glob(os.path.join(glob.escape(folder), f"{SOCKET_PREFIX}*-*.sock*")):
         owner = os.path.basename(socket_path)[len(SOCKET_PREFIX):].split("-", 1)[0]
-        if not owner.isdigit():
-            continue
-        try:
-            os.kill(int(owner), 0)
-            continue  # alive (or another user's, PermissionError below)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(socket_path)
+        with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
+            if owner.isdigit() and not pid_alive(int(owner), os.stat(socket_path).st_mtime):
+                os.unlink(socket_path)
 
 
 def stop_server(proc: subprocess.Popen[bytes], path: str) -> None:
