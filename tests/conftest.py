@@ -17,7 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-pytest_plugins = ["suite_timing"]  # `--suite-order`/`--suite-record`: the order of files, the suite record
+pytest_plugins = [
+    "suite_timing",  # `--suite-order`/`--suite-record`: the order of files, the suite record
+    "worker_services",  # one stage server and one Prefect API per worker, shared by its pipeline runs
+]
 
 for _key, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                      "DVC_NO_ANALYTICS": "1", "GX_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
@@ -39,37 +42,6 @@ os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"grpo-tests-prefect-{_worker}-")
 atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)  # its database goes with the process
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_stage_server_per_worker(request):
-    """One warm stage server (components/runtime/stage_server.py) per worker, named in the environment that every
-    pipeline run of this worker inherits: runs, flows and `dvc repro` fork their stages from it instead of each
-    importing torch, transformers, MLflow and Great Expectations again. The project copies the tests run in hold
-    this working tree's code, which the server imported. A test of what a run's own server does (kills of the
-    whole run, runs side by side, the server's own life) is marked `own_stage_server`. Started only where the
-    session holds a `slow` or `integration` test (the ones that run pipelines): a session of quick tests (the suite
-    runs some inside its own tests) would spend its imports for nothing."""
-    from components.runtime.stage_server import SERVER_ENV, start_server, stop_server
-
-    if not any(item.get_closest_marker("slow") or item.get_closest_marker("integration")
-               for item in request.session.items):
-        yield None
-        return
-    server = start_server(str(ROOT))
-    os.environ[SERVER_ENV] = server[1]
-    yield server
-    os.environ.pop(SERVER_ENV, None)
-    stop_server(*server)
-
-
-@pytest.fixture(autouse=True)
-def _own_stage_server_when_marked(request, _environment_put_back):
-    """Tests marked `own_stage_server` see no shared server: their runs start their own, as a user's do."""
-    if request.node.get_closest_marker("own_stage_server"):
-        from components.runtime.stage_server import SERVER_ENV
-
-        os.environ.pop(SERVER_ENV, None)  # put back after the test by _environment_put_back
 
 
 @pytest.fixture(autouse=True)

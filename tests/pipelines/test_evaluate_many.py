@@ -17,6 +17,7 @@ from conftest import BIN, LEARN, ROOT, committed_params, run, setup_stage_inputs
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.own_prefect_api  # reads the task runs in its own Prefect home
 def test_parallel_evaluation_of_two_checkpoints_matches_sequential(tmp_path, mlflow_store, prefect_home):
     (tmp_path / "params.yaml").write_text((committed_params()).read_text())
     cfg, paths = setup_stage_inputs(tmp_path, LEARN + ["grpo.steps=6", "grpo.checkpoint_every=3"])

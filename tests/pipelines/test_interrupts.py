@@ -16,7 +16,7 @@ import pytest
 from conftest import BIN, FAST_PARAMS, copy_committed_project, run
 
 # Signals to the run's processes, its stage server's included: each stopped run starts its own.
-pytestmark = [pytest.mark.slow, pytest.mark.own_stage_server]
+pytestmark = [pytest.mark.slow, pytest.mark.own_stage_server, pytest.mark.own_prefect_api]
 
 # Long enough to be stopped mid-GRPO (about 0.3 s a step): checkpoints every 5 of 40 steps.
 LONG_GRPO = [p for p in FAST_PARAMS if not p.startswith(("grpo.steps", "grpo.checkpoint_every", "grpo.log_every"))] \

@@ -37,7 +37,9 @@ def completed(tmp_path_factory, prefect_home, _one_stage_server_per_worker):
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{repo / 'mlflow.db'}",
            "PREFECT_HOME": prefect_home(repo.parent / "prefect-home")}
     cli = [str(BIN / "grpo-pipeline"), "run"] + [x for o in FAST_PARAMS for x in ("--set", o)]
-    proc = subprocess.Popen(cli, cwd=repo, env={**os.environ, **env}, stdout=subprocess.PIPE,
+    # The run's own temporary Prefect API (not the worker's shared one): the tests below read its database.
+    inherited = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen(cli, cwd=repo, env={**inherited, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     shared, forked_in = psutil.Process(_one_stage_server_per_worker[0].pid), set()
     while proc.poll() is None:
