@@ -42,15 +42,20 @@ def _one_prefect_api_per_worker(request, prefect_home):
     """One Prefect API per worker (the server a run's temporary API is: pipelines/warmup.py), in PREFECT_API_URL for
     every pipeline run of this worker, its database in the worker's Prefect home: each run then reports to a
     configured API, as runs do where a team keeps a Prefect server, instead of starting a temporary one of its own
-    (seconds of CPU each, some sixty times a test run). A test of the temporary API, or one that reads the flow
+    (seconds of CPU, for each of the suite's pipeline runs). A test of the temporary API, or one that reads the flow
     runs in its own Prefect home, is marked `own_prefect_api`."""
     from pipelines.warmup import TemporaryPrefectAPI
+
+    class WorkerAPI(TemporaryPrefectAPI):
+        # No automations on this API: its trigger service would re-read their state every few seconds for nothing,
+        # the larger part of what an idle API spends.
+        SETTINGS = {**TemporaryPrefectAPI.SETTINGS, "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false"}
 
     if not runs_pipelines(request.session):
         yield None
         return
     prefect_home(Path(os.environ["PREFECT_HOME"]))  # the migrated database, not a migration per worker
-    api = TemporaryPrefectAPI()
+    api = WorkerAPI()
     api.start()
     api.wait_ready()
     os.environ["PREFECT_API_URL"] = api.url
