@@ -79,10 +79,12 @@ def test_hundreds_of_megabytes_validate_in_bounded_memory(tmp_path):
     (tmp_path / "w_big").mkdir()
     peak_small = _peak_kb(tmp_path / "w_small", small, heldout)
     peak_big = _peak_kb(tmp_path / "w_big", big, heldout)
-    # Four times the rows, both files past one 50,000-row chunk. Holding the records (dicts, then a DataFrame)
-    # would grow the peak by several times the extra ~165 MB of file; streaming chunks grows it only by the
-    # running set of id digests.
-    assert peak_big - peak_small < size_kb - small_kb, (peak_small, peak_big, size_kb, small_kb)
+    # Four times the rows, both files past one 50,000-row chunk. Holding the records (dicts, then a DataFrame) grows
+    # the peak by four to five times the extra ~165 MB of file (measured with one chunk for the whole file: +750 MB);
+    # streaming chunks grows it by less than the extra file (the running set of id digests, the reader's buffers),
+    # and the same file's peak moves by tens of MB from run to run (allocator arenas): the bound is twice the extra
+    # file, far from both.
+    assert peak_big - peak_small < 2 * (size_kb - small_kb), (peak_small, peak_big, size_kb, small_kb)
     report = json.loads((tmp_path / "w_big" / "metrics" / "validation.json").read_text())
     assert report["success"] and report["files"]["train"]["rows"] == 220_000
     assert report["files"]["train"]["same_content_as"] == "sft"  # SFT defaults to a copy of train
