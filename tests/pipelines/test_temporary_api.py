@@ -17,7 +17,7 @@ import pytest
 
 from components.locks import LockBusy, file_lock
 
-from conftest import ROOT
+from conftest import BIN, ROOT, copy_committed_project, run
 
 pytestmark = pytest.mark.integration
 
@@ -139,3 +139,33 @@ def test_a_connection_reset_cut_short_by_the_apis_shutdown_is_not_reported():
     quiet_shutdown_resets()  # what the API's process does before it serves: the pool Prefect's SQLite store uses
     assert not logging.getLogger(pool).filter(record(pool, asyncio.CancelledError()))
     assert logging.getLogger(pool).filter(record(pool, OSError("disk I/O error")))
+
+
+def flow_runs(api: str) -> dict[str, dict]:
+    """The flow runs the API at `api` holds, by id."""
+    request = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return {r["id"]: r for r in json.loads(response.read())}
+
+
+@pytest.mark.slow
+def test_a_run_reports_to_the_configured_api_and_starts_none(tmp_path):
+    """With PREFECT_API_URL set (here the worker's API, tests/worker_services.py, as a team's Prefect server would be),
+    `grpo-pipeline run` records its flow run there and starts no temporary API (one would have made its database in
+    the run's Prefect home). The run stops at validate (a blank prompt), failed, as the configured API records it."""
+    api = os.environ["PREFECT_API_URL"]
+    repo = copy_committed_project(tmp_path / "repo")
+    rows = [{"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows[3]["prompt"] = "  "
+    for name, part in (("train", rows[:10]), ("heldout", rows[10:])):
+        (repo / "data" / "user" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    before = flow_runs(api)
+    home = tmp_path / "prefect-home"
+    proc = run([str(BIN / "grpo-pipeline"), "run", "--set", "data.train_path=data/user/train.jsonl",
+                "--set", "data.heldout_path=data/user/heldout.jsonl"], repo, env={"PREFECT_HOME": str(home)},
+               check=False)
+    assert proc.returncode != 0 and "rule 'prompt not empty or whitespace' failed" in proc.stdout, proc.stdout[-3000:]
+    new = [r for run_id, r in flow_runs(api).items() if run_id not in before]
+    assert [(r["state_type"], r["parameters"].get("root")) for r in new] == [("FAILED", str(repo))], new
+    assert not (home / "prefect.db").exists()
