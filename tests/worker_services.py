@@ -38,7 +38,7 @@ def _one_stage_server_per_worker(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_prefect_api_per_worker(request, prefect_home):
+def _one_prefect_api_per_worker(request):
     """One Prefect API per worker (the server a run's temporary API is: pipelines/warmup.py), in PREFECT_API_URL for
     every pipeline run of this worker, its database in the worker's Prefect home: each run then reports to a
     configured API, as runs do where a team keeps a Prefect server, instead of starting a temporary one of its own
@@ -54,7 +54,9 @@ def _one_prefect_api_per_worker(request, prefect_home):
     if not runs_pipelines(request.session):
         yield None
         return
-    prefect_home(Path(os.environ["PREFECT_HOME"]))  # the migrated database, not a migration per worker
+    # The test run's migrated database (conftest.py's prefect_home, asked for only here: a session of quick tests
+    # migrates none), not a migration per worker.
+    request.getfixturevalue("prefect_home")(Path(os.environ["PREFECT_HOME"]))
     api = WorkerAPI()
     api.start()
     api.wait_ready()
