@@ -142,8 +142,10 @@ def test_a_connection_reset_cut_short_by_the_apis_shutdown_is_not_reported():
 
 
 def flow_runs(api: str) -> dict[str, dict]:
-    """The flow runs the API at `api` holds, by id."""
-    request = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}",
+    """The flow runs the API at `api` holds, by id: the newest, as many as one answer gives (a run just made among
+    them)."""
+    body = json.dumps({"sort": "EXPECTED_START_TIME_DESC"}).encode()
+    request = urllib.request.Request(f"{api}/flow_runs/filter", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return {r["id"]: r for r in json.loads(response.read())}
