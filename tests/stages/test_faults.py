@@ -478,7 +478,10 @@ def test_concurrent_runs_are_refused_and_secrets_never_logged(tmp_path, prefect_
                              stderr=subprocess.STDOUT, text=True)
     lock = repo / ".grpo-pipeline.lock"
     deadline = time.time() + 60
-    while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()):
+    # the lock is taken before the run writes its overrides to params.yaml: wait for both, else the snapshot
+    # below can be the file as it was before the first run wrote it
+    while time.time() < deadline and not (lock.exists() and "pid" in lock.read_text()
+                                          and "opt-4c4c4c" in (repo / "params.yaml").read_text()):
         time.sleep(0.1)
     params_during = (repo / "params.yaml").read_text()
     second = run([str(BIN / "grpo-pipeline"), "run", "--set", "grpo.kl_beta=0.5"], repo, env=env, check=False)
