@@ -68,7 +68,8 @@ STAGE_MODULES = {stage: f"stages.{stage}" for stage in
 # Jobs the flow runs in the server besides the DVC stages (the CLI then never imports MLflow).
 JOB_MODULES = {"parent_run": "runtime.parent_run"}
 SERVED_MODULES = {**STAGE_MODULES, **JOB_MODULES}
-# (parent level, what the level imports on top of its parent's modules); see the module docstring.
+# (parent level, what the level imports on top of its parent's modules; "module:function" also calls the function,
+# which may only read files); see the module docstring.
 LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
     (None, ("numpy", "pandas", "mlflow",
             # MLflow imports its SQL stores (and configures their ORM mappers) on first use:
@@ -78,6 +79,8 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
             # provider: 45 ms more in every stage and job (100 -> 55 ms) when left to the child.
             "sqlalchemy.dialects.sqlite", "alembic.command", "mlflow.tracing.processor.otel",
             "mlflow.store.tracking.sqlalchemy_workspace_store",
+            # MLflow's schema head, read from its migration scripts a few times per stage otherwise
+            "components.tracking.local_store:remember_schema_head",
             "components.runtime.parent_run", "components.stages.prepare")),
     (0, ("torch", "transformers", "transformers.models.auto.tokenization_auto",
          "transformers.models.auto.configuration_auto", "transformers.models.llama.modeling_llama",
@@ -85,7 +88,9 @@ LEVELS: tuple[tuple[int | None, tuple[str, ...]], ...] = (
     (1, ("great_expectations", "components.stages.validate")),
     # Needed from `sft` on: imported once `model` can run, beside (not behind) Great Expectations.
     (1, ("components.stages.sft", "components.stages.grpo",
-         "components.stages.evaluate", "mlflow.pyfunc", "components.stages.register")),
+         "components.stages.evaluate", "mlflow.pyfunc", "components.stages.register",
+         # the figures `grpo` draws at its end (components/tracking/reports.py): pyplot's import, not the drawing
+         "matplotlib.pyplot")),
 )
 # Levels that import only once a caller connects (see the module docstring), and the stages whose request first
 # wakes another stage's level: `prepare` writes the data that `validate` checks.
@@ -132,7 +137,7 @@ def level_modules(level: int) -> set[str]:
     names: set[str] = set()
     while level is not None:
         parent, own = LEVELS[level]
-        names.update(own)
+        names.update(name.partition(":")[0] for name in own)
         level = parent
     return names
 
@@ -176,8 +181,11 @@ def serve(path: str, parent_pid: int) -> None:
             wait_for_a_caller(listeners[level], watched)
         with imports_without_collection():  # see "Garbage collection" above
             for name in LEVELS[level][1]:
+                module, _, function = name.partition(":")
                 try:
-                    importlib.import_module(name)
+                    imported = importlib.import_module(module)
+                    if function:
+                        getattr(imported, function)()
                 except Exception:  # noqa: BLE001 - an optional library missing: its stage imports (and reports) it
                     pass
             frozen_objects += len(gc.get_objects())  # what the freeze below moves: this level's own objects

@@ -29,7 +29,9 @@ TOKENIZER_IMPORTS = ("transformers", "transformers.models.auto.tokenization_auto
 # `model` builds the tiny default with the Llama modelling code, without GX.
 STAGE_IMPORTS = {"prepare": ("mlflow",),
                  "model": ("mlflow", "torch", *TOKENIZER_IMPORTS, "transformers.models.llama.modeling_llama"),
-                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations")}
+                 "validate": ("mlflow", "torch", *TOKENIZER_IMPORTS, "great_expectations"),
+                 # ... and `grpo` draws its figures at its end (pyplot)
+                 "grpo": (*HEAVY_IMPORTS, "matplotlib.pyplot")}
 
 
 # Set by the Prefect flow: a refused stage writes its message here instead of printing it, and the

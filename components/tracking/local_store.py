@@ -10,6 +10,7 @@ registered model in it, so it holds nothing) is built again the same way. A stor
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import sqlite3
@@ -31,9 +32,26 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def _schema_head() -> str:
-    from mlflow.store.db.utils import _get_latest_schema_revision
+    remember_schema_head()
+    from mlflow.store.db import utils
 
-    return _get_latest_schema_revision()
+    return utils._get_latest_schema_revision()
+
+
+def remember_schema_head() -> None:
+    """MLflow finds its schema head by reading its migration scripts (dozens of files) each time it is asked: once
+    here per process and store, and again each time a process opens a SQL store (`_verify_schema`), a few times per
+    stage. The head cannot change while a process lives, so the first answer is kept for every later question. The
+    stage server asks once before it forks (components/runtime/stage_server.py), so its stages inherit the answer.
+    Where MLflow has no such function, nothing changes."""
+    from mlflow.store.db import utils
+
+    head = getattr(utils, "_get_latest_schema_revision", None)
+    if head is None:
+        return
+    if not hasattr(head, "cache_info"):
+        utils._get_latest_schema_revision = functools.cache(head)
+    utils._get_latest_schema_revision()
 
 
 def _state(db: Path) -> tuple[str | None, int]:

@@ -108,6 +108,8 @@ def test_every_stage_finds_its_warm_up_imports_at_its_own_level():
     assert level_of("prepare") == 0 and level_of("parent_run") == 0  # no torch before the first stage
     assert "torch" not in level_modules(0) and "great_expectations" not in level_modules(level_of("model"))
     assert level_of("nonsense") == len(LEVELS) - 1
+    # MLflow's schema head is remembered where every stage and job forks from (components/tracking/local_store.py)
+    assert "components.tracking.local_store:remember_schema_head" in LEVELS[0][1]
     for stage, module in STAGE_MODULES.items():
         available = level_modules(level_of(stage))
         needed = set(STAGE_IMPORTS.get(stage, HEAVY_IMPORTS)) | {f"components.{module}"}

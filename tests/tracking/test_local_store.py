@@ -119,3 +119,22 @@ def test_stores_after_the_first_are_copies_of_one_empty_store_that_is_checked_be
     ensure_complete(f"sqlite:///{tmp_path / 'c' / 'mlflow.db'}")
     assert len(migrations) == 2 and local_store._state(tmp_path / "c" / "mlflow.db")[1] == 0
     assert local_store._state(template) == (local_store._schema_head(), 0)
+
+
+def test_the_schema_head_is_read_from_mlflows_scripts_once_per_process(monkeypatch):
+    """After `remember_schema_head` (the stage server calls it before forking its stages), MLflow's own question for
+    its schema head (asked each time a process opens a SQL store) is answered without reading the migration scripts
+    again, with the head they gave."""
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db import utils
+
+    monkeypatch.setattr(utils, "_get_latest_schema_revision", utils._get_latest_schema_revision)  # put back after
+    head = utils._get_latest_schema_revision()
+    reads = []
+    from_config = ScriptDirectory.from_config
+    monkeypatch.setattr(ScriptDirectory, "from_config", lambda config: reads.append(config) or from_config(config))
+    local_store.remember_schema_head()
+    assert len(reads) == 1
+    assert utils._get_latest_schema_revision() == local_store._schema_head() == head
+    local_store.remember_schema_head()
+    assert len(reads) == 1  # every later question answered from memory
