@@ -126,6 +126,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
         remember_unstored,
         store_outputs_missing_from_cache,
     )
+    from pipelines.dvc_yaml_cache import yaml_parsed_once
 
     print_dvc_lines_once()
     logger = get_run_logger()
@@ -138,7 +139,7 @@ def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any
     os.chdir(root)  # as `dvc repro` run from the repository (a served flow starts elsewhere)
     try:
         with captured_output() as lines, Repo(root) as repo, failed_cache_writes() as refused_writes, \
-                lock_files_without_round_trip():
+                lock_files_without_round_trip(), yaml_parsed_once():
             repo.scm_context.quiet = True  # its "git add dvc.lock" hint: once per run, by the CLI
             stored = store_outputs_missing_from_cache(repo, stage, root)
             if stored:
