@@ -52,9 +52,9 @@ def cache_write_text(stage: str, refused: list[OSError], root: str, cache_dir: s
 
 
 def _outputs_of(stage: str, root: str) -> list[str]:
-    import yaml
+    from components.config.loading import safe_load
 
-    entry = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
+    entry = (safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages", {}).get(stage, {})
     return [item if isinstance(item, str) else next(iter(item))
             for section in ("outs", "metrics", "plots") for item in entry.get(section, []) or []]
 

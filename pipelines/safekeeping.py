@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from components.config.loading import safe_load
 
 KEPT_FILES = ("params.yaml", "dvc.lock", ".params.base.yaml", ".params.run.json")
 
@@ -45,7 +45,7 @@ class Output:
 
 def dvc_outputs(root: Path) -> list[Output]:
     """Every out, metric and plot path of dvc.yaml with its cache and persist flags and its stage."""
-    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    stages = (safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
     found = []
     for name, stage in stages.items():
         for section in ("outs", "metrics", "plots"):

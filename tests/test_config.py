@@ -140,3 +140,25 @@ def test_the_default_is_the_configuration_the_band_was_measured_on():
     assert default_fingerprint(load_config(PARAMS)) == recorded
     assert default_fingerprint(load_config(PARAMS, ["seed=7", "evaluate.every=0", "monitors.window=10"])) == recorded
     assert default_fingerprint(load_config(PARAMS, ["grpo.kl_beta=0.1"])) != recorded
+
+
+def test_params_files_read_on_libyaml_give_what_pyyamls_own_parser_gives():
+    """ParamsLoader parses with libyaml (PyYAML's wheels ship it): every params file of the project, and the values
+    whose spelling matters, read as PyYAML's pure-Python parser with the same resolvers reads them."""
+    import datetime
+
+    import yaml
+
+    from components.config.loading import ParamsLoader, load_yaml
+
+    assert issubclass(ParamsLoader, yaml.CSafeLoader)
+
+    class PureParamsLoader(yaml.SafeLoader):
+        yaml_implicit_resolvers = ParamsLoader.yaml_implicit_resolvers  # the same resolvers, YAML 1.2's floats too
+
+    texts = [committed_params().read_text(), "lr: 1e-5\nflag: yes\nname: 'on'\nnone: null\nwhen: 2026-12-05\n"]
+    texts += [p.read_text() for p in sorted((ROOT / "configs").rglob("*.yaml"))]
+    for text in texts:
+        assert load_yaml(text) == yaml.load(text, Loader=PureParamsLoader)
+    assert load_yaml(texts[1]) == {"lr": 1e-05, "flag": True, "name": "on", "none": None,
+                                   "when": datetime.date(2026, 12, 5)}

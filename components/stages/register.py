@@ -56,12 +56,12 @@ def git_commit(root: Path = Path(".")) -> str:
 
 def dvc_lock_hashes(root: Path) -> dict[str, str]:
     """The md5 DVC recorded for every stage output (`dvc.<path>.md5`), as written to dvc.lock so far."""
-    import yaml
+    from components.config.loading import safe_load
 
     lock = root / "dvc.lock"
     if not lock.exists():
         return {}
-    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    stages = (safe_load(lock.read_text()) or {}).get("stages", {})
     return {f"dvc.{out['path']}.md5": out["md5"] for stage in stages.values() for out in stage.get("outs", [])
             if "md5" in out}
 
