@@ -107,11 +107,9 @@ def stage_env(parent_run_id: str | None) -> dict[str, str]:
 def run_stage(stage: str, root: str, parent_run_id: str | None) -> dict[str, Any]:
     """`dvc repro --single-item STAGE` through DVC's Python API; DVC skips the stage when nothing changed.
 
-    DVC is imported once per flow, not once per stage; it still hashes, runs the dvc.yaml command and
-    writes dvc.lock as the CLI does (the same data, read and written without the round trip:
-    pipelines/dvc_lockfile.py). The stage's output is relayed as it comes and its last lines kept for the
-    error report.
-    """
+    DVC is imported once per flow, not once per stage; it still hashes, runs the dvc.yaml command and writes
+    dvc.lock as the CLI does (the same data, without the round trip: pipelines/dvc_lockfile.py; each YAML text
+    parsed once: pipelines/dvc_yaml_cache.py). The stage's output is relayed as it comes, its last lines kept."""
     import tempfile
 
     from dvc.exceptions import DvcException
