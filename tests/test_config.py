@@ -151,7 +151,8 @@ def test_params_files_read_on_libyaml_give_what_pyyamls_own_parser_gives():
 
     from components.config.loading import ParamsLoader, load_yaml
 
-    assert issubclass(ParamsLoader, yaml.CSafeLoader)
+    # libyaml where PyYAML was built with it (its wheels are), PyYAML's own parser where not
+    assert issubclass(ParamsLoader, yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)
 
     class PureParamsLoader(yaml.SafeLoader):
         yaml_implicit_resolvers = ParamsLoader.yaml_implicit_resolvers  # the same resolvers, YAML 1.2's floats too
